@@ -1,0 +1,256 @@
+"""Struct-of-arrays block metadata: the single source of truth for placement.
+
+Block id = index into preallocated arrays (as in vLLM's block pool). Slots of
+each tier are owned by at most one block; ``slot[t, b]`` and
+``slot_owner[t][s]`` are kept as a bijection. Each tier has an intrusive free
+list of slots and an eviction-candidate list of blocks (unpinned, idle
+blocks holding a valid copy there) in recency order. Nothing here moves
+bytes: the manager pairs this table with pools and the mover.
+
+Only the owner thread may mutate a table; it is deliberately lock-free.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .intrusive import NIL, IndexLists
+from .key_index import KeyIndex
+from .types import N_TIERS, BlockState, Tier
+
+
+class BlockTable:
+    def __init__(self, max_blocks: int, slots_per_tier: Sequence[int]) -> None:
+        if len(slots_per_tier) != N_TIERS:
+            raise ValueError(f"need {N_TIERS} slot counts, got {len(slots_per_tier)}")
+        if max_blocks <= 0 or min(slots_per_tier) < 0:
+            raise ValueError("max_blocks must be > 0 and slot counts >= 0")
+        n = int(max_blocks)
+        self.max_blocks = n
+        self.slots_per_tier = tuple(int(s) for s in slots_per_tier)
+        # -- per-block columns --
+        self.key = np.zeros(n, dtype=np.uint64)
+        self.state = np.zeros(n, dtype=np.uint8)
+        self.refcount = np.zeros(n, dtype=np.int32)
+        self.pins = np.zeros(n, dtype=np.int32)
+        self.busy = np.zeros(n, dtype=np.uint8)  # transfers in flight
+        self.copies = np.zeros(n, dtype=np.uint8)  # bit t: valid copy in tier t
+        self.slot = np.full((N_TIERS, n), NIL, dtype=np.int32)
+        self.nbytes = np.zeros(n, dtype=np.uint32)  # valid payload bytes
+        self.checksum = np.zeros(n, dtype=np.uint64)  # of sealed bytes
+        # -- policy columns (extension point: see ``add_column``) --
+        self.last_access = np.zeros(n, dtype=np.float64)
+        self.importance = np.zeros(n, dtype=np.float32)
+        self.alpha = np.zeros(n, dtype=np.float32)
+        self.beta = np.zeros(n, dtype=np.float32)
+        self.extra: dict[str, np.ndarray] = {}
+        # -- indexes --
+        self.keys = KeyIndex(n)
+        self.free_blocks = IndexLists(n)
+        self.free_blocks.extend_back(np.arange(n))
+        self.evictable = [IndexLists(n) for _ in range(N_TIERS)]
+        self.slot_owner = [np.full(s, NIL, dtype=np.int32) for s in self.slots_per_tier]
+        self.free_slots = [IndexLists(s) for s in self.slots_per_tier]
+        for t, s in enumerate(self.slots_per_tier):
+            self.free_slots[t].extend_back(np.arange(s))
+
+    # -- extension -------------------------------------------------------
+    def add_column(self, name: str, dtype: np.dtype | type, fill: float = 0) -> np.ndarray:
+        """Register an extra per-block column (e.g. a policy's class id)."""
+        if name in self.extra or hasattr(self, name):
+            raise ValueError(f"column {name!r} exists")
+        arr = np.full(self.max_blocks, fill, dtype=dtype)
+        self.extra[name] = arr
+        return arr
+
+    # -- queries ---------------------------------------------------------
+    def n_live_entries(self) -> int:
+        return self.max_blocks - len(self.free_blocks)
+
+    def free_slot_count(self, tier: int) -> int:
+        return self.free_slots[tier].length()
+
+    def used_slot_count(self, tier: int) -> int:
+        return self.slots_per_tier[tier] - self.free_slots[tier].length()
+
+    def has_copy(self, b: int, tier: int) -> bool:
+        return bool(self.copies[b] >> tier & 1)
+
+    def home_tier(self, b: int) -> int:
+        """Fastest tier holding a valid copy, or -1."""
+        c = int(self.copies[b])
+        return (c & -c).bit_length() - 1 if c else NIL
+
+    def home_tiers(self) -> np.ndarray:
+        """Vectorised home tier of every block (-1 where none)."""
+        out = np.full(self.max_blocks, NIL, dtype=np.int8)
+        for t in reversed(range(N_TIERS)):
+            out[(self.copies >> t) & 1 == 1] = t
+        return out
+
+    def lookup(self, key: int) -> int:
+        return self.keys.get(key)
+
+    def is_valid_block(self, b: int) -> bool:
+        return 0 <= b < self.max_blocks and self.state[b] != BlockState.FREE
+
+    # -- block lifecycle -------------------------------------------------
+    def new_block(self) -> int:
+        """Take an unused entry as an OPEN block with refcount 1; -1 if full."""
+        b = self.free_blocks.pop_front()
+        if b == NIL:
+            return NIL
+        self.state[b] = BlockState.OPEN
+        self.refcount[b] = 1
+        self.pins[b] = 0
+        self.busy[b] = 0
+        self.copies[b] = 0
+        self.nbytes[b] = 0
+        self.checksum[b] = 0
+        self.key[b] = 0
+        self.importance[b] = 0.0
+        self.alpha[b] = 0.0
+        self.beta[b] = 0.0
+        for col in self.extra.values():
+            col[b] = 0
+        return b
+
+    def seal(self, b: int, key: int, checksum: int) -> None:
+        self.key[b] = np.uint64(int(key) & ((1 << 64) - 1))
+        self.checksum[b] = np.uint64(checksum)
+        self.state[b] = BlockState.SEALED
+        self.keys.insert(int(self.key[b]), b)
+
+    def release_block(self, b: int) -> None:
+        """Return every slot and the entry itself; key is unindexed."""
+        for t in range(N_TIERS):
+            if self.slot[t, b] != NIL:
+                self.release_slot(b, t)
+        if self.state[b] == BlockState.SEALED:
+            self.keys.pop(int(self.key[b]))
+        self.state[b] = BlockState.FREE
+        self.refcount[b] = 0
+        self.pins[b] = 0
+        self.busy[b] = 0
+        self.free_blocks.push_back(b)
+
+    # -- slots -----------------------------------------------------------
+    def assign_slot(self, b: int, tier: int) -> int:
+        """Reserve a slot of ``tier`` for ``b`` (not yet valid); -1 if none."""
+        if self.slot[tier, b] != NIL:
+            raise ValueError(f"block {b} already holds a {Tier(tier).name} slot")
+        s = self.free_slots[tier].pop_front()
+        if s == NIL:
+            return NIL
+        self.slot_owner[tier][s] = b
+        self.slot[tier, b] = s
+        return s
+
+    def claim_slot(self, b: int, tier: int, s: int) -> None:
+        """Take a specific free slot (used by NVMe recovery)."""
+        if self.slot_owner[tier][s] != NIL or self.slot[tier, b] != NIL:
+            raise ValueError(f"slot {s} of {Tier(tier).name} or block {b} already taken")
+        self.free_slots[tier].remove(s)
+        self.slot_owner[tier][s] = b
+        self.slot[tier, b] = s
+
+    def mark_valid(self, b: int, tier: int) -> None:
+        if self.slot[tier, b] == NIL:
+            raise RuntimeError(f"block {b} has no {Tier(tier).name} slot to validate")
+        self.copies[b] |= np.uint8(1 << tier)
+        self.refresh_evictable(b)
+
+    def release_slot(self, b: int, tier: int) -> None:
+        """Invalidate ``b``'s copy in ``tier`` and free the slot."""
+        s = int(self.slot[tier, b])
+        if s == NIL:
+            raise ValueError(f"block {b} has no {Tier(tier).name} slot")
+        self.copies[b] &= np.uint8(~(1 << tier) & 0xFF)
+        self.evictable[tier].discard(b)
+        self.slot_owner[tier][s] = NIL
+        self.slot[tier, b] = NIL
+        self.free_slots[tier].push_back(s)
+
+    # -- eviction lists --------------------------------------------------
+    def should_be_evictable(self, b: int, tier: int) -> bool:
+        return bool(
+            self.copies[b] >> tier & 1 and self.pins[b] == 0 and self.busy[b] == 0
+        )
+
+    def refresh_evictable(self, b: int) -> None:
+        for t in range(N_TIERS):
+            want = self.should_be_evictable(b, t)
+            lst = self.evictable[t]
+            if want and not lst.contains(b):
+                lst.push_back(b)
+            elif not want and lst.contains(b):
+                lst.remove(b)
+
+    def touch(self, b: int, now: float) -> None:
+        """Record an access: most-recent end of every eviction list."""
+        self.last_access[b] = now
+        for t in range(N_TIERS):
+            lst = self.evictable[t]
+            if lst.contains(b):
+                lst.remove(b)
+                lst.push_back(b)
+
+    # -- invariants ------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise RuntimeError on any broken cross-structure invariant."""
+        self.free_blocks.check()
+        in_use = self.state != BlockState.FREE
+        free_ids = self.free_blocks.to_array()
+        if np.any(in_use[free_ids]):
+            raise RuntimeError("a block on the free list is in use")
+        if free_ids.size + int(in_use.sum()) != self.max_blocks:
+            raise RuntimeError("a FREE block is missing from the free list")
+        if np.any(self.refcount < 0) or np.any(self.pins < 0):
+            raise RuntimeError("negative refcount or pin count")
+        if np.any(self.pins[~in_use] != 0) or np.any(self.copies[~in_use] != 0):
+            raise RuntimeError("a FREE block holds pins or copies")
+        if np.any((self.state == BlockState.OPEN) & (self.refcount == 0) & (self.busy == 0)):
+            raise RuntimeError("an OPEN block has refcount 0 (would be unreachable)")
+        for t in range(N_TIERS):
+            self.free_slots[t].check()
+            self.evictable[t].check()
+            owner = self.slot_owner[t]
+            held = np.flatnonzero(self.slot[t] != NIL)
+            slots = self.slot[t, held]
+            if np.unique(slots).size != slots.size:
+                raise RuntimeError(f"{Tier(t).name}: two blocks share a slot")
+            if np.any(owner[slots] != held):
+                raise RuntimeError(f"{Tier(t).name}: slot owner does not point back")
+            owned = np.flatnonzero(owner != NIL)
+            if owned.size != held.size:
+                raise RuntimeError(f"{Tier(t).name}: slot ownership is not a bijection")
+            free = self.free_slots[t].to_array()
+            if np.any(owner[free] != NIL) or free.size + owned.size != self.slots_per_tier[t]:
+                raise RuntimeError(f"{Tier(t).name}: free list and owners disagree")
+            valid = (self.copies >> t) & 1 == 1
+            if np.any(valid & (self.slot[t] == NIL)):
+                raise RuntimeError(f"{Tier(t).name}: valid copy without a slot")
+            ev = np.zeros(self.max_blocks, dtype=bool)
+            ev[self.evictable[t].to_array()] = True
+            want = valid & (self.pins == 0) & (self.busy == 0)
+            if np.any(ev != want):
+                bad = int(np.flatnonzero(ev != want)[0])
+                raise RuntimeError(f"{Tier(t).name}: eviction list membership wrong for block {bad}")
+        sealed = np.flatnonzero(self.state == BlockState.SEALED)
+        if len(self.keys) != sealed.size:
+            raise RuntimeError("key index size differs from the number of sealed blocks")
+        if sealed.size and np.any(self.keys.get_many(self.key[sealed]) != sealed):
+            raise RuntimeError("key index does not map a sealed key to its block")
+        if np.any(in_use & (self.copies == 0) & (self.busy == 0) & (self.nbytes > 0)):
+            raise RuntimeError("a block with data has no valid copy anywhere")
+
+    def metadata_nbytes(self) -> int:
+        cols = [
+            self.key, self.state, self.refcount, self.pins, self.busy, self.copies,
+            self.slot, self.nbytes, self.checksum, self.last_access, self.importance,
+            self.alpha, self.beta, *self.extra.values(), *self.slot_owner,
+        ]
+        lists = [self.free_blocks, *self.evictable, *self.free_slots]
+        return sum(c.nbytes for c in cols) + sum(x.nbytes() for x in lists) + self.keys.nbytes()

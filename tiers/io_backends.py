@@ -1,0 +1,243 @@
+"""NVMe I/O backends behind one small interface.
+
+* ``posix``: a thread pool issuing ``os.pwritev``/``os.preadv`` on a file
+  opened with O_DIRECT (the pool gives queue depth; the calls drop the GIL).
+  Where the filesystem refuses O_DIRECT (tmpfs, some overlay mounts) it falls
+  back to buffered I/O and says so in ``direct``.
+* ``kvikio``: NVIDIA kvikio ``CuFile`` (GPUDirect Storage, or kvikio's compat
+  mode); reads and writes host or device buffers. Needs ``libcuda.so.1``.
+
+Backends are looked up by name in ``BACKENDS``; ``select_backend("auto")``
+takes kvikio where a CUDA driver exists and posix elsewhere. Every backend
+passes the same conformance suite (tests/tiers/test_io_conformance.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
+
+from .types import TierError
+
+Buffer = Any  # numpy uint8 array (host) or torch CUDA tensor (kvikio only)
+
+
+class IOBackend(Protocol):
+    name: str
+
+    def open(self, path: str, size: int) -> Any: ...
+    def pwrite(self, handle: Any, buffers: Sequence[Buffer], offset: int) -> "Future[int]": ...
+    def pread(self, handle: Any, buffers: Sequence[Buffer], offset: int) -> "Future[int]": ...
+    def fsync(self, handle: Any) -> None: ...
+    def close(self, handle: Any) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+def _nbytes(buf: Buffer) -> int:
+    if isinstance(buf, np.ndarray):
+        return int(buf.nbytes)
+    return int(buf.numel() * buf.element_size())
+
+
+class PosixHandle:
+    __slots__ = ("fd", "path", "direct")
+
+    def __init__(self, fd: int, path: str, direct: bool) -> None:
+        self.fd = fd
+        self.path = path
+        self.direct = direct
+
+
+class PosixBackend:
+    """Thread-pool O_DIRECT backend."""
+
+    name = "posix"
+
+    def __init__(self, threads: int = 8, use_direct: bool = True) -> None:
+        self.threads = max(1, int(threads))
+        self.use_direct = use_direct
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kvtier-io")
+
+    def open(self, path: str, size: int) -> PosixHandle:
+        flags = os.O_RDWR | os.O_CREAT
+        direct = self.use_direct and hasattr(os, "O_DIRECT")
+        try:
+            fd = os.open(path, flags | (os.O_DIRECT if direct else 0), 0o600)
+        except OSError as e:
+            if not direct or e.errno != errno.EINVAL:
+                raise
+            fd = os.open(path, flags, 0o600)
+            direct = False
+        try:
+            if os.fstat(fd).st_size < size:
+                os.posix_fallocate(fd, 0, size)
+        except OSError:
+            os.close(fd)
+            raise
+        return PosixHandle(fd, path, direct)
+
+    @staticmethod
+    def _views(buffers: Sequence[Buffer]) -> list[memoryview]:
+        out = []
+        for b in buffers:
+            if not isinstance(b, np.ndarray):
+                raise TypeError("the posix backend takes host numpy buffers")
+            out.append(memoryview(b.reshape(-1).view(np.uint8)))
+        return out
+
+    @staticmethod
+    def _loop(op: Callable[[int, list[memoryview], int], int], fd: int,
+              views: list[memoryview], offset: int, what: str) -> int:
+        """Repeat a vectored call until every byte moved (short I/O resumes)."""
+        total = sum(v.nbytes for v in views)
+        done = 0
+        while done < total:
+            n = op(fd, views, offset + done)
+            if n <= 0:
+                raise TierError(f"short {what}: {done} of {total} bytes at offset {offset}")
+            done += n
+            # drop fully transferred views, trim the partial one
+            while views and n >= views[0].nbytes:
+                n -= views[0].nbytes
+                views = views[1:]
+            if n:
+                views = [views[0][n:], *views[1:]]
+        return total
+
+    def pwrite(self, handle: PosixHandle, buffers: Sequence[Buffer], offset: int) -> "Future[int]":
+        views = self._views(buffers)
+        return self._pool.submit(self._loop, os.pwritev, handle.fd, views, offset, "write")
+
+    def pread(self, handle: PosixHandle, buffers: Sequence[Buffer], offset: int) -> "Future[int]":
+        views = self._views(buffers)
+        return self._pool.submit(self._loop, os.preadv, handle.fd, views, offset, "read")
+
+    def fsync(self, handle: PosixHandle) -> None:
+        os.fsync(handle.fd)
+
+    def close(self, handle: PosixHandle) -> None:
+        os.close(handle.fd)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def cuda_driver_present() -> bool:
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
+
+
+def kvikio_status() -> tuple[bool, str]:
+    """(usable, reason) for the kvikio backend on this machine."""
+    try:
+        import kvikio  # noqa: F401
+    except Exception as e:  # ImportError, or a broken CUDA runtime import
+        return False, f"kvikio is not installed ({e.__class__.__name__}: {e}); pip install 'kvtier[gpu]'"
+    if not cuda_driver_present():
+        return False, "kvikio needs libcuda.so.1 (no CUDA driver on this machine)"
+    return True, "ok"
+
+
+class KvikioHandle:
+    __slots__ = ("file", "path")
+
+    def __init__(self, file: Any, path: str) -> None:
+        self.file = file
+        self.path = path
+
+
+class _Joined(Future):
+    """One future over several kvikio IOFutures (header + payload)."""
+
+    def __init__(self, parts: list[Any], pool: ThreadPoolExecutor) -> None:
+        super().__init__()
+        self._inner = pool.submit(lambda: sum(int(p.get()) for p in parts))
+        self._inner.add_done_callback(self._copy)
+
+    def _copy(self, f: "Future[int]") -> None:
+        exc = f.exception()
+        if exc is not None:
+            self.set_exception(TierError(f"kvikio I/O failed: {exc}"))
+        else:
+            self.set_result(f.result())
+
+
+class KvikioBackend:
+    """kvikio CuFile backend (GDS where available, compat mode otherwise)."""
+
+    name = "kvikio"
+
+    def __init__(self, threads: int = 8) -> None:
+        ok, why = kvikio_status()
+        if not ok:
+            raise RuntimeError(why)
+        import kvikio
+        import kvikio.defaults
+
+        self._kvikio = kvikio
+        try:
+            kvikio.defaults.set({"num_threads": int(threads)})
+        except Exception:
+            pass
+        self._waiters = ThreadPoolExecutor(max(1, threads), thread_name_prefix="kvtier-kvikio")
+
+    def open(self, path: str, size: int) -> KvikioHandle:
+        if not os.path.exists(path):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            finally:
+                os.close(fd)
+        elif os.path.getsize(path) < size:
+            with open(path, "r+b") as f:
+                os.posix_fallocate(f.fileno(), 0, size)
+        return KvikioHandle(self._kvikio.CuFile(path, "r+"), path)
+
+    def _submit(self, method: str, handle: KvikioHandle, buffers: Sequence[Buffer], offset: int) -> "Future[int]":
+        parts = []
+        off = offset
+        for b in buffers:
+            n = _nbytes(b)
+            parts.append(getattr(handle.file, method)(b, n, off))
+            off += n
+        return _Joined(parts, self._waiters)
+
+    def pwrite(self, handle: KvikioHandle, buffers: Sequence[Buffer], offset: int) -> "Future[int]":
+        return self._submit("pwrite", handle, buffers, offset)
+
+    def pread(self, handle: KvikioHandle, buffers: Sequence[Buffer], offset: int) -> "Future[int]":
+        return self._submit("pread", handle, buffers, offset)
+
+    def fsync(self, handle: KvikioHandle) -> None:
+        os.fsync(handle.file.fileno())
+
+    def close(self, handle: KvikioHandle) -> None:
+        handle.file.close()
+
+    def shutdown(self) -> None:
+        self._waiters.shutdown(wait=True)
+
+
+BACKENDS: dict[str, Callable[..., IOBackend]] = {
+    "posix": PosixBackend,
+    "kvikio": KvikioBackend,
+}
+
+
+def select_backend(name: str = "auto", threads: int = 8) -> IOBackend:
+    """Build a backend by name; ``auto`` prefers kvikio where it can run."""
+    if name == "auto":
+        name = "kvikio" if kvikio_status()[0] else "posix"
+    try:
+        factory = BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown I/O backend {name!r}; choose from {['auto', *BACKENDS]}") from None
+    return factory(threads=threads)

@@ -1,0 +1,416 @@
+"""The metadata owner: block lifecycle and placement over three tiers.
+
+``TierManager`` pairs a ``BlockTable`` with the pools, the NVMe store and the
+mover. It is the only code that mutates metadata; it must be called from one
+thread (the daemon's owner loop). Error conventions follow vLLM: ``None`` for
+"does not fit", ``ValueError`` for caller misuse (raised before any state
+changes), ``RuntimeError`` for a broken invariant. A failed transfer leaves
+the block valid where it was and is reported in ``last_errors``.
+
+Copy rules: a SEALED block is immutable, so copies in several tiers stay
+valid and demoting a block that already has a lower copy costs no I/O. An
+OPEN block has exactly one valid copy; moving it is a write-back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+import numpy as np
+import torch
+
+from kvtier.kernels.checksum import block_checksum
+
+from .aligned import aligned_empty
+from .block_table import BlockTable
+from .intrusive import NIL
+from .io_backends import IOBackend, select_backend
+from .mover import Completion, Mover, Transfer
+from .nvme import NvmeStore
+from .pools import DramPool, HbmPool
+from .types import N_TIERS, BlockState, CorruptBlockError, Tier, TierError, parse_tier
+
+EventListener = Callable[[str, int, int], None]  # (kind, block, tier)
+
+
+@dataclass
+class _Pending:
+    blocks: np.ndarray
+    src: Tier
+    dst: Tier
+    keep_source: np.ndarray  # per block: keep the source copy
+
+
+class TierManager:
+    def __init__(
+        self,
+        block_bytes: int,
+        hbm_slots: int,
+        dram_slots: int,
+        nvme_slots: int,
+        nvme_dir: Optional[str] = None,
+        max_blocks: Optional[int] = None,
+        io_backend: "str | IOBackend" = "auto",
+        io_threads: int = 8,
+        mover_workers: int = 2,
+        queue_depth: int = 64,
+        hbm_tensor: Optional[torch.Tensor] = None,
+        hbm_device: Optional[str] = None,
+        dram_numa_node: Optional[int] = None,
+        recover: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if nvme_slots and not nvme_dir:
+            raise ValueError("nvme_slots > 0 needs nvme_dir")
+        self.block_bytes = int(block_bytes)
+        self.clock = clock
+        total = hbm_slots + dram_slots + nvme_slots
+        self.table = BlockTable(max_blocks or max(1, total), (hbm_slots, dram_slots, nvme_slots))
+        self.hbm = HbmPool(hbm_slots, block_bytes, device=hbm_device, tensor=hbm_tensor)
+        self.dram = DramPool(dram_slots, block_bytes, numa_node=dram_numa_node)
+        self.backend = select_backend(io_backend, io_threads) if isinstance(io_backend, str) else io_backend
+        self.nvme = NvmeStore(nvme_dir, nvme_slots, block_bytes, self.backend) if nvme_slots else None
+        self.mover = Mover(self.hbm, self.dram, self.nvme, workers=mover_workers, queue_depth=queue_depth)
+        self._tids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self.counters: Counter[str] = Counter()
+        self.last_errors: dict[int, str] = {}
+        self.listeners: list[EventListener] = []
+        self.recovered = 0
+        self.discarded = 0
+        if self.nvme is not None and recover:
+            self._recover()
+
+    # -- events ------------------------------------------------------------
+    def _emit(self, kind: str, b: int, tier: int) -> None:
+        for fn in self.listeners:
+            fn(kind, b, tier)
+
+    # -- validation helpers ---------------------------------------------------
+    def _check_block(self, b: int) -> int:
+        b = int(b)
+        if not self.table.is_valid_block(b):
+            raise ValueError(f"unknown block {b}")
+        return b
+
+    def _check_blocks(self, blocks: Iterable[int]) -> np.ndarray:
+        arr = np.asarray(list(blocks) if not isinstance(blocks, np.ndarray) else blocks, dtype=np.int64).reshape(-1)
+        for b in arr.tolist():
+            self._check_block(b)
+        if np.unique(arr).size != arr.size:
+            raise ValueError("a block is named twice in one request")
+        return arr
+
+    # -- lifecycle ---------------------------------------------------------
+    def alloc(self, n: int) -> Optional[np.ndarray]:
+        """n new OPEN blocks with HBM slots, all or nothing (None if no room)."""
+        t = self.table
+        if n < 0:
+            raise ValueError("n must be >= 0")
+        if t.free_slot_count(Tier.HBM) < n or len(t.free_blocks) < n:
+            return None
+        out = np.empty(n, dtype=np.int64)
+        now = self.clock()
+        for i in range(n):
+            b = t.new_block()
+            t.assign_slot(b, Tier.HBM)
+            t.mark_valid(b, Tier.HBM)
+            t.last_access[b] = now
+            out[i] = b
+        return out
+
+    def write(self, b: int, data: "bytes | np.ndarray", offset: int = 0) -> None:
+        """Write payload bytes of an OPEN block resident in HBM."""
+        b = self._check_block(b)
+        t = self.table
+        if t.state[b] != BlockState.OPEN:
+            raise ValueError(f"block {b} is sealed and immutable")
+        if not t.has_copy(b, Tier.HBM) or t.busy[b]:
+            raise ValueError(f"block {b} is not resident in HBM")
+        buf = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
+        if offset < 0 or offset + buf.size > self.block_bytes:
+            raise ValueError(f"write of {buf.size} bytes at {offset} overflows a {self.block_bytes}-byte block")
+        slot = int(t.slot[Tier.HBM, b])
+        if self.hbm.is_cuda:
+            self.hbm.tensor[slot, offset: offset + buf.size].copy_(torch.from_numpy(buf.copy()))
+        else:
+            self.hbm.host_view(slot)[offset: offset + buf.size] = buf
+        t.nbytes[b] = max(int(t.nbytes[b]), offset + buf.size)
+
+    def seal(self, b: int, key: int, nbytes: Optional[int] = None) -> int:
+        """Seal an OPEN block under ``key``; returns the canonical block.
+
+        If ``key`` is already sealed elsewhere (a shared prefix), this block is
+        released and the existing one gains a reference.
+        """
+        b = self._check_block(b)
+        t = self.table
+        if t.state[b] != BlockState.OPEN:
+            raise ValueError(f"block {b} is already sealed")
+        if not t.has_copy(b, Tier.HBM) or t.busy[b] or t.pins[b]:
+            raise ValueError(f"block {b} must be resident in HBM, idle and unpinned to seal")
+        length = int(nbytes) if nbytes is not None else int(t.nbytes[b])
+        if not 0 <= length <= self.block_bytes:
+            raise ValueError(f"nbytes {length} out of range")
+        existing = t.lookup(key)
+        if existing >= 0:
+            t.refcount[existing] += t.refcount[b]
+            t.release_block(b)
+            self.counters["seal_dedup"] += 1
+            return existing
+        slot = int(t.slot[Tier.HBM, b])
+        data = self.hbm.slot_tensor(slot) if self.hbm.is_cuda else self.hbm.host_view(slot)
+        t.nbytes[b] = length
+        t.seal(b, key, block_checksum(data, length))
+        self._emit("stored", b, Tier.HBM)
+        return b
+
+    def lookup(self, key: int) -> int:
+        return self.table.lookup(key)
+
+    def ref(self, key: int) -> int:
+        """Take a reference on the sealed block with ``key`` (prefix hit)."""
+        b = self.table.lookup(key)
+        if b < 0:
+            raise ValueError(f"unknown key {int(key):#x}")
+        self.table.refcount[b] += 1
+        return b
+
+    def free(self, b: int) -> None:
+        """Drop one reference. OPEN blocks die; SEALED ones become cached."""
+        b = self._check_block(b)
+        t = self.table
+        if t.refcount[b] <= 0:
+            raise ValueError(f"block {b} has no reference to free (double free?)")
+        if t.pins[b]:
+            raise ValueError(f"block {b} is pinned; release it before freeing")
+        t.refcount[b] -= 1
+        if t.refcount[b] == 0 and t.state[b] == BlockState.OPEN and not t.busy[b]:
+            t.release_block(b)
+
+    def drop(self, b: int) -> None:
+        """Remove a cached (unreferenced, sealed, idle) block everywhere."""
+        b = self._check_block(b)
+        t = self.table
+        if t.refcount[b] or t.pins[b] or t.busy[b]:
+            raise ValueError(f"block {b} is live, pinned or moving; only cached blocks can be dropped")
+        self._emit("removed", b, -1)
+        t.release_block(b)
+
+    def drop_copy(self, b: int, tier: "Tier | int | str") -> None:
+        """Discard one copy of a sealed block that has another copy elsewhere."""
+        b = self._check_block(b)
+        tier = parse_tier(tier)
+        t = self.table
+        if not t.has_copy(b, tier):
+            raise ValueError(f"block {b} has no copy in {tier.name}")
+        if t.state[b] != BlockState.SEALED or bin(int(t.copies[b])).count("1") < 2:
+            raise ValueError(f"block {b}: its only copy cannot be dropped")
+        if t.busy[b] or (tier == Tier.HBM and t.pins[b]):
+            raise ValueError(f"block {b} is pinned or moving")
+        t.release_slot(b, tier)
+        self._emit("removed", b, tier)
+
+    def pin(self, b: int) -> int:
+        """Pin an HBM-resident block for a forward pass; returns its slot."""
+        b = self._check_block(b)
+        t = self.table
+        if not t.has_copy(b, Tier.HBM) or t.busy[b]:
+            raise ValueError(f"block {b} is not resident in HBM")
+        t.pins[b] += 1
+        t.touch(b, self.clock())
+        t.refresh_evictable(b)
+        return int(t.slot[Tier.HBM, b])
+
+    def unpin(self, b: int) -> None:
+        b = self._check_block(b)
+        t = self.table
+        if t.pins[b] <= 0:
+            raise ValueError(f"block {b} is not pinned")
+        t.pins[b] -= 1
+        t.refresh_evictable(b)
+
+    # -- movement ----------------------------------------------------------
+    def demote(self, blocks: Iterable[int], src: "Tier | int | str", dst: "Tier | int | str",
+               keep_source: bool = False) -> Optional[int]:
+        """Move (or copy) blocks to a lower tier. Returns a transfer id, 0 when
+        no I/O was needed, or None when ``dst`` lacks free slots."""
+        src, dst = parse_tier(src), parse_tier(dst)
+        if dst <= src:
+            raise ValueError(f"demote goes down: {src.name} -> {dst.name}")
+        return self._move(self._check_blocks(blocks), src, dst, keep_source)
+
+    def promote(self, blocks: Iterable[int], dst: "Tier | int | str" = Tier.HBM) -> Optional[int]:
+        """Copy blocks up into ``dst`` from their fastest lower copy."""
+        dst = parse_tier(dst)
+        arr = self._check_blocks(blocks)
+        t = self.table
+        srcs = set()
+        for b in arr.tolist():
+            if t.has_copy(b, dst):
+                raise ValueError(f"block {b} is already in {dst.name}")
+            lower = int(t.copies[b]) >> (dst + 1)
+            if not lower:
+                raise ValueError(f"block {b} has no copy below {dst.name} to promote")
+            srcs.add(dst + 1 + ((lower & -lower).bit_length() - 1))
+        if len(srcs) != 1:
+            raise ValueError("promote: blocks come from different tiers; split the request")
+        return self._move(arr, Tier(srcs.pop()), dst, keep_source=True)
+
+    def _move(self, arr: np.ndarray, src: Tier, dst: Tier, keep_source: bool) -> Optional[int]:
+        t = self.table
+        if (dst == Tier.NVME or src == Tier.NVME) and self.nvme is None:
+            raise ValueError("no NVMe tier is configured")
+        for b in arr.tolist():
+            if not t.has_copy(b, src):
+                raise ValueError(f"block {b} has no valid copy in {src.name}")
+            if t.busy[b]:
+                raise ValueError(f"block {b} is already moving")
+            if t.pins[b] and not keep_source:
+                raise ValueError(f"block {b} is pinned")
+        sealed = t.state[arr] == BlockState.SEALED
+        keep = keep_source & sealed  # open blocks always move (one copy)
+        need_io = ~np.array([t.has_copy(b, dst) for b in arr.tolist()], dtype=bool) if arr.size else np.zeros(0, bool)
+        if t.free_slot_count(dst) < int(need_io.sum()):
+            return None
+        # blocks whose dst copy is already valid: no I/O, just drop the source
+        for b, k in zip(arr[~need_io].tolist(), keep[~need_io].tolist()):
+            if not k:
+                t.release_slot(b, src)
+                self._emit("removed", b, src)
+            self.counters[f"clean_{src.name.lower()}->{dst.name.lower()}"] += 1
+        io = arr[need_io]
+        if io.size == 0:
+            return 0
+        dst_slots = np.array([t.assign_slot(b, dst) for b in io.tolist()], dtype=np.int64)
+        tid = next(self._tids)
+        xfer = Transfer(
+            tid, src, dst, io.copy(), t.slot[src, io].astype(np.int64), dst_slots,
+            t.key[io].copy(), t.nbytes[io].astype(np.int64), t.checksum[io].copy(), sealed[need_io].copy(),
+        )
+        t.busy[io] += 1
+        for b in io.tolist():
+            t.refresh_evictable(b)
+        self._pending[tid] = _Pending(io, src, dst, keep[need_io].copy())
+        if not self.mover.submit(xfer):
+            raise RuntimeError("mover refused a transfer")
+        return tid
+
+    def _apply(self, c: Completion) -> None:
+        p = self._pending.pop(c.tid)
+        t = self.table
+        path = f"{p.src.name.lower()}->{p.dst.name.lower()}"
+        for i, b in enumerate(p.blocks.tolist()):
+            t.busy[b] -= 1
+            if c.ok[i]:
+                t.mark_valid(b, p.dst)
+                self._emit("stored", b, p.dst)
+                if not p.keep_source[i] and t.has_copy(b, p.src):
+                    t.release_slot(b, p.src)
+                    self._emit("removed", b, p.src)
+            else:
+                t.release_slot(b, p.dst)
+                self.last_errors[b] = c.errors.get(b, "transfer failed")
+                self.counters[f"errors_{path}"] += 1
+            if t.refcount[b] == 0 and t.state[b] == BlockState.OPEN and not t.busy[b]:
+                t.release_block(b)  # freed by its sequence while moving
+            elif t.state[b] != BlockState.FREE:
+                t.refresh_evictable(b)
+        ok = int(c.ok.sum())
+        self.counters[f"moves_{path}"] += ok
+        self.counters[f"bytes_{path}"] += c.nbytes
+        self.counters[f"busy_ns_{path}"] += int(c.seconds * 1e9)
+
+    def poll(self, timeout: Optional[float] = 0.0) -> list[Completion]:
+        """Apply finished transfers; returns their completions."""
+        done = self.mover.poll(timeout)
+        for c in done:
+            self._apply(c)
+        return done
+
+    def wait(self, timeout: Optional[float] = None) -> list[Completion]:
+        """Block until every submitted transfer is applied."""
+        out: list[Completion] = []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if left == 0.0:
+                raise TimeoutError(f"{len(self._pending)} transfers still pending")
+            out.extend(self.poll(timeout=left if left is not None else 1.0))
+        return out
+
+    def transfer_ok(self, completions: list[Completion], tid: int) -> bool:
+        return any(c.tid == tid and bool(c.ok.all()) for c in completions)
+
+    # -- reading (tests, CLI) ------------------------------------------------
+    def read(self, b: int) -> bytes:
+        """Valid payload bytes of ``b`` from its fastest copy (NVMe verified)."""
+        b = self._check_block(b)
+        t = self.table
+        home = t.home_tier(b)
+        if home == NIL:
+            raise ValueError(f"block {b} has no valid copy")
+        length = int(t.nbytes[b])
+        slot = int(t.slot[home, b])
+        if home == Tier.HBM:
+            return self.hbm.read(slot)[:length]
+        if home == Tier.DRAM:
+            return self.dram.read(slot)[:length]
+        assert self.nvme is not None
+        buf = aligned_empty(self.nvme.data_stride)
+        self.nvme.read(slot, buf).result()
+        if t.state[b] == BlockState.SEALED and block_checksum(buf, length) != int(t.checksum[b]):
+            raise CorruptBlockError(f"block {b}: NVMe slot {slot} failed its checksum")
+        return bytes(buf[:length])
+
+    # -- persistence ---------------------------------------------------------
+    def _recover(self) -> None:
+        assert self.nvme is not None
+        found, self.discarded = self.nvme.recover()
+        t = self.table
+        for r in found:
+            b = t.new_block()
+            if b == NIL:
+                raise TierError("max_blocks is too small for the recovered NVMe contents")
+            t.claim_slot(b, Tier.NVME, r.slot)
+            t.nbytes[b] = r.header.length
+            t.seal(b, r.header.key, r.header.checksum)
+            t.refcount[b] = 0
+            t.mark_valid(b, Tier.NVME)
+        self.recovered = len(found)
+
+    def tier_usage(self) -> list[dict]:
+        t = self.table
+        pools = (self.hbm, self.dram, self.nvme)
+        out = []
+        for tier in Tier:
+            pool = pools[tier]
+            stride = pool.slot_stride if hasattr(pool, "slot_stride") else getattr(pool, "data_stride", 0)
+            used = t.used_slot_count(tier)
+            out.append({"tier": tier.name.lower(), "slots": t.slots_per_tier[tier], "used": used,
+                        "capacity_bytes": t.slots_per_tier[tier] * (stride or 0),
+                        "used_bytes": used * (stride or 0)})
+        return out
+
+    def check_invariants(self) -> None:
+        self.table.check_invariants()
+        busy = np.flatnonzero(self.table.busy)
+        pending = np.concatenate([p.blocks for p in self._pending.values()]) if self._pending else np.zeros(0, np.int64)
+        if not np.array_equal(np.sort(busy), np.sort(pending)):
+            raise RuntimeError("busy flags disagree with pending transfers")
+
+    def close(self) -> None:
+        self.mover.close()
+        self.poll()
+        if self.nvme is not None:
+            self.nvme.close()
+        self.backend.shutdown()
+        self.hbm.close()
+        self.dram.close()
+
+
+__all__ = ["TierManager", "N_TIERS"]

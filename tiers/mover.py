@@ -1,0 +1,293 @@
+"""Asynchronous batched block transfers between tiers.
+
+Modelled on SGLang's cache controller: the metadata owner submits immutable
+``Transfer`` descriptors (batched slot index arrays) to a bounded queue;
+worker threads execute them and post a ``Completion`` with a per-block
+success mask. Workers never touch block metadata; the owner applies
+completions when it polls. Every NVMe read is verified against the block's
+recorded checksum before the completion says it succeeded.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from kvtier.kernels.checksum import block_checksum
+
+from .aligned import aligned_empty
+from .nvme import NvmeStore
+from .pools import DramPool, HbmPool
+from .types import CorruptBlockError, Tier
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One batch of block copies from ``src`` to ``dst`` tier."""
+
+    tid: int
+    src: Tier
+    dst: Tier
+    blocks: np.ndarray
+    src_slots: np.ndarray
+    dst_slots: np.ndarray
+    keys: np.ndarray
+    lengths: np.ndarray
+    checksums: np.ndarray
+    sealed: np.ndarray
+
+    def __post_init__(self) -> None:
+        n = self.blocks.size
+        for name in ("src_slots", "dst_slots", "keys", "lengths", "checksums", "sealed"):
+            arr = getattr(self, name)
+            if arr.size != n:
+                raise ValueError(f"Transfer.{name} has {arr.size} entries, expected {n}")
+            arr.setflags(write=False)
+        self.blocks.setflags(write=False)
+
+
+@dataclass
+class Completion:
+    tid: int
+    src: Tier
+    dst: Tier
+    blocks: np.ndarray
+    ok: np.ndarray
+    errors: dict[int, str] = field(default_factory=dict)  # block -> message
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+PathFn = Callable[["Mover", Transfer, np.ndarray, dict], None]
+PATHS: dict[tuple[Tier, Tier], PathFn] = {}
+
+
+def path(src: Tier, dst: Tier) -> Callable[[PathFn], PathFn]:
+    def deco(fn: PathFn) -> PathFn:
+        PATHS[(src, dst)] = fn
+        return fn
+    return deco
+
+
+class Mover:
+    """Worker threads executing transfers; owner polls completions."""
+
+    def __init__(self, hbm: HbmPool, dram: DramPool, nvme: Optional[NvmeStore],
+                 workers: int = 2, queue_depth: int = 64) -> None:
+        self.hbm, self.dram, self.nvme = hbm, dram, nvme
+        self._todo: "queue.Queue[Optional[Transfer]]" = queue.Queue(maxsize=queue_depth)
+        self._done: "queue.Queue[Completion]" = queue.Queue()
+        self._in_flight = 0
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._stream = torch.cuda.Stream() if hbm.is_cuda else None
+        self._threads = [threading.Thread(target=self._run, name=f"kvtier-mover-{i}", daemon=True)
+                         for i in range(max(1, workers))]
+        for t in self._threads:
+            t.start()
+
+    # -- owner side --------------------------------------------------------
+    def submit(self, t: Transfer, block: bool = True, timeout: Optional[float] = None) -> bool:
+        """Queue a transfer; False if the queue stayed full (backpressure)."""
+        if (t.src, t.dst) not in PATHS:
+            raise ValueError(f"no transfer path {t.src.name}->{t.dst.name}")
+        with self._lock:
+            self._in_flight += 1
+        try:
+            self._todo.put(t, block=block, timeout=timeout)
+        except queue.Full:
+            with self._lock:
+                self._in_flight -= 1
+            return False
+        return True
+
+    def poll(self, timeout: Optional[float] = 0.0) -> list[Completion]:
+        """Completions ready now (waits up to ``timeout`` for the first)."""
+        out: list[Completion] = []
+        try:
+            if timeout is None or timeout > 0:
+                out.append(self._done.get(timeout=timeout))
+            while True:
+                out.append(self._done.get_nowait())
+        except queue.Empty:
+            pass
+        return out
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return self._in_flight
+
+    def drain(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every submitted transfer has posted its completion."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while self._in_flight:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def close(self) -> None:
+        self.drain()
+        for _ in self._threads:
+            self._todo.put(None)
+        for t in self._threads:
+            t.join()
+
+    # -- worker side -------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            t = self._todo.get()
+            if t is None:
+                return
+            ok = np.zeros(t.blocks.size, dtype=bool)
+            errors: dict[int, str] = {}
+            start = time.perf_counter()
+            try:
+                PATHS[(t.src, t.dst)](self, t, ok, errors)
+            except Exception as e:  # a path bug must not kill the worker
+                for i in np.flatnonzero(~ok):
+                    errors.setdefault(int(t.blocks[i]), f"{type(e).__name__}: {e}")
+                ok[:] = False
+            seconds = time.perf_counter() - start
+            nbytes = int(t.lengths[ok].sum())
+            self._done.put(Completion(t.tid, t.src, t.dst, t.blocks, ok, errors, nbytes, seconds))
+            with self._idle:
+                self._in_flight -= 1
+                if self._in_flight == 0:
+                    self._idle.notify_all()
+
+    # helpers used by paths
+    def _sync(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def _copy_rows(self, dst: torch.Tensor, dst_idx: np.ndarray, src: torch.Tensor, src_idx: np.ndarray) -> None:
+        if self._stream is None:
+            d = dst.numpy()
+            s = src.numpy()
+            for i, j in zip(dst_idx.tolist(), src_idx.tolist()):
+                np.copyto(d[i], s[j])
+            return
+        with torch.cuda.stream(self._stream):
+            di = torch.as_tensor(dst_idx, device=dst.device)
+            si = torch.as_tensor(src_idx, device=src.device)
+            rows = src.index_select(0, si.to(src.device)).to(dst.device, non_blocking=True)
+            dst.index_copy_(0, di.to(dst.device), rows)
+        self._sync()
+
+
+def _verify(t: Transfer, i: int, buf: np.ndarray, ok: np.ndarray, errors: dict) -> None:
+    length = int(t.lengths[i])
+    if block_checksum(buf, length) == int(t.checksums[i]):
+        ok[i] = True
+    else:
+        errors[int(t.blocks[i])] = str(CorruptBlockError(
+            f"block {int(t.blocks[i])}: NVMe slot {int(t.src_slots[i])} failed its checksum"))
+
+
+def _wait_all(t: Transfer, futs: list, ok: np.ndarray, errors: dict,
+              on_ok: Optional[Callable[[int], None]] = None) -> None:
+    for i, fut in futs:
+        try:
+            fut.result()
+        except Exception as e:
+            errors[int(t.blocks[i])] = f"{type(e).__name__}: {e}"
+            continue
+        if on_ok is None:
+            ok[i] = True
+        else:
+            on_ok(i)
+
+
+@path(Tier.HBM, Tier.DRAM)
+def _hbm_to_dram(m: Mover, t: Transfer, ok: np.ndarray, errors: dict) -> None:
+    m._copy_rows(m.dram.tensor, t.dst_slots, m.hbm.tensor, t.src_slots)
+    ok[:] = True
+
+
+@path(Tier.DRAM, Tier.HBM)
+def _dram_to_hbm(m: Mover, t: Transfer, ok: np.ndarray, errors: dict) -> None:
+    m._copy_rows(m.hbm.tensor, t.dst_slots, m.dram.tensor, t.src_slots)
+    ok[:] = True
+
+
+def _write_nvme(m: Mover, t: Transfer, ok: np.ndarray, errors: dict,
+                source: Callable[[int], object]) -> None:
+    assert m.nvme is not None
+    futs = []
+    for i in range(t.blocks.size):
+        try:
+            fut = m.nvme.write(int(t.dst_slots[i]), source(int(t.src_slots[i])), int(t.keys[i]),
+                               int(t.lengths[i]), int(t.checksums[i]), bool(t.sealed[i]))
+        except Exception as e:
+            errors[int(t.blocks[i])] = f"{type(e).__name__}: {e}"
+            continue
+        futs.append((i, fut))
+    _wait_all(t, futs, ok, errors)
+
+
+@path(Tier.DRAM, Tier.NVME)
+def _dram_to_nvme(m: Mover, t: Transfer, ok: np.ndarray, errors: dict) -> None:
+    _write_nvme(m, t, ok, errors, m.dram.slot_buffer)
+
+
+@path(Tier.HBM, Tier.NVME)
+def _hbm_to_nvme(m: Mover, t: Transfer, ok: np.ndarray, errors: dict) -> None:
+    if not m.hbm.is_cuda:
+        _write_nvme(m, t, ok, errors, lambda s: m.hbm._np[s])  # type: ignore[index]
+    elif m.nvme is not None and m.nvme.backend.name == "kvikio":
+        _write_nvme(m, t, ok, errors, lambda s: m.hbm.tensor[s])  # GPUDirect
+    else:
+        def staged(s: int) -> np.ndarray:
+            host = aligned_empty(m.hbm.slot_stride)
+            torch.from_numpy(host).copy_(m.hbm.tensor[s])
+            return host
+        _write_nvme(m, t, ok, errors, staged)
+
+
+def _read_nvme(m: Mover, t: Transfer, ok: np.ndarray, errors: dict,
+               target: Callable[[int], np.ndarray], finish: Optional[Callable[[int, np.ndarray], None]] = None) -> None:
+    assert m.nvme is not None
+    futs, bufs = [], {}
+    for i in range(t.blocks.size):
+        buf = target(int(t.dst_slots[i]))
+        bufs[i] = buf
+        try:
+            futs.append((i, m.nvme.read(int(t.src_slots[i]), buf)))
+        except Exception as e:
+            errors[int(t.blocks[i])] = f"{type(e).__name__}: {e}"
+
+    def check(i: int) -> None:
+        _verify(t, i, bufs[i], ok, errors)
+        if ok[i] and finish is not None:
+            finish(int(t.dst_slots[i]), bufs[i])
+
+    _wait_all(t, futs, ok, errors, on_ok=check)
+
+
+@path(Tier.NVME, Tier.DRAM)
+def _nvme_to_dram(m: Mover, t: Transfer, ok: np.ndarray, errors: dict) -> None:
+    _read_nvme(m, t, ok, errors, m.dram.slot_buffer)
+
+
+@path(Tier.NVME, Tier.HBM)
+def _nvme_to_hbm(m: Mover, t: Transfer, ok: np.ndarray, errors: dict) -> None:
+    if not m.hbm.is_cuda:
+        # read straight into the (not yet valid) HBM slot, verify in place
+        _read_nvme(m, t, ok, errors, lambda s: m.hbm._np[s])  # type: ignore[index]
+        return
+
+    def finish(slot: int, host: np.ndarray) -> None:
+        m.hbm.tensor[slot].copy_(torch.from_numpy(host))
+
+    _read_nvme(m, t, ok, errors, lambda s: aligned_empty(m.hbm.slot_stride), finish)
+    m._sync()

@@ -1,0 +1,252 @@
+"""Memory pools for the HBM and DRAM tiers.
+
+A pool is an array of equal-size slots. Slot stride is rounded up to 4 KiB so
+that every slot is page aligned: it can then be the source or target of an
+O_DIRECT / GDS transfer with no bounce buffer.
+
+* ``HbmPool``: the engine's KV region. A CUDA tensor on GPUs (daemon-allocated
+  or supplied by the engine); on CPU-only machines a tensor over POSIX shared
+  memory, so an engine process can map the same bytes by name.
+* ``DramPool``: host memory owned by the daemon, in POSIX shared memory,
+  page-locked with cudaHostRegister where CUDA exists, optionally bound to a
+  NUMA node (a CXL expander appears as one).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from multiprocessing import resource_tracker, shared_memory
+from typing import Optional
+
+import numpy as np
+import torch
+
+ALIGN = 4096
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    return (int(n) + align - 1) // align * align
+
+
+def _create_shm(nbytes: int, name: Optional[str]) -> shared_memory.SharedMemory:
+    shm = shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1))
+    return shm
+
+
+def release_shm(shm: shared_memory.SharedMemory, unlink: bool) -> None:
+    """Close (and unlink) a segment; a view still held elsewhere keeps the
+    mapping alive until it is collected, which must not fail shutdown."""
+    if unlink:
+        try:
+            shm.unlink()
+        except FileNotFoundError:
+            pass
+    try:
+        shm.close()
+    except BufferError:
+        pass
+
+
+def attach_shm(name: str) -> shared_memory.SharedMemory:
+    """Map an existing segment without letting this process's resource
+    tracker unlink it at exit (the creator owns its lifetime)."""
+    shm = shared_memory.SharedMemory(name=name, create=False)
+    try:
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    except Exception:
+        pass
+    return shm
+
+
+class SlotPool:
+    """Common slot arithmetic and byte access for a pool."""
+
+    tier_name = "pool"
+
+    def __init__(self, n_slots: int, block_bytes: int) -> None:
+        if n_slots < 0 or block_bytes <= 0:
+            raise ValueError("n_slots must be >= 0 and block_bytes > 0")
+        self.n_slots = int(n_slots)
+        self.block_bytes = int(block_bytes)
+        self.slot_stride = round_up(block_bytes)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.n_slots * self.slot_stride
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.n_slots:
+            raise ValueError(f"{self.tier_name}: slot {slot} out of range [0, {self.n_slots})")
+
+    def host_view(self, slot: int) -> np.ndarray:
+        """Writable uint8 view of one slot's block bytes in host memory."""
+        raise NotImplementedError
+
+    def read(self, slot: int) -> bytes:
+        return bytes(self.host_view(slot))
+
+    def write(self, slot: int, data: bytes | np.ndarray) -> None:
+        buf = np.frombuffer(data, dtype=np.uint8) if isinstance(data, (bytes, bytearray, memoryview)) else data
+        if buf.size > self.block_bytes:
+            raise ValueError(f"{buf.size} bytes do not fit a {self.block_bytes}-byte block")
+        self.host_view(slot)[: buf.size] = buf.reshape(-1).view(np.uint8)
+
+    def close(self) -> None:
+        pass
+
+
+class HbmPool(SlotPool):
+    """Device KV pool as a ``[n_slots, slot_stride]`` uint8 tensor."""
+
+    tier_name = "hbm"
+
+    def __init__(
+        self,
+        n_slots: int,
+        block_bytes: int,
+        device: Optional[str] = None,
+        tensor: Optional[torch.Tensor] = None,
+        shm_name: Optional[str] = None,
+    ) -> None:
+        super().__init__(n_slots, block_bytes)
+        self._shm: Optional[shared_memory.SharedMemory] = None
+        self._owns_shm = False
+        if tensor is not None:
+            flat = tensor.reshape(-1).view(torch.uint8) if tensor.is_contiguous() else None
+            if flat is None:
+                raise ValueError("an external HBM tensor must be contiguous")
+            if flat.numel() < self.capacity_bytes:
+                raise ValueError(
+                    f"external HBM tensor has {flat.numel()} bytes, need {self.capacity_bytes}"
+                )
+            self.tensor = flat[: self.capacity_bytes].view(self.n_slots, self.slot_stride)
+        else:
+            dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+            if dev.startswith("cuda"):
+                self.tensor = torch.zeros(self.n_slots, self.slot_stride, dtype=torch.uint8, device=dev)
+            else:
+                self._shm = _create_shm(self.capacity_bytes, shm_name)
+                self._owns_shm = True
+                self.tensor = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=self.capacity_bytes).view(
+                    self.n_slots, self.slot_stride
+                ) if self.capacity_bytes else torch.empty(0, self.slot_stride, dtype=torch.uint8)
+        self.device = self.tensor.device
+        self._np = None if self.device.type == "cuda" else self.tensor.numpy()
+
+    @property
+    def shm_name(self) -> Optional[str]:
+        """Name an engine process passes to ``attach_shm`` (CPU only)."""
+        return self._shm.name if self._shm is not None else None
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def host_view(self, slot: int) -> np.ndarray:
+        self._check_slot(slot)
+        if self._np is None:
+            raise ValueError("HBM pool lives on a CUDA device; use slot_tensor()")
+        return self._np[slot, : self.block_bytes]
+
+    def slot_tensor(self, slot: int) -> torch.Tensor:
+        self._check_slot(slot)
+        return self.tensor[slot, : self.block_bytes]
+
+    def read(self, slot: int) -> bytes:
+        return bytes(self.slot_tensor(slot).cpu().numpy())
+
+    def write(self, slot: int, data: bytes | np.ndarray) -> None:
+        if self._np is not None:
+            return super().write(slot, data)
+        buf = np.frombuffer(bytes(data), dtype=np.uint8)
+        if buf.size > self.block_bytes:
+            raise ValueError(f"{buf.size} bytes do not fit a {self.block_bytes}-byte block")
+        self.tensor[slot, : buf.size].copy_(torch.from_numpy(buf.copy()))
+
+    def close(self) -> None:
+        self._np = None
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+        if self._shm is not None:
+            release_shm(self._shm, self._owns_shm)
+            self._shm = None
+
+
+def _bind_numa(addr: int, length: int, node: int) -> None:
+    """mbind(MPOL_BIND) a range to one NUMA node before first touch."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    nodemask = ctypes.c_ulong(1 << node)
+    sys_mbind = {"x86_64": 237, "aarch64": 235}.get(os.uname().machine)
+    if sys_mbind is None:
+        raise OSError(f"NUMA binding is not supported on {os.uname().machine}")
+    mpol_bind = 2
+    rc = libc.syscall(sys_mbind, ctypes.c_void_p(addr), ctypes.c_ulong(length), mpol_bind,
+                      ctypes.byref(nodemask), ctypes.c_ulong(64), 0)
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mbind to NUMA node {node} failed: {os.strerror(err)}")
+
+
+def numa_nodes() -> list[int]:
+    base = "/sys/devices/system/node"
+    try:
+        return sorted(int(d[4:]) for d in os.listdir(base) if d.startswith("node") and d[4:].isdigit())
+    except FileNotFoundError:
+        return [0]
+
+
+class DramPool(SlotPool):
+    """Host slot pool in POSIX shared memory."""
+
+    tier_name = "dram"
+
+    def __init__(
+        self,
+        n_slots: int,
+        block_bytes: int,
+        numa_node: Optional[int] = None,
+        pin: Optional[bool] = None,
+        shm_name: Optional[str] = None,
+    ) -> None:
+        super().__init__(n_slots, block_bytes)
+        self._shm = _create_shm(self.capacity_bytes, shm_name)
+        self.array = np.ndarray((self.n_slots, self.slot_stride), dtype=np.uint8, buffer=self._shm.buf)
+        if numa_node is not None:
+            if numa_node not in numa_nodes():
+                release_shm(self._shm, True)
+                raise ValueError(f"NUMA node {numa_node} does not exist (have {numa_nodes()})")
+            if self.capacity_bytes:
+                _bind_numa(self.array.ctypes.data, self.capacity_bytes, numa_node)
+        self.numa_node = numa_node
+        self.pinned = False
+        want_pin = torch.cuda.is_available() if pin is None else pin
+        if want_pin and self.capacity_bytes:
+            cudart = torch.cuda.cudart()
+            rc = cudart.cudaHostRegister(self.array.ctypes.data, self.capacity_bytes, 0)
+            self.pinned = int(rc) == 0 if not isinstance(rc, tuple) else int(rc[0]) == 0
+        self.tensor = torch.from_numpy(self.array)
+
+    @property
+    def shm_name(self) -> str:
+        return self._shm.name
+
+    def host_view(self, slot: int) -> np.ndarray:
+        self._check_slot(slot)
+        return self.array[slot, : self.block_bytes]
+
+    def slot_buffer(self, slot: int) -> np.ndarray:
+        """Whole page-aligned slot (stride bytes), for direct I/O."""
+        self._check_slot(slot)
+        return self.array[slot]
+
+    def close(self) -> None:
+        if self._shm is None:
+            return
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.array.ctypes.data)
+            self.pinned = False
+        self.tensor = None  # type: ignore[assignment]
+        self.array = None  # type: ignore[assignment]
+        release_shm(self._shm, True)
+        self._shm = None  # type: ignore[assignment]

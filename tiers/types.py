@@ -1,0 +1,48 @@
+"""Shared small types: tier ids, block states, the error taxonomy."""
+
+from __future__ import annotations
+
+import enum
+
+
+class Tier(enum.IntEnum):
+    HBM = 0
+    DRAM = 1
+    NVME = 2
+
+    @property
+    def medium(self) -> str:
+        """vLLM KV-event medium name of this tier."""
+        return ("GPU", "CPU", "DISK")[self]
+
+
+N_TIERS = len(Tier)
+TIER_NAMES = tuple(t.name.lower() for t in Tier)
+
+
+class BlockState(enum.IntEnum):
+    FREE = 0  # table entry unused
+    OPEN = 1  # being written; private to one sequence
+    SEALED = 2  # full and immutable; content-addressed by key
+
+
+class TierError(RuntimeError):
+    """A transfer or tier operation failed (I/O error, corrupt data)."""
+
+
+class CorruptBlockError(TierError):
+    """Bytes read back do not match the block's recorded checksum."""
+
+
+def parse_tier(value: "Tier | int | str") -> Tier:
+    if isinstance(value, Tier):
+        return value
+    if isinstance(value, str):
+        try:
+            return Tier[value.upper()]
+        except KeyError:
+            raise ValueError(f"unknown tier {value!r}; expected one of {TIER_NAMES}") from None
+    try:
+        return Tier(int(value))
+    except ValueError:
+        raise ValueError(f"unknown tier {value!r}") from None
