@@ -12,7 +12,7 @@ Only the owner thread may mutate a table; it is deliberately lock-free.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -187,6 +187,35 @@ class BlockTable:
                 lst.push_back(b)
             elif not want and lst.contains(b):
                 lst.remove(b)
+
+    def refresh_evictable_many(self, blocks: np.ndarray) -> None:
+        """Batch form: vectorised membership test, O(1) fix per mismatch."""
+        idle = (self.pins[blocks] == 0) & (self.busy[blocks] == 0)
+        copies = self.copies[blocks]
+        for t in range(N_TIERS):
+            lst = self.evictable[t]
+            want = idle & ((copies >> t) & 1 == 1)
+            have = lst.owner[blocks] == 0
+            for b in blocks[want & ~have].tolist():
+                lst.push_back(b)
+            for b in blocks[~want & have].tolist():
+                lst.remove(b)
+
+    def assign_slots(self, blocks: np.ndarray, tier: int) -> Optional[np.ndarray]:
+        """Batch ``assign_slot``; None (and no change) if too few are free."""
+        if np.any(self.slot[tier, blocks] != NIL):
+            raise ValueError(f"a block already holds a {Tier(tier).name} slot")
+        if self.free_slots[tier].length() < blocks.size:
+            return None
+        slots = self.free_slots[tier].pop_front_n(blocks.size)
+        self.slot_owner[tier][slots] = blocks
+        self.slot[tier, blocks] = slots
+        return slots
+
+    def release_slots(self, blocks: np.ndarray, tier: int) -> None:
+        """Batch ``release_slot``."""
+        for b in blocks.tolist():
+            self.release_slot(b, tier)
 
     def touch(self, b: int, now: float) -> None:
         """Record an access: most-recent end of every eviction list."""

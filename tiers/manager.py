@@ -34,6 +34,7 @@ from .nvme import NvmeStore
 from .pools import DramPool, HbmPool
 from .types import N_TIERS, BlockState, CorruptBlockError, Tier, TierError, parse_tier
 
+HBM, DRAM, NVME = int(Tier.HBM), int(Tier.DRAM), int(Tier.NVME)  # plain ints for hot paths
 EventListener = Callable[[str, int, int], None]  # (kind, block, tier)
 
 
@@ -98,9 +99,13 @@ class TierManager:
         return b
 
     def _check_blocks(self, blocks: Iterable[int]) -> np.ndarray:
-        arr = np.asarray(list(blocks) if not isinstance(blocks, np.ndarray) else blocks, dtype=np.int64).reshape(-1)
-        for b in arr.tolist():
-            self._check_block(b)
+        arr = np.asarray(blocks if isinstance(blocks, np.ndarray) else list(blocks), dtype=np.int64).reshape(-1)
+        t = self.table
+        bad = (arr < 0) | (arr >= t.max_blocks)
+        if not bad.any():
+            bad = t.state[arr] == BlockState.FREE
+        if bad.any():
+            raise ValueError(f"unknown block {int(arr[np.argmax(bad)])}")
         if np.unique(arr).size != arr.size:
             raise ValueError("a block is named twice in one request")
         return arr
@@ -111,16 +116,13 @@ class TierManager:
         t = self.table
         if n < 0:
             raise ValueError("n must be >= 0")
-        if t.free_slot_count(Tier.HBM) < n or len(t.free_blocks) < n:
+        if t.free_slot_count(HBM) < n or len(t.free_blocks) < n:
             return None
-        out = np.empty(n, dtype=np.int64)
-        now = self.clock()
-        for i in range(n):
-            b = t.new_block()
-            t.assign_slot(b, Tier.HBM)
-            t.mark_valid(b, Tier.HBM)
-            t.last_access[b] = now
-            out[i] = b
+        out = np.fromiter((t.new_block() for _ in range(n)), dtype=np.int64, count=n)
+        t.assign_slots(out, HBM)
+        t.copies[out] |= np.uint8(1 << HBM)
+        t.last_access[out] = self.clock()
+        t.refresh_evictable_many(out)
         return out
 
     def write(self, b: int, data: "bytes | np.ndarray", offset: int = 0) -> None:
@@ -129,12 +131,12 @@ class TierManager:
         t = self.table
         if t.state[b] != BlockState.OPEN:
             raise ValueError(f"block {b} is sealed and immutable")
-        if not t.has_copy(b, Tier.HBM) or t.busy[b]:
+        if not t.has_copy(b, HBM) or t.busy[b]:
             raise ValueError(f"block {b} is not resident in HBM")
         buf = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
         if offset < 0 or offset + buf.size > self.block_bytes:
             raise ValueError(f"write of {buf.size} bytes at {offset} overflows a {self.block_bytes}-byte block")
-        slot = int(t.slot[Tier.HBM, b])
+        slot = int(t.slot[HBM, b])
         if self.hbm.is_cuda:
             self.hbm.tensor[slot, offset: offset + buf.size].copy_(torch.from_numpy(buf.copy()))
         else:
@@ -151,7 +153,7 @@ class TierManager:
         t = self.table
         if t.state[b] != BlockState.OPEN:
             raise ValueError(f"block {b} is already sealed")
-        if not t.has_copy(b, Tier.HBM) or t.busy[b] or t.pins[b]:
+        if not t.has_copy(b, HBM) or t.busy[b] or t.pins[b]:
             raise ValueError(f"block {b} must be resident in HBM, idle and unpinned to seal")
         length = int(nbytes) if nbytes is not None else int(t.nbytes[b])
         if not 0 <= length <= self.block_bytes:
@@ -162,7 +164,7 @@ class TierManager:
             t.release_block(b)
             self.counters["seal_dedup"] += 1
             return existing
-        slot = int(t.slot[Tier.HBM, b])
+        slot = int(t.slot[HBM, b])
         data = self.hbm.slot_tensor(slot) if self.hbm.is_cuda else self.hbm.host_view(slot)
         t.nbytes[b] = length
         t.seal(b, key, block_checksum(data, length))
@@ -219,12 +221,12 @@ class TierManager:
         """Pin an HBM-resident block for a forward pass; returns its slot."""
         b = self._check_block(b)
         t = self.table
-        if not t.has_copy(b, Tier.HBM) or t.busy[b]:
+        if not t.has_copy(b, HBM) or t.busy[b]:
             raise ValueError(f"block {b} is not resident in HBM")
         t.pins[b] += 1
         t.touch(b, self.clock())
         t.refresh_evictable(b)
-        return int(t.slot[Tier.HBM, b])
+        return int(t.slot[HBM, b])
 
     def unpin(self, b: int) -> None:
         b = self._check_block(b)
@@ -248,53 +250,53 @@ class TierManager:
         """Copy blocks up into ``dst`` from their fastest lower copy."""
         dst = parse_tier(dst)
         arr = self._check_blocks(blocks)
-        t = self.table
-        srcs = set()
-        for b in arr.tolist():
-            if t.has_copy(b, dst):
-                raise ValueError(f"block {b} is already in {dst.name}")
-            lower = int(t.copies[b]) >> (dst + 1)
-            if not lower:
-                raise ValueError(f"block {b} has no copy below {dst.name} to promote")
-            srcs.add(dst + 1 + ((lower & -lower).bit_length() - 1))
-        if len(srcs) != 1:
+        copies = self.table.copies[arr].astype(np.int64)
+        if np.any((copies >> dst) & 1):
+            raise ValueError(f"block {int(arr[np.argmax((copies >> dst) & 1)])} is already in {dst.name}")
+        lower = copies >> (dst + 1)
+        if np.any(lower == 0):
+            raise ValueError(f"block {int(arr[np.argmax(lower == 0)])} has no copy below {dst.name} to promote")
+        src = dst + 1 + np.log2(lower & -lower).astype(np.int64)
+        if np.any(src != src[0]):
             raise ValueError("promote: blocks come from different tiers; split the request")
-        return self._move(arr, Tier(srcs.pop()), dst, keep_source=True)
+        return self._move(arr, Tier(int(src[0])) if arr.size else dst, dst, keep_source=True)
 
     def _move(self, arr: np.ndarray, src: Tier, dst: Tier, keep_source: bool) -> Optional[int]:
         t = self.table
-        if (dst == Tier.NVME or src == Tier.NVME) and self.nvme is None:
+        s, d = int(src), int(dst)
+        if NVME in (s, d) and self.nvme is None:
             raise ValueError("no NVMe tier is configured")
-        for b in arr.tolist():
-            if not t.has_copy(b, src):
-                raise ValueError(f"block {b} has no valid copy in {src.name}")
-            if t.busy[b]:
-                raise ValueError(f"block {b} is already moving")
-            if t.pins[b] and not keep_source:
-                raise ValueError(f"block {b} is pinned")
+        copies = t.copies[arr]
+        problems = (
+            ((copies >> s) & 1 == 0, f"has no valid copy in {src.name}"),
+            (t.busy[arr] != 0, "is already moving"),
+            ((t.pins[arr] != 0) & (not keep_source), "is pinned"),
+        )
+        for mask, why in problems:
+            if np.any(mask):
+                raise ValueError(f"block {int(arr[np.argmax(mask)])} {why}")
         sealed = t.state[arr] == BlockState.SEALED
         keep = keep_source & sealed  # open blocks always move (one copy)
-        need_io = ~np.array([t.has_copy(b, dst) for b in arr.tolist()], dtype=bool) if arr.size else np.zeros(0, bool)
-        if t.free_slot_count(dst) < int(need_io.sum()):
-            return None
-        # blocks whose dst copy is already valid: no I/O, just drop the source
-        for b, k in zip(arr[~need_io].tolist(), keep[~need_io].tolist()):
-            if not k:
-                t.release_slot(b, src)
-                self._emit("removed", b, src)
-            self.counters[f"clean_{src.name.lower()}->{dst.name.lower()}"] += 1
+        need_io = (copies >> d) & 1 == 0
         io = arr[need_io]
+        if t.free_slot_count(d) < io.size:
+            return None
+        clean = arr[~need_io & ~keep]  # dst copy already valid: just drop the source
+        for b in clean.tolist():
+            t.release_slot(b, s)
+            self._emit("removed", b, s)
+        self.counters[f"clean_{src.name.lower()}->{dst.name.lower()}"] += int((~need_io).sum())
         if io.size == 0:
             return 0
-        dst_slots = np.array([t.assign_slot(b, dst) for b in io.tolist()], dtype=np.int64)
+        dst_slots = t.assign_slots(io, d)
+        assert dst_slots is not None
         tid = next(self._tids)
         xfer = Transfer(
-            tid, src, dst, io.copy(), t.slot[src, io].astype(np.int64), dst_slots,
+            tid, src, dst, io.copy(), t.slot[s, io].astype(np.int64), dst_slots.astype(np.int64),
             t.key[io].copy(), t.nbytes[io].astype(np.int64), t.checksum[io].copy(), sealed[need_io].copy(),
         )
         t.busy[io] += 1
-        for b in io.tolist():
-            t.refresh_evictable(b)
+        t.refresh_evictable_many(io)
         self._pending[tid] = _Pending(io, src, dst, keep[need_io].copy())
         if not self.mover.submit(xfer):
             raise RuntimeError("mover refused a transfer")
@@ -303,25 +305,29 @@ class TierManager:
     def _apply(self, c: Completion) -> None:
         p = self._pending.pop(c.tid)
         t = self.table
+        s, d = int(p.src), int(p.dst)
         path = f"{p.src.name.lower()}->{p.dst.name.lower()}"
-        for i, b in enumerate(p.blocks.tolist()):
-            t.busy[b] -= 1
-            if c.ok[i]:
-                t.mark_valid(b, p.dst)
-                self._emit("stored", b, p.dst)
-                if not p.keep_source[i] and t.has_copy(b, p.src):
-                    t.release_slot(b, p.src)
-                    self._emit("removed", b, p.src)
-            else:
-                t.release_slot(b, p.dst)
-                self.last_errors[b] = c.errors.get(b, "transfer failed")
-                self.counters[f"errors_{path}"] += 1
-            if t.refcount[b] == 0 and t.state[b] == BlockState.OPEN and not t.busy[b]:
-                t.release_block(b)  # freed by its sequence while moving
-            elif t.state[b] != BlockState.FREE:
-                t.refresh_evictable(b)
-        ok = int(c.ok.sum())
-        self.counters[f"moves_{path}"] += ok
+        blocks = p.blocks
+        t.busy[blocks] -= 1
+        good, bad = blocks[c.ok], blocks[~c.ok]
+        t.copies[good] |= np.uint8(1 << d)
+        if c.checksums is not None:  # open blocks written back: checksum now known
+            t.checksum[good] = c.checksums[c.ok]
+        drop_src = good[~p.keep_source[c.ok]]
+        for b in good.tolist():
+            self._emit("stored", b, d)
+        for b in drop_src.tolist():
+            t.release_slot(b, s)
+            self._emit("removed", b, s)
+        t.release_slots(bad, d)  # reserved, never valid: the source copy stays
+        for b in bad.tolist():
+            self.last_errors[b] = c.errors.get(b, "transfer failed")
+        self.counters[f"errors_{path}"] += int(bad.size)
+        orphans = (t.refcount[blocks] == 0) & (t.state[blocks] == BlockState.OPEN) & (t.busy[blocks] == 0)
+        for b in blocks[orphans].tolist():
+            t.release_block(b)  # freed by its sequence while moving
+        t.refresh_evictable_many(blocks[~orphans])
+        self.counters[f"moves_{path}"] += int(good.size)
         self.counters[f"bytes_{path}"] += c.nbytes
         self.counters[f"busy_ns_{path}"] += int(c.seconds * 1e9)
 

@@ -62,9 +62,10 @@ class Completion:
     errors: dict[int, str] = field(default_factory=dict)  # block -> message
     nbytes: int = 0
     seconds: float = 0.0
+    checksums: Optional[np.ndarray] = None  # set when the path computed them
 
 
-PathFn = Callable[["Mover", Transfer, np.ndarray, dict], None]
+PathFn = Callable[["Mover", Transfer, np.ndarray, dict], Optional[np.ndarray]]
 PATHS: dict[tuple[Tier, Tier], PathFn] = {}
 
 
@@ -151,15 +152,16 @@ class Mover:
             ok = np.zeros(t.blocks.size, dtype=bool)
             errors: dict[int, str] = {}
             start = time.perf_counter()
+            sums = None
             try:
-                PATHS[(t.src, t.dst)](self, t, ok, errors)
+                sums = PATHS[(t.src, t.dst)](self, t, ok, errors)
             except Exception as e:  # a path bug must not kill the worker
                 for i in np.flatnonzero(~ok):
                     errors.setdefault(int(t.blocks[i]), f"{type(e).__name__}: {e}")
                 ok[:] = False
             seconds = time.perf_counter() - start
             nbytes = int(t.lengths[ok].sum())
-            self._done.put(Completion(t.tid, t.src, t.dst, t.blocks, ok, errors, nbytes, seconds))
+            self._done.put(Completion(t.tid, t.src, t.dst, t.blocks, ok, errors, nbytes, seconds, sums))
             with self._idle:
                 self._in_flight -= 1
                 if self._in_flight == 0:
@@ -221,37 +223,45 @@ def _dram_to_hbm(m: Mover, t: Transfer, ok: np.ndarray, errors: dict) -> None:
 
 
 def _write_nvme(m: Mover, t: Transfer, ok: np.ndarray, errors: dict,
-                source: Callable[[int], object]) -> None:
+                source: Callable[[int], object]) -> np.ndarray:
+    """Write each block with its header. Open blocks have no checksum yet:
+    it is computed here from the bytes written and returned to the owner."""
     assert m.nvme is not None
     futs = []
+    sums = t.checksums.copy()
     for i in range(t.blocks.size):
         try:
-            fut = m.nvme.write(int(t.dst_slots[i]), source(int(t.src_slots[i])), int(t.keys[i]),
-                               int(t.lengths[i]), int(t.checksums[i]), bool(t.sealed[i]))
+            buf = source(int(t.src_slots[i]))
+            if not t.sealed[i]:
+                sums[i] = block_checksum(buf, int(t.lengths[i]))
+            fut = m.nvme.write(int(t.dst_slots[i]), buf, int(t.keys[i]),
+                               int(t.lengths[i]), int(sums[i]), bool(t.sealed[i]))
         except Exception as e:
             errors[int(t.blocks[i])] = f"{type(e).__name__}: {e}"
             continue
         futs.append((i, fut))
     _wait_all(t, futs, ok, errors)
+    return sums
 
 
 @path(Tier.DRAM, Tier.NVME)
-def _dram_to_nvme(m: Mover, t: Transfer, ok: np.ndarray, errors: dict) -> None:
-    _write_nvme(m, t, ok, errors, m.dram.slot_buffer)
+def _dram_to_nvme(m: Mover, t: Transfer, ok: np.ndarray, errors: dict) -> np.ndarray:
+    return _write_nvme(m, t, ok, errors, m.dram.slot_buffer)
 
 
 @path(Tier.HBM, Tier.NVME)
-def _hbm_to_nvme(m: Mover, t: Transfer, ok: np.ndarray, errors: dict) -> None:
+def _hbm_to_nvme(m: Mover, t: Transfer, ok: np.ndarray, errors: dict) -> np.ndarray:
     if not m.hbm.is_cuda:
-        _write_nvme(m, t, ok, errors, lambda s: m.hbm._np[s])  # type: ignore[index]
-    elif m.nvme is not None and m.nvme.backend.name == "kvikio":
-        _write_nvme(m, t, ok, errors, lambda s: m.hbm.tensor[s])  # GPUDirect
-    else:
-        def staged(s: int) -> np.ndarray:
-            host = aligned_empty(m.hbm.slot_stride)
-            torch.from_numpy(host).copy_(m.hbm.tensor[s])
-            return host
-        _write_nvme(m, t, ok, errors, staged)
+        return _write_nvme(m, t, ok, errors, lambda s: m.hbm._np[s])  # type: ignore[index]
+    if m.nvme is not None and m.nvme.backend.name == "kvikio" and bool(t.sealed.all()):
+        return _write_nvme(m, t, ok, errors, lambda s: m.hbm.tensor[s])  # GPUDirect
+
+    def staged(s: int) -> np.ndarray:  # bounce through host memory
+        host = aligned_empty(m.hbm.slot_stride)
+        torch.from_numpy(host).copy_(m.hbm.tensor[s])
+        return host
+
+    return _write_nvme(m, t, ok, errors, staged)
 
 
 def _read_nvme(m: Mover, t: Transfer, ok: np.ndarray, errors: dict,

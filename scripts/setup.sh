@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Create .venv with the CPU build of torch and kvtier installed (idempotent).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+python -m pip install -q torch==2.13.0
+python -m pip install -q -e '.[test]'

@@ -1,0 +1,80 @@
+import numpy as np
+import pytest
+
+from kvtier.tiers.intrusive import NIL, IndexLists
+
+
+def test_push_pop_order_and_sentinels():
+    ls = IndexLists(5, n_lists=2)
+    for e in (3, 1, 4):
+        ls.push_back(e, 0)
+    ls.push_front(0, 1)
+    ls.push_back(2, 1)
+    assert ls.to_array(0).tolist() == [3, 1, 4]
+    assert ls.to_array(1).tolist() == [0, 2]
+    ls.move_to_back(3, 0)
+    assert ls.to_array(0).tolist() == [1, 4, 3]
+    assert ls.pop_front(0) == 1
+    assert ls.front(0) == 4 and ls.back(0) == 3
+    assert ls.pop_front_n(5, 1).tolist() == [0, 2]
+    assert ls.pop_front(1) == NIL
+    ls.check()
+
+
+def test_misuse_raises_and_keeps_state():
+    ls = IndexLists(3)
+    ls.push_back(1)
+    with pytest.raises(ValueError):
+        ls.push_back(1)
+    with pytest.raises(ValueError):
+        ls.remove(2)
+    with pytest.raises(ValueError):
+        ls.extend_back(np.array([0, 1]))
+    assert ls.to_array().tolist() == [1]
+    ls.check()
+
+
+def test_randomized_against_reference():
+    rng = np.random.default_rng(7)
+    n, k = 200, 3
+    ls = IndexLists(n, n_lists=k)
+    ref: list[list[int]] = [[] for _ in range(k)]
+    where = {}
+    for step in range(5000):
+        op = rng.integers(0, 6)
+        e = int(rng.integers(0, n))
+        lst = int(rng.integers(0, k))
+        if op == 0 and e not in where:
+            ls.push_back(e, lst); ref[lst].append(e); where[e] = lst
+        elif op == 1 and e not in where:
+            ls.push_front(e, lst); ref[lst].insert(0, e); where[e] = lst
+        elif op == 2 and e in where:
+            assert ls.remove(e) == where[e]; ref[where.pop(e)].remove(e)
+        elif op == 3:
+            got = ls.pop_front_n(int(rng.integers(0, 5)), lst).tolist()
+            exp = ref[lst][: len(got)]
+            assert got == exp and len(got) == min(len(ref[lst]), len(got))
+            del ref[lst][: len(got)]
+            for x in got:
+                where.pop(x)
+        elif op == 4 and e in where:
+            ls.move_to_back(e, lst); ref[where[e]].remove(e); ref[lst].append(e); where[e] = lst
+        elif op == 5:
+            fresh = [x for x in rng.permutation(n)[:4].tolist() if x not in where]
+            ls.extend_back(np.array(fresh, dtype=np.int64), lst); ref[lst].extend(fresh)
+            for x in fresh:
+                where[x] = lst
+        if step % 250 == 0:
+            ls.check()
+    for i in range(k):
+        assert ls.to_array(i).tolist() == ref[i]
+        assert ls.length(i) == len(ref[i])
+    ls.check()
+
+
+def test_check_detects_corruption():
+    ls = IndexLists(4)
+    ls.extend_back(np.arange(4))
+    ls.next[1] = 3  # skip element 2
+    with pytest.raises(RuntimeError):
+        ls.check()

@@ -1,0 +1,171 @@
+import numpy as np
+import pytest
+
+from kvtier.tiers.manager import TierManager
+from kvtier.tiers.types import BlockState, Tier
+
+from ..conftest import assert_same, pattern, snapshot
+
+BB = 12_000
+
+
+def _new_sealed(m: TierManager, tag: int) -> int:
+    b = int(m.alloc(1)[0])
+    m.write(b, pattern(tag, BB))
+    return m.seal(b, key=tag)
+
+
+def test_demote_promote_bytes_and_copies(manager):
+    m = manager
+    b = _new_sealed(m, 11)
+    o = int(m.alloc(1)[0])
+    m.write(o, pattern(99, 5000))
+    assert m.demote([b, o], "hbm", "dram") > 0
+    m.wait()
+    assert m.table.copies[b] == 0b010 and m.table.copies[o] == 0b010
+    assert m.read(b) == pattern(11, BB).tobytes() and m.read(o) == pattern(99, 5000).tobytes()
+    m.demote([b, o], Tier.DRAM, Tier.NVME); m.wait()
+    assert m.table.copies[b] == 0b100 and m.read(b) == pattern(11, BB).tobytes()
+    m.promote([b, o]); m.wait()
+    # sealed keeps its clean NVMe copy, open moved (exactly one copy)
+    assert m.table.copies[b] == 0b101 and m.table.copies[o] == 0b001
+    assert m.read(o) == pattern(99, 5000).tobytes()
+    before = m.counters["moves_hbm->nvme"]
+    assert m.demote([b], Tier.HBM, Tier.NVME) == 0  # clean: no I/O
+    assert m.counters["moves_hbm->nvme"] == before and m.table.copies[b] == 0b100
+    m.check_invariants()
+
+
+def test_prefix_sharing_refcounts(manager):
+    m = manager
+    a = _new_sealed(m, 5)
+    b = int(m.alloc(1)[0])
+    m.write(b, pattern(5, BB))
+    assert m.seal(b, key=5) == a  # same prefix key -> shared block
+    assert m.table.refcount[a] == 2 and m.table.state[b] == BlockState.FREE
+    assert m.ref(5) == a and m.table.refcount[a] == 3
+    for _ in range(3):
+        m.free(a)
+    assert m.table.state[a] == BlockState.SEALED and m.table.refcount[a] == 0  # cached
+    m.drop(a)
+    assert m.lookup(5) == -1
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("misuse", [
+    lambda m, b, o: m.free(999),
+    lambda m, b, o: m.promote([b]),                     # already in HBM
+    lambda m, b, o: m.promote([12345]),                 # unknown block
+    lambda m, b, o: m.demote([b], "dram", "nvme"),      # no DRAM copy
+    lambda m, b, o: m.demote([b, b], "hbm", "dram"),    # named twice
+    lambda m, b, o: m.demote([b], "nvme", "dram"),      # not downward
+    lambda m, b, o: m.demote([b], "hbm", "tape"),       # unknown tier
+    lambda m, b, o: m.write(b, b"x"),                   # sealed is immutable
+    lambda m, b, o: m.write(o, b"x" * (BB + 1)),        # wrong size
+    lambda m, b, o: m.seal(b, 7),                       # sealed twice
+    lambda m, b, o: m.drop(o),                          # live block
+    lambda m, b, o: m.unpin(o),                         # not pinned
+    lambda m, b, o: m.ref(424242),                      # unknown key
+    lambda m, b, o: m.drop_copy(o, "hbm"),              # only copy
+])
+def test_misuse_raises_and_changes_nothing(manager, misuse):
+    m = manager
+    b = _new_sealed(m, 3)
+    o = int(m.alloc(1)[0])
+    m.write(o, b"abc")
+    before = snapshot(m)
+    with pytest.raises(ValueError):
+        misuse(m, b, o)
+    assert_same(before, snapshot(m))
+    m.check_invariants()
+
+
+def test_pinned_and_double_free(manager):
+    m = manager
+    b = _new_sealed(m, 8)
+    m.pin(b)
+    before = snapshot(m)
+    for bad in (lambda: m.demote([b], "hbm", "dram"), lambda: m.free(b), lambda: m.drop(b)):
+        with pytest.raises(ValueError):
+            bad()
+        assert_same(before, snapshot(m))
+    m.unpin(b)
+    m.free(b)
+    with pytest.raises(ValueError, match="double free"):
+        m.free(b)
+
+
+def test_full_tier_returns_none(manager):
+    m = manager
+    blocks = m.alloc(6)
+    assert m.alloc(1) is None  # HBM full: "does not fit", nothing changes
+    for i, b in enumerate(blocks.tolist()):
+        m.write(b, pattern(i, 100))
+    m.demote(blocks, "hbm", "dram"); m.wait()
+    more = m.alloc(6)
+    before = snapshot(m)
+    assert m.demote(more, "hbm", "dram") is None
+    assert_same(before, snapshot(m))
+
+
+def test_randomized_operations_keep_bytes_and_invariants(nvme_dir):
+    rng = np.random.default_rng(2024)
+    m = TierManager(BB, 8, 10, 24, nvme_dir=nvme_dir, io_backend="posix", io_threads=3, max_blocks=64)
+    expected: dict[int, bytes] = {}
+    try:
+        for step in range(400):
+            live = [b for b in expected]
+            op = rng.integers(0, 7)
+            try:
+                if op == 0:
+                    got = m.alloc(int(rng.integers(1, 3)))
+                    if got is not None:
+                        for b in got.tolist():
+                            tag = int(rng.integers(0, 1 << 20))
+                            m.write(b, pattern(tag, BB))
+                            expected[b] = pattern(tag, BB).tobytes()
+                elif op == 1 and live:
+                    b = int(rng.choice(live))
+                    if m.table.state[b] == BlockState.OPEN and m.table.has_copy(b, 0) and not m.table.busy[b]:
+                        tag = int(rng.integers(0, 12))  # few keys: dedupe happens
+                        m.write(b, pattern(tag, BB))
+                        c = m.seal(b, key=tag)
+                        if c != b:
+                            del expected[b]
+                        expected[c] = pattern(tag, BB).tobytes()
+                elif op in (2, 3) and live:
+                    pick = rng.choice(live, size=min(len(live), int(rng.integers(1, 4))), replace=False)
+                    home = m.table.home_tiers()[pick]
+                    src = int(home[0])
+                    pick = pick[home == src]
+                    if op == 2 and src < 2:
+                        m.demote(pick, src, int(rng.integers(src + 1, 3)))
+                    elif op == 3 and src > 0:
+                        m.promote(pick, int(rng.integers(0, src)))
+                elif op == 4 and live:
+                    b = int(rng.choice(live))
+                    if m.table.refcount[b] > 0:
+                        m.free(b)
+                        if m.table.refcount[b] == 0 and m.table.state[b] != BlockState.SEALED:
+                            del expected[b]  # open block dies (deferred while it moves)
+                elif op == 5 and live:
+                    b = int(rng.choice(live))
+                    if m.table.refcount[b] == 0 and not m.table.busy[b]:
+                        m.drop(b)
+                        del expected[b]
+                elif op == 6:
+                    m.poll()
+            except ValueError:
+                pass  # misuse of a busy/pinned block is rejected; state checked below
+            if step % 10 == 0:
+                m.wait()
+                m.check_invariants()
+                assert not m.last_errors
+                for b, data in expected.items():
+                    assert m.table.state[b] != BlockState.FREE
+                    assert m.read(b) == data, f"block {b} bytes changed at step {step}"
+        m.wait()
+        m.check_invariants()
+        assert m.counters["moves_dram->nvme"] > 0 and m.counters["moves_nvme->hbm"] + m.counters["moves_nvme->dram"] > 0
+    finally:
+        m.close()
