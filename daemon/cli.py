@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 # module path -> registers one or more subcommands
 COMMAND_MODULES: tuple[str, ...] = (
     "kvtier.daemon.commands.bench",
+    "kvtier.daemon.commands.replay",
 )
 
 

@@ -1,0 +1,46 @@
+"""The policy interface shared by the daemon and the replay simulator."""
+
+from __future__ import annotations
+
+
+class Policy:
+    """Hooks called by the cache mechanism for every access.
+
+    ``cls`` is the block's feature class (see ``kvtier.predictor.classes``);
+    ``next_use`` is the index of the block's next access and is given only to
+    offline policies (``offline = True``) in replay; online ones get -1.
+    """
+
+    name = "base"
+    offline = False
+
+    def __init__(self, capacity: int, max_blocks: int) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1 block")
+        self.capacity = int(capacity)
+        self.max_blocks = int(max_blocks)
+        self.size = 0
+
+    def observe(self, b: int, now: float, cls: int) -> None:
+        """Every access, before hit/miss handling (predictor updates)."""
+
+    def on_hit(self, b: int, now: float, cls: int, next_use: int) -> None:
+        raise NotImplementedError
+
+    def admit(self, b: int, now: float, cls: int, next_use: int) -> bool:
+        """Should a missed block enter the cache? (bypass when False)"""
+        return True
+
+    def evict(self, now: float) -> int:
+        """Choose, unlink and return one victim."""
+        raise NotImplementedError
+
+    def insert(self, b: int, now: float, cls: int, next_use: int) -> None:
+        raise NotImplementedError
+
+    def remove(self, b: int) -> None:
+        """Forget a resident block dropped by the mechanism (not a victim)."""
+        raise NotImplementedError
+
+    def stats(self) -> dict:
+        return {}

@@ -1,0 +1,133 @@
+"""kvtier's value policy: keep the blocks most likely to be reused.
+
+value(b) = P(reuse within H | b) x weight(importance_b) x cost saved.
+P comes from the Beta-Bernoulli predictor: after each access a block's
+(alpha, beta) is the empirical-Bayes prior of its class (features x access
+stage), and idle epochs are applied lazily with forgetting, so
+P(reuse within H | idle k) = 1 - B(a', b'+H)/B(a', b') with (a', b') the
+forgotten state. In replay importance and cost are uniform, so the value is P.
+
+Victim search without O(N) work: blocks sit in one LRU list per prior class.
+Within a class all blocks share a state at their last access and the
+Beta-geometric hazard falls with idle time, so each list's least recent block
+is its lowest-value one; the victim is the minimum over list heads (<= 64),
+found by one vectorised evaluation. Admission uses the same number: a missed
+block enters only if it is worth more than the victim it would displace.
+
+The horizon H is not a tuned constant: it tracks the cache's own
+characteristic time (an EWMA of the idle age of evicted blocks), so "worth
+keeping" means "likely to be reused before this cache would forget it".
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kvtier.predictor.beta import BetaReuseModel, forget, p_reuse_within
+from kvtier.predictor.calibration import CalibrationTracker
+from kvtier.predictor.classes import N_CLASSES, N_STAGES
+from kvtier.predictor.priors import ClassPriors
+from kvtier.tiers.intrusive import IndexLists
+
+from . import register_policy
+from .base import Policy
+
+
+def p_scalar(a: float, b: float, h: float) -> float:
+    """1 - B(a, b+h)/B(a, b) with math.lgamma (the per-access fast path)."""
+    a = max(a, 1e-12)
+    b = max(b, 1e-12)
+    return -math.expm1(math.lgamma(b + h) - math.lgamma(a + b + h) - math.lgamma(b) + math.lgamma(a + b))
+
+
+@register_policy("kvtier")
+class ValuePolicy(Policy):
+    def __init__(self, capacity: int, max_blocks: int, epoch_s: float = 1.0, forgetting: float = 0.99999,
+                 prior_window_epochs: float = 2048.0, prior_refit_every: int = 2000, prior_shrink: float = 50.0,
+                 horizon_init_epochs: float = 64.0, horizon_smoothing: float = 0.01,
+                 admission: bool = True, track_calibration: bool = True, **_: object) -> None:
+        super().__init__(capacity, max_blocks)
+        self.alpha = np.zeros(max_blocks)
+        self.beta = np.zeros(max_blocks)
+        self.last = np.zeros(max_blocks)
+        self.model = BetaReuseModel(self.alpha, self.beta, self.last, epoch_s, forgetting)
+        self.priors = ClassPriors(N_CLASSES, max_blocks, prior_window_epochs, prior_refit_every, prior_shrink)
+        self.accesses = np.zeros(max_blocks, dtype=np.int32)
+        self.klass = np.zeros(max_blocks, dtype=np.int32)
+        self.lists = IndexLists(max_blocks, n_lists=N_CLASSES)
+        self.sentinels = self.lists.capacity + np.arange(N_CLASSES)
+        self.horizon = float(horizon_init_epochs)
+        self.smoothing = float(horizon_smoothing)
+        self.admission = admission
+        self.calib = CalibrationTracker(max_blocks) if track_calibration else None
+        self._victim = -1
+        self._epoch = 0.0
+        self.bypassed = 0
+
+    # -- predictor ---------------------------------------------------------
+    def observe(self, b: int, now: float, cls: int) -> None:
+        e = now / self.model.epoch_s
+        self._epoch = e
+        pr = self.priors
+        pr.advance(e)
+        n = int(self.accesses[b]) + 1
+        self.accesses[b] = n
+        k = cls * N_STAGES + min(n, N_STAGES) - 1
+        self.klass[b] = k
+        pr.event(b, k, e)
+        a, bb = float(pr.alpha[k]), float(pr.beta[k])
+        self.alpha[b] = a
+        self.beta[b] = bb
+        self.last[b] = e
+        if self.calib is not None:
+            self.calib.access(b, e)
+            self.calib.predict(b, p_scalar(a, bb, self.horizon), e, self.horizon)
+
+    # -- cache hooks ---------------------------------------------------------
+    def on_hit(self, b: int, now: float, cls: int, next_use: int) -> None:
+        self.lists.remove(b)
+        self.lists.push_back(b, int(self.klass[b]))
+
+    def _find_victim(self) -> tuple[int, float]:
+        nonempty = np.flatnonzero(self.lists.lengths)
+        heads = self.lists.next[self.sentinels[nonempty]]
+        a, b = forget(self.alpha[heads], self.beta[heads], self._epoch - self.last[heads], self.model.lam)
+        p = p_reuse_within(a, b, self.horizon)
+        i = int(np.argmin(p))
+        return int(heads[i]), float(p[i])
+
+    def admit(self, b: int, now: float, cls: int, next_use: int) -> bool:
+        if self.size < self.capacity:
+            self._victim = -1
+            return True
+        victim, v_value = self._find_victim()
+        self._victim = victim
+        if not self.admission:
+            return True
+        if p_scalar(float(self.alpha[b]), float(self.beta[b]), self.horizon) > v_value:
+            return True
+        self.bypassed += 1
+        return False
+
+    def evict(self, now: float) -> int:
+        v = self._victim if self._victim >= 0 else self._find_victim()[0]
+        self._victim = -1
+        age = self._epoch - self.last[v]
+        self.horizon += self.smoothing * (max(age, 1.0) - self.horizon)
+        self.lists.remove(v)
+        self.size -= 1
+        return v
+
+    def insert(self, b: int, now: float, cls: int, next_use: int) -> None:
+        self.lists.push_back(b, int(self.klass[b]))
+        self.size += 1
+
+    def remove(self, b: int) -> None:
+        self.lists.remove(b)
+        self.size -= 1
+
+    def stats(self) -> dict:
+        return {"horizon_epochs": self.horizon, "bypassed": self.bypassed,
+                "class_alpha": self.priors.alpha.tolist(), "class_beta": self.priors.beta.tolist()}

@@ -1,0 +1,74 @@
+"""Calibration of reuse predictions: Brier score and expected calibration error.
+
+Predictions are made at each access ("reused within H epochs?"); the outcome
+is known at the block's next access or once the deadline passes. Pending
+predictions are held per block, so tracking costs O(1) per access.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def brier(p: np.ndarray, y: np.ndarray) -> float:
+    p = np.asarray(p, dtype=np.float64)
+    return float(np.mean((p - np.asarray(y, dtype=np.float64)) ** 2)) if p.size else float("nan")
+
+
+def reliability(p: np.ndarray, y: np.ndarray, n_bins: int = 10) -> dict[str, np.ndarray]:
+    """Per equal-width bin: count, mean prediction, observed frequency."""
+    p = np.asarray(p, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    idx = np.minimum((p * n_bins).astype(np.int64), n_bins - 1)
+    count = np.bincount(idx, minlength=n_bins).astype(np.float64)
+    sp = np.bincount(idx, weights=p, minlength=n_bins)
+    sy = np.bincount(idx, weights=y, minlength=n_bins)
+    with np.errstate(invalid="ignore"):
+        return {"count": count, "mean_p": sp / count, "freq": sy / count}
+
+
+def ece(p: np.ndarray, y: np.ndarray, n_bins: int = 10) -> float:
+    r = reliability(p, y, n_bins)
+    n = r["count"].sum()
+    if n == 0:
+        return float("nan")
+    gap = np.nan_to_num(np.abs(r["mean_p"] - r["freq"]))
+    return float(np.sum(r["count"] / n * gap))
+
+
+class CalibrationTracker:
+    """Online (prediction, outcome) pairs, resolved per block."""
+
+    def __init__(self, max_blocks: int, n_bins: int = 10) -> None:
+        self.n_bins = n_bins
+        self.pred = np.full(max_blocks, np.nan)
+        self.deadline = np.zeros(max_blocks)
+        self._p: list[float] = []
+        self._y: list[int] = []
+
+    def predict(self, block: int, p: float, now: float, horizon: float) -> None:
+        self.pred[block] = p
+        self.deadline[block] = now + horizon
+
+    def access(self, block: int, now: float) -> None:
+        p = self.pred[block]
+        if p == p:  # not NaN: a prediction is pending
+            self._p.append(float(p))
+            self._y.append(int(now <= self.deadline[block]))
+            self.pred[block] = np.nan
+
+    def finish(self, now: float) -> None:
+        """Resolve pending predictions whose deadline has passed (no reuse)."""
+        due = ~np.isnan(self.pred) & (self.deadline < now)
+        self._p.extend(self.pred[due].tolist())
+        self._y.extend([0] * int(due.sum()))
+        self.pred[due] = np.nan
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        return np.asarray(self._p), np.asarray(self._y)
+
+    def summary(self) -> dict[str, float]:
+        p, y = self.arrays()
+        return {"brier": brier(p, y), "ece": ece(p, y, self.n_bins), "n": int(p.size),
+                "mean_p": float(p.mean()) if p.size else float("nan"),
+                "base_rate": float(y.mean()) if y.size else float("nan")}
