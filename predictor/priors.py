@@ -14,6 +14,7 @@ strength from the rest (the hierarchical part).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import numpy as np
@@ -61,7 +62,10 @@ class ClassPriors:
             raise ValueError(f"class {cls} out of range [0, {self.n_classes})")
         if self.pending[block]:
             age = epoch - self.born_epoch[block]
-            j = int(np.searchsorted(self.edges, age, side="right")) - 1 if age < self.window else -1
+            # a reuse at age x falls in epoch G = ceil(x) >= 1; bin j holds
+            # G in (edges[j], edges[j+1]], probability S(edges[j]) - S(edges[j+1])
+            g = max(1.0, math.ceil(age))
+            j = int(np.searchsorted(self.edges, g, side="left")) - 1 if g <= self.window else -1
             self.hist[self.born_class[block], j] += 1.0
             self._count()
         self.born_class[block] = cls
