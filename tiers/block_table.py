@@ -213,9 +213,19 @@ class BlockTable:
         return slots
 
     def release_slots(self, blocks: np.ndarray, tier: int) -> None:
-        """Batch ``release_slot``."""
-        for b in blocks.tolist():
-            self.release_slot(b, tier)
+        """Batch ``release_slot``: vectorised bookkeeping, O(1) list ops each."""
+        if blocks.size == 0:
+            return
+        slots = self.slot[tier, blocks]
+        if np.any(slots == NIL):
+            raise ValueError(f"a block has no {Tier(tier).name} slot")
+        self.copies[blocks] &= np.uint8(~(1 << tier) & 0xFF)
+        ev = self.evictable[tier]
+        for b in blocks[ev.owner[blocks] == 0].tolist():
+            ev.remove(b)
+        self.slot_owner[tier][slots] = NIL
+        self.slot[tier, blocks] = NIL
+        self.free_slots[tier].extend_back(slots.astype(np.int64))
 
     def touch(self, b: int, now: float) -> None:
         """Record an access: most-recent end of every eviction list."""

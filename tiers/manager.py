@@ -314,11 +314,12 @@ class TierManager:
         if c.checksums is not None:  # open blocks written back: checksum now known
             t.checksum[good] = c.checksums[c.ok]
         drop_src = good[~p.keep_source[c.ok]]
-        for b in good.tolist():
-            self._emit("stored", b, d)
-        for b in drop_src.tolist():
-            t.release_slot(b, s)
-            self._emit("removed", b, s)
+        t.release_slots(drop_src, s)
+        if self.listeners:
+            for b in good.tolist():
+                self._emit("stored", b, d)
+            for b in drop_src.tolist():
+                self._emit("removed", b, s)
         t.release_slots(bad, d)  # reserved, never valid: the source copy stays
         for b in bad.tolist():
             self.last_errors[b] = c.errors.get(b, "transfer failed")
