@@ -176,8 +176,14 @@ class Mover:
         if self._stream is None:
             d = dst.numpy()
             s = src.numpy()
-            for i, j in zip(dst_idx.tolist(), src_idx.tolist()):
-                np.copyto(d[i], s[j])
+            # coalesce runs where both sides are consecutive slots: one large
+            # copy per run instead of one call per block
+            brk = np.flatnonzero((np.diff(dst_idx) != 1) | (np.diff(src_idx) != 1)) + 1
+            starts = np.concatenate(([0], brk)).tolist()
+            ends = np.concatenate((brk, [dst_idx.size])).tolist()
+            for a, e in zip(starts, ends):
+                di, si = int(dst_idx[a]), int(src_idx[a])
+                np.copyto(d[di: di + e - a], s[si: si + e - a])
             return
         with torch.cuda.stream(self._stream):
             di = torch.as_tensor(dst_idx, device=dst.device)
