@@ -43,4 +43,4 @@ def write_json(path: str | None, result: dict[str, Any]) -> None:
 def _run(mod: Any, args: argparse.Namespace) -> int:
     result = mod.run(args)
     write_json(args.json, result)
-    return 0 if result.get("ok", True) else 1
+    return 0  # below-target ratios are reported (JSON "ok", table verdict), not errors
