@@ -38,7 +38,7 @@ def gather_blocks(layer_caches: Sequence[torch.Tensor], block_ids: torch.Tensor,
     elif tuple(out.shape) != (idx.numel(), *shape):
         raise ValueError(f"out has shape {tuple(out.shape)}, need {(idx.numel(), *shape)}")
     for layer, lc in enumerate(layer_caches):
-        torch.index_select(lc, 0, idx, out=out[:, layer]) if out[:, layer].is_contiguous() else out[:, layer].copy_(lc.index_select(0, idx))
+        out[:, layer].copy_(lc.index_select(0, idx))
     return out
 
 

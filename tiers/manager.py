@@ -32,7 +32,7 @@ from .io_backends import IOBackend, select_backend
 from .mover import Completion, Mover, Transfer
 from .nvme import NvmeStore
 from .pools import DramPool, HbmPool
-from .types import N_TIERS, BlockState, CorruptBlockError, Tier, TierError, parse_tier
+from .types import BlockState, CorruptBlockError, Tier, TierError, parse_tier
 
 HBM, DRAM, NVME = int(Tier.HBM), int(Tier.DRAM), int(Tier.NVME)  # plain ints for hot paths
 EventListener = Callable[[str, int, int], None]  # (kind, block, tier)
@@ -350,9 +350,6 @@ class TierManager:
             out.extend(self.poll(timeout=left if left is not None else 1.0))
         return out
 
-    def transfer_ok(self, completions: list[Completion], tid: int) -> bool:
-        return any(c.tid == tid and bool(c.ok.all()) for c in completions)
-
     # -- reading (tests, CLI) ------------------------------------------------
     def read(self, b: int) -> bytes:
         """Valid payload bytes of ``b`` from its fastest copy (NVMe verified)."""
@@ -391,17 +388,12 @@ class TierManager:
         self.recovered = len(found)
 
     def tier_usage(self) -> list[dict]:
+        """Slots and bytes per tier (for stats and metrics)."""
         t = self.table
-        pools = (self.hbm, self.dram, self.nvme)
-        out = []
-        for tier in Tier:
-            pool = pools[tier]
-            stride = pool.slot_stride if hasattr(pool, "slot_stride") else getattr(pool, "data_stride", 0)
-            used = t.used_slot_count(tier)
-            out.append({"tier": tier.name.lower(), "slots": t.slots_per_tier[tier], "used": used,
-                        "capacity_bytes": t.slots_per_tier[tier] * (stride or 0),
-                        "used_bytes": used * (stride or 0)})
-        return out
+        strides = (self.hbm.slot_stride, self.dram.slot_stride, self.nvme.data_stride if self.nvme else 0)
+        return [{"tier": tier.name.lower(), "slots": t.slots_per_tier[tier], "used": t.used_slot_count(tier),
+                 "capacity_bytes": t.slots_per_tier[tier] * strides[tier],
+                 "used_bytes": t.used_slot_count(tier) * strides[tier]} for tier in Tier]
 
     def check_invariants(self) -> None:
         self.table.check_invariants()
@@ -420,4 +412,4 @@ class TierManager:
         self.dram.close()
 
 
-__all__ = ["TierManager", "N_TIERS"]
+__all__ = ["TierManager"]
