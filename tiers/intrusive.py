@@ -91,11 +91,6 @@ class IndexLists:
     def push_front(self, elem: int, lst: int = 0) -> None:
         self._link_after(self.sentinel(lst), elem, lst)
 
-    def insert_after(self, anchor: int, elem: int) -> None:
-        """Insert ``elem`` right after ``anchor`` (an element or a sentinel)."""
-        lst = int(self.owner[anchor]) if anchor < self.capacity else anchor - self.capacity
-        self._link_after(anchor, elem, lst)
-
     def remove(self, elem: int) -> int:
         """Unlink ``elem``; returns the list it was in."""
         lst = int(self.owner[elem])
