@@ -16,6 +16,8 @@ from typing import Optional, Sequence
 COMMAND_MODULES: tuple[str, ...] = (
     "kvtier.daemon.commands.bench",
     "kvtier.daemon.commands.replay",
+    "kvtier.daemon.commands.serve",
+    "kvtier.daemon.commands.config",
 )
 
 

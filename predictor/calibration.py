@@ -7,6 +7,9 @@ predictions are held per block, so tracking costs O(1) per access.
 
 from __future__ import annotations
 
+from collections import deque
+from typing import Optional
+
 import numpy as np
 
 
@@ -39,12 +42,17 @@ def ece(p: np.ndarray, y: np.ndarray, n_bins: int = 10) -> float:
 class CalibrationTracker:
     """Online (prediction, outcome) pairs, resolved per block."""
 
-    def __init__(self, max_blocks: int, n_bins: int = 10) -> None:
+    def __init__(self, max_blocks: int, n_bins: int = 10, window: Optional[int] = None) -> None:
         self.n_bins = n_bins
         self.pred = np.full(max_blocks, np.nan)
         self.deadline = np.zeros(max_blocks)
-        self._p: list[float] = []
-        self._y: list[int] = []
+        # a long-running daemon keeps the newest ``window`` pairs; replay keeps all
+        self._p: deque[float] = deque(maxlen=window)
+        self._y: deque[int] = deque(maxlen=window)
+
+    @property
+    def n_scored(self) -> int:
+        return len(self._p)
 
     def predict(self, block: int, p: float, now: float, horizon: float) -> None:
         self.pred[block] = p

@@ -161,6 +161,7 @@ class TierManager:
         existing = t.lookup(key)
         if existing >= 0:
             t.refcount[existing] += t.refcount[b]
+            self._emit("removed", b, -1)
             t.release_block(b)
             self.counters["seal_dedup"] += 1
             return existing
@@ -192,6 +193,7 @@ class TierManager:
             raise ValueError(f"block {b} is pinned; release it before freeing")
         t.refcount[b] -= 1
         if t.refcount[b] == 0 and t.state[b] == BlockState.OPEN and not t.busy[b]:
+            self._emit("removed", b, -1)
             t.release_block(b)
 
     def drop(self, b: int) -> None:
@@ -227,6 +229,26 @@ class TierManager:
         t.touch(b, self.clock())
         t.refresh_evictable(b)
         return int(t.slot[HBM, b])
+
+    def pin_many(self, blocks: np.ndarray) -> np.ndarray:
+        """Vectorised ``pin``: all or nothing; returns the HBM slots."""
+        t = self.table
+        arr = self._check_blocks(blocks)
+        bad = ((t.copies[arr] >> HBM) & 1 == 0) | (t.busy[arr] != 0)
+        if bad.any():
+            raise ValueError(f"block {int(arr[np.argmax(bad)])} is not resident in HBM")
+        t.pins[arr] += 1
+        t.last_access[arr] = self.clock()
+        t.refresh_evictable_many(arr)
+        return t.slot[HBM, arr].astype(np.int64)
+
+    def unpin_many(self, blocks: np.ndarray) -> None:
+        t = self.table
+        arr = self._check_blocks(blocks)
+        if np.any(t.pins[arr] <= 0):
+            raise ValueError(f"block {int(arr[np.argmax(t.pins[arr] <= 0)])} is not pinned")
+        t.pins[arr] -= 1
+        t.refresh_evictable_many(arr)
 
     def unpin(self, b: int) -> None:
         b = self._check_block(b)
@@ -326,11 +348,16 @@ class TierManager:
         self.counters[f"errors_{path}"] += int(bad.size)
         orphans = (t.refcount[blocks] == 0) & (t.state[blocks] == BlockState.OPEN) & (t.busy[blocks] == 0)
         for b in blocks[orphans].tolist():
+            self._emit("removed", b, -1)
             t.release_block(b)  # freed by its sequence while moving
         t.refresh_evictable_many(blocks[~orphans])
         self.counters[f"moves_{path}"] += int(good.size)
         self.counters[f"bytes_{path}"] += c.nbytes
         self.counters[f"busy_ns_{path}"] += int(c.seconds * 1e9)
+
+    def pending_out(self, tier: "Tier | int") -> int:
+        """Slots of ``tier`` that in-flight transfers will free when they complete."""
+        return sum(int((~p.keep_source).sum()) for p in self._pending.values() if p.src == tier)
 
     def poll(self, timeout: Optional[float] = 0.0) -> list[Completion]:
         """Apply finished transfers; returns their completions."""

@@ -192,6 +192,11 @@ class NvmeStore:
         self.seq = max(self.seq, max_seq)
         return sorted(best.values(), key=lambda r: r.slot), discarded
 
+    def sync(self) -> None:
+        """Make every written slot durable (the slot headers are the index)."""
+        for h in self._handles:
+            self.backend.fsync(h)
+
     def close(self) -> None:
         for h in self._handles:
             self.backend.close(h)

@@ -22,6 +22,7 @@ keeping" means "likely to be reused before this cache would forget it".
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import numpy as np
 
@@ -47,7 +48,8 @@ class ValuePolicy(Policy):
     def __init__(self, capacity: int, max_blocks: int, epoch_s: float = 1.0, forgetting: float = 0.99999,
                  prior_window_epochs: float = 2048.0, prior_refit_every: int = 2000, prior_shrink: float = 50.0,
                  horizon_init_epochs: float = 64.0, horizon_smoothing: float = 0.01,
-                 admission: bool = True, track_calibration: bool = True, **_: object) -> None:
+                 admission: bool = True, track_calibration: bool = True, calibration_bins: int = 10,
+                 calibration_window: Optional[int] = None, **_: object) -> None:
         super().__init__(capacity, max_blocks)
         self.alpha = np.zeros(max_blocks)
         self.beta = np.zeros(max_blocks)
@@ -56,12 +58,13 @@ class ValuePolicy(Policy):
         self.priors = ClassPriors(N_CLASSES, max_blocks, prior_window_epochs, prior_refit_every, prior_shrink)
         self.accesses = np.zeros(max_blocks, dtype=np.int32)
         self.klass = np.zeros(max_blocks, dtype=np.int32)
+        self.weight = np.ones(max_blocks)  # importance weight (the daemon sets it; 1 in replay)
         self.lists = IndexLists(max_blocks, n_lists=N_CLASSES)
         self.sentinels = self.lists.capacity + np.arange(N_CLASSES)
         self.horizon = float(horizon_init_epochs)
         self.smoothing = float(horizon_smoothing)
         self.admission = admission
-        self.calib = CalibrationTracker(max_blocks) if track_calibration else None
+        self.calib = CalibrationTracker(max_blocks, calibration_bins, calibration_window) if track_calibration else None
         self._victim = -1
         self._epoch = 0.0
         self.bypassed = 0
@@ -94,7 +97,7 @@ class ValuePolicy(Policy):
         nonempty = np.flatnonzero(self.lists.lengths)
         heads = self.lists.next[self.sentinels[nonempty]]
         a, b = forget(self.alpha[heads], self.beta[heads], self._epoch - self.last[heads], self.model.lam)
-        p = p_reuse_within(a, b, self.horizon)
+        p = p_reuse_within(a, b, self.horizon) * self.weight[heads]
         i = int(np.argmin(p))
         return int(heads[i]), float(p[i])
 
@@ -106,7 +109,7 @@ class ValuePolicy(Policy):
         self._victim = victim
         if not self.admission:
             return True
-        if p_scalar(float(self.alpha[b]), float(self.beta[b]), self.horizon) > v_value:
+        if p_scalar(float(self.alpha[b]), float(self.beta[b]), self.horizon) * self.weight[b] > v_value:
             return True
         self.bypassed += 1
         return False

@@ -1,0 +1,160 @@
+"""Acquire waiters and the prefetcher: bringing blocks into HBM on time.
+
+An acquire pins every block that is already resident and starts promotions
+for the rest; it completes when all are pinned, or fails at its deadline
+(releasing what it pinned: nothing leaks). A hint queues blocks by deadline;
+the prefetcher promotes them in idle time within a bandwidth budget, so a
+later acquire finds them resident ("on time").
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from kvtier.tiers.manager import TierManager
+from kvtier.tiers.types import Tier
+
+from .placement import Placement
+from .session import EngineSession
+
+HBM = int(Tier.HBM)
+
+
+@dataclass
+class Waiter:
+    ticket: int
+    session: EngineSession
+    blocks: np.ndarray
+    deadline: float
+    started: float
+    blocking: bool
+    reply_to: Any = None  # opaque to this module: the server's routing info
+    pinned: np.ndarray = field(default=None)  # type: ignore[assignment]
+    slots: np.ndarray = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        self.pinned = np.zeros(self.blocks.size, dtype=bool)
+        self.slots = np.full(self.blocks.size, -1, dtype=np.int64)
+
+    @property
+    def done(self) -> bool:
+        return bool(self.pinned.all())
+
+
+def source_tiers(copies: np.ndarray, above: int) -> np.ndarray:
+    """Fastest tier strictly below ``above`` holding a copy (-1 if none)."""
+    lower = copies.astype(np.int64) >> (above + 1)
+    out = np.full(copies.shape, -1, dtype=np.int64)
+    has = lower > 0
+    out[has] = above + 1 + np.log2(lower[has] & -lower[has]).astype(np.int64)
+    return out
+
+
+def promote_missing(mgr: TierManager, placement: Placement, blocks: np.ndarray, budget: Optional[int] = None) -> int:
+    """Start promotions to HBM for ``blocks`` that are neither resident nor moving.
+
+    Frees HBM room through the placement policy first. Returns the number of
+    promotions started.
+    """
+    t = mgr.table
+    idle = t.busy[blocks] == 0
+    missing = blocks[idle & ((t.copies[blocks] >> HBM) & 1 == 0)]
+    if budget is not None:
+        missing = missing[:budget]
+    if missing.size == 0:
+        return 0
+    placement.make_room(HBM, int(missing.size))
+    free = t.free_slot_count(HBM)
+    src = source_tiers(t.copies[missing], HBM)
+    started = 0
+    for tier in np.unique(src[src >= 0]).tolist():
+        if free <= 0:
+            break
+        group = missing[src == tier][:free]
+        if mgr.promote(group, HBM) is not None:
+            started += group.size
+            free -= group.size
+    return started
+
+
+def progress(w: Waiter, mgr: TierManager, placement: Placement) -> None:
+    """Pin what is resident, promote what is not (never blocks)."""
+    t = mgr.table
+    todo = np.flatnonzero(~w.pinned)
+    if todo.size == 0:
+        return
+    blocks = w.blocks[todo]
+    ready = ((t.copies[blocks] >> HBM) & 1 == 1) & (t.busy[blocks] == 0)
+    if ready.any():
+        idx = todo[ready]
+        w.slots[idx] = mgr.pin_many(w.blocks[idx])
+        w.pinned[idx] = True
+        w.session.pins.update(w.blocks[idx].tolist())
+    if not ready.all():
+        promote_missing(mgr, placement, blocks[~ready])
+
+
+def unpin_waiter(w: Waiter, mgr: TierManager) -> None:
+    held = w.blocks[w.pinned]
+    if held.size:
+        mgr.unpin_many(held)
+        for b in held.tolist():
+            w.session.pins[b] -= 1
+            if w.session.pins[b] <= 0:
+                del w.session.pins[b]
+    w.pinned[:] = False
+
+
+class Prefetcher:
+    """Hinted blocks by deadline, promoted within a bytes-per-second budget."""
+
+    def __init__(self, budget_bytes_per_s: float, block_bytes: int) -> None:
+        self.budget_bytes_per_s = float(budget_bytes_per_s)
+        self.block_bytes = block_bytes
+        self._heap: list[tuple[float, int, np.ndarray]] = []
+        self._seq = itertools.count()
+        self._tokens = 0.0
+        self._last: Optional[float] = None
+        self.hinted = 0
+        self.started = 0
+
+    def hint(self, blocks: np.ndarray, deadline: float) -> None:
+        if blocks.size:
+            heapq.heappush(self._heap, (deadline, next(self._seq), blocks))
+            self.hinted += int(blocks.size)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def run(self, mgr: TierManager, placement: Placement, now: float) -> int:
+        """Promote hinted blocks, earliest deadline first, as the budget allows."""
+        if self._last is not None:
+            burst = self.budget_bytes_per_s * 0.05  # at most 50 ms of budget banked
+            self._tokens = min(burst, self._tokens + (now - self._last) * self.budget_bytes_per_s)
+        self._last = now
+        started = 0
+        t = mgr.table
+        while self._heap:
+            deadline, _, blocks = self._heap[0]
+            alive = blocks[t.state[blocks] != 0]
+            wanted = alive[(t.busy[alive] == 0) & ((t.copies[alive] >> HBM) & 1 == 0)]
+            if wanted.size == 0:
+                heapq.heappop(self._heap)
+                continue
+            allowed = int(self._tokens // self.block_bytes) if deadline > now else wanted.size
+            n = promote_missing(mgr, placement, wanted, budget=allowed) if allowed > 0 else 0
+            if n == 0:
+                break  # no budget or no room: retry on the next idle turn
+            self._tokens = max(0.0, self._tokens - n * self.block_bytes)
+            started += n
+            heapq.heapreplace(self._heap, (deadline, next(self._seq), wanted))  # re-filtered next turn
+        self.started += started
+        return started
+
+
+__all__ = ["Waiter", "progress", "unpin_waiter", "promote_missing", "Prefetcher", "source_tiers"]

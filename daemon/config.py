@@ -1,0 +1,300 @@
+"""Typed configuration: one pydantic model per subsystem, ``extra="forbid"``.
+
+Sources, lowest to highest precedence: field defaults < the embedded default
+file (``daemon/defaults/kvtier.toml``, the shipped policy) < a TOML file
+(``--config``) < ``KVTIER_<SECTION>__<FIELD>`` environment variables < CLI
+``--set section.field=value`` flags. Errors name the key, the file line where
+known, and why; the caller keeps its running config on any error.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import tomllib
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+ENV_PREFIX = "KVTIER_"
+HOT_SECTIONS = ("policy", "scoring", "predictor")  # reloadable without restart
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+def _user_dir(env: str, fallback: str) -> str:
+    base = os.environ.get(env)
+    if base and os.path.isdir(base) and os.access(base, os.W_OK):
+        return os.path.join(base, "kvtier")
+    return os.path.join(tempfile.gettempdir(), f"kvtier-{os.getuid()}", fallback)
+
+
+def default_runtime_dir() -> str:
+    """Per-user runtime directory (sockets): $XDG_RUNTIME_DIR/kvtier or /tmp/kvtier-UID/run."""
+    return _user_dir("XDG_RUNTIME_DIR", "run")
+
+
+def default_data_dir() -> str:
+    """Per-user data directory (NVMe slabs): $XDG_DATA_HOME/kvtier or /tmp/kvtier-UID/data."""
+    return _user_dir("XDG_DATA_HOME", "data")
+
+
+class ServerConfig(_Section):
+    runtime_dir: str = Field(default_factory=default_runtime_dir)
+    """Directory of the ipc:// socket files (created with mode 0700; sockets 0600)."""
+    tcp_port: Optional[int] = Field(default=None, ge=1, le=65535)
+    """Also serve RPC on tcp://127.0.0.1:PORT (off by default: ipc only)."""
+    heartbeat_timeout_s: float = Field(default=10.0, gt=0)
+    """An engine silent this long (or whose process died) loses its pins and live blocks."""
+    max_message_bytes: int = Field(default=16 << 20, ge=4096)
+    """Frames larger than this are rejected before decoding."""
+    max_batch_blocks: int = Field(default=1 << 16, ge=1)
+    """Most blocks one request may name."""
+    acquire_timeout_s: float = Field(default=30.0, gt=0)
+    """Default deadline of an acquire that waits for promotions."""
+
+
+class TiersConfig(_Section):
+    hbm_bytes: int = Field(default=256 << 20, ge=0)
+    """HBM pool size when the daemon allocates it (an engine may supply its own region)."""
+    dram_bytes: int = Field(default=1 << 30, ge=0)
+    """Host DRAM pool (POSIX shared memory; pinned where CUDA exists)."""
+    nvme_bytes: int = Field(default=4 << 30, ge=0)
+    """NVMe slab capacity; 0 disables the NVMe tier."""
+    nvme_dir: str = Field(default_factory=default_data_dir)
+    """Directory of the slab files (a fast local disk)."""
+    io_backend: Literal["auto", "posix", "kvikio"] = "auto"
+    """NVMe I/O backend: kvikio where a CUDA driver exists, else posix (O_DIRECT)."""
+    io_threads: int = Field(default=8, ge=1, le=256)
+    """POSIX backend thread-pool size (the NVMe queue depth it can reach)."""
+    mover_workers: int = Field(default=2, ge=1, le=64)
+    """Mover threads executing transfers."""
+    dram_numa_node: Optional[int] = Field(default=None, ge=0)
+    """Bind the DRAM pool to this NUMA node (a CXL expander shows up as one)."""
+    high_watermark: float = Field(default=0.95, gt=0, le=1)
+    """Demote when a tier is fuller than this fraction."""
+    low_watermark: float = Field(default=0.85, gt=0, le=1)
+    """...until it is back below this fraction."""
+    max_blocks: int = Field(default=0, ge=0)
+    """Block-table size; 0 = the total slot count of all tiers."""
+
+
+class PolicyConfig(_Section):
+    name: str = "kvtier"
+    """Placement policy from the registry: lru, s3fifo, kvtier (belady is replay-only)."""
+    epoch_s: float = Field(default=1.0, gt=0)
+    """Seconds per predictor epoch (the unit of forgetting and horizon)."""
+    forgetting: float = Field(default=0.99999, gt=0, le=1)
+    """Per-epoch decay of Beta evidence (lambda); 1 = never forget."""
+    prior_window_epochs: float = Field(default=2048.0, gt=0)
+    """Censoring window of the class-prior fit."""
+    prior_refit_every: int = Field(default=2000, ge=1)
+    """Accesses between empirical-Bayes prior refits."""
+    prior_shrink: float = Field(default=50.0, ge=0)
+    """Pseudo-observations shrinking a class prior toward the global one."""
+    horizon_init_epochs: float = Field(default=64.0, gt=0)
+    """Start value of the adaptive horizon H (it then tracks the cache's eviction age)."""
+    horizon_smoothing: float = Field(default=0.01, gt=0, le=1)
+    """EWMA weight of the horizon tracker."""
+    admission: bool = True
+    """Bypass a tier for blocks worth less than its victim."""
+    prefetch_budget_bytes_per_s: float = Field(default=8e9, gt=0)
+    """Bandwidth the prefetcher may spend on hinted and predicted promotions."""
+
+    @field_validator("name")
+    @classmethod
+    def _known_policy(cls, v: str) -> str:
+        from kvtier.daemon.policy import POLICIES
+
+        if v not in POLICIES:
+            raise ValueError(f"unknown policy {v!r}; choose from {sorted(POLICIES)}")
+        if getattr(POLICIES[v], "offline", False):
+            raise ValueError(f"policy {v!r} needs the future and runs only in replay")
+        return v
+
+    def params(self) -> dict[str, Any]:
+        """Keyword arguments for the policy constructor."""
+        return self.model_dump(exclude={"name", "prefetch_budget_bytes_per_s"})
+
+
+class ScoringConfig(_Section):
+    ema: float = Field(default=0.3, gt=0, le=1)
+    """Weight of a new attention-mass report in the importance EMA."""
+    sink_blocks: int = Field(default=1, ge=0)
+    """Leading blocks of a sequence treated as attention sinks (importance 1)."""
+    recency_blocks: int = Field(default=4, ge=0)
+    """Trailing blocks of a sequence kept at importance >= recency_floor."""
+    recency_floor: float = Field(default=0.5, ge=0, le=1)
+    """Importance floor of the recency window."""
+    segment_weights: dict[str, float] = Field(
+        default_factory=lambda: {"system": 1.0, "user": 0.8, "assistant": 0.7, "document": 0.6})
+    """Multiplier per segment tag (unknown tags weigh 1)."""
+    importance_floor: float = Field(default=0.2, ge=0, le=1)
+    """weight(s) = floor + (1 - floor) * s: importance tilts value, never zeroes it."""
+
+
+class PredictorConfig(_Section):
+    calibration_bins: int = Field(default=10, ge=2, le=100)
+    """Reliability bins of the calibration tracker (Brier, ECE)."""
+    track_calibration: bool = True
+    """Score predictions against outcomes (costs a little per access)."""
+
+
+class MetricsConfig(_Section):
+    enabled: bool = True
+    """Serve Prometheus metrics over HTTP."""
+    host: str = "127.0.0.1"
+    """Bind address of the exporter."""
+    port: int = Field(default=9464, ge=0, le=65535)
+    """Exporter port; 0 picks a free one (reported by `kvtier stats`)."""
+
+
+class KvtierConfig(_Section):
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    tiers: TiersConfig = Field(default_factory=TiersConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    scoring: ScoringConfig = Field(default_factory=ScoringConfig)
+    predictor: PredictorConfig = Field(default_factory=PredictorConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+
+class ConfigError(ValueError):
+    """A config source is invalid; the message names the key, line and reason."""
+
+
+def _merge(dst: dict, src: Mapping[str, Any]) -> dict:
+    for k, v in src.items():
+        if isinstance(v, Mapping) and isinstance(dst.get(k), dict):
+            _merge(dst[k], v)
+        else:
+            dst[k] = dict(v) if isinstance(v, Mapping) else v
+    return dst
+
+
+def _scalar(text: str) -> Any:
+    """Parse an env/CLI value as a TOML value when it is one, else a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set_path(dst: dict, dotted: str, value: Any, origin: str) -> None:
+    parts = [p for p in dotted.split(".") if p]
+    if len(parts) < 2:
+        raise ConfigError(f"{origin}: {dotted!r} must be section.field")
+    node = dst
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{origin}: {dotted!r} is not a table")
+    node[parts[-1]] = value
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict:
+    out: dict = {}
+    for name, value in environ.items():
+        if name.startswith(ENV_PREFIX) and "__" in name:
+            dotted = name[len(ENV_PREFIX):].lower().replace("__", ".")
+            _set_path(out, dotted, _scalar(value), f"environment {name}")
+    return out
+
+
+def cli_overrides(pairs: Sequence[str]) -> dict:
+    out: dict = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ConfigError(f"--set {pair!r}: expected section.field=value")
+        k, v = pair.split("=", 1)
+        _set_path(out, k.strip(), _scalar(v.strip()), f"--set {pair}")
+    return out
+
+
+def _line_of(text: str, loc: Sequence[Any]) -> Optional[int]:
+    """Best-effort line number of ``section.key`` in TOML source text."""
+    section, key = (str(loc[0]), str(loc[1])) if len(loc) > 1 else (str(loc[0]), None)
+    current = None
+    for i, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        m = re.match(r"^\[\s*([A-Za-z0-9_.\-]+)\s*\]", line)
+        if m:
+            current = m.group(1)
+            if key is None and current == section:
+                return i
+            continue
+        if key is not None and current == section and re.match(rf"^{re.escape(key)}\s*=", line):
+            return i
+    return None
+
+
+def read_toml(path: "str | Path") -> tuple[dict, str]:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read: {e.strerror or e}") from None
+    try:
+        return tomllib.loads(text), text
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: TOML syntax error: {e}") from None
+
+
+def default_file_text() -> str:
+    return resources.files("kvtier.daemon").joinpath("defaults/kvtier.toml").read_text()
+
+
+def validate(data: Mapping[str, Any], source: str = "config", text: Optional[str] = None) -> KvtierConfig:
+    try:
+        return KvtierConfig.model_validate(data)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = [x for x in err["loc"] if not isinstance(x, int)]
+            where = ".".join(str(x) for x in loc) or "(top level)"
+            line = _line_of(text, loc) if text and loc else None
+            at = f"{source}:{line}" if line else source
+            why = "unknown key (not a field of this section)" if err["type"] == "extra_forbidden" else err["msg"]
+            lines.append(f"{at}: {where}: {why}")
+        raise ConfigError("invalid configuration\n  " + "\n  ".join(lines)) from None
+
+
+def load_config(path: "str | Path | None" = None, environ: Optional[Mapping[str, str]] = None,
+                overrides: Sequence[str] = ()) -> KvtierConfig:
+    """Effective config from every source (see module docstring)."""
+    data = tomllib.loads(default_file_text())
+    validate(data, "embedded default")
+    text = None
+    source = "config"
+    if path is not None:
+        file_data, text = read_toml(path)
+        source = str(path)
+        validate(_merge(_merge({}, data), file_data), source, text)
+        _merge(data, file_data)
+    _merge(data, env_overrides(os.environ if environ is None else environ))
+    _merge(data, cli_overrides(overrides))
+    return validate(data, source, text)
+
+
+def reload_hot(current: KvtierConfig, path: "str | Path | None", environ: Optional[Mapping[str, str]] = None,
+               overrides: Sequence[str] = ()) -> tuple[KvtierConfig, list[str]]:
+    """Re-read the sources; take only the hot sections. Returns (new config, changed sections).
+
+    Raises ConfigError (and the caller keeps ``current``) when anything is invalid.
+    """
+    fresh = load_config(path, environ, overrides)
+    merged = current.model_copy(deep=True)
+    changed = []
+    for name in HOT_SECTIONS:
+        if getattr(fresh, name) != getattr(current, name):
+            changed.append(name)
+        setattr(merged, name, getattr(fresh, name))
+    return merged, changed
+
+
+__all__ = ["ConfigError", "KvtierConfig", "HOT_SECTIONS", "load_config", "reload_hot", "validate",
+           "default_runtime_dir", "default_data_dir"]

@@ -1,0 +1,93 @@
+"""Block events in the shape of vLLM's KV events, for KV-aware routers.
+
+vLLM publishes ``KVEventBatch(ts, events, data_parallel_rank)`` as msgspec
+``array_like`` structs over a ZeroMQ PUB socket as three frames
+``(topic, seq: 8-byte big-endian, payload)``; events are tagged arrays:
+``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]``,
+``["BlockRemoved", block_hashes, medium]`` and ``["AllBlocksCleared"]``. We
+encode the same arrays with msgpack, so a vLLM subscriber decodes them as-is.
+Only sealed blocks have content keys; open blocks produce no events.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import msgpack
+
+from kvtier.tiers.manager import TierManager
+from kvtier.tiers.types import BlockState, Tier
+
+MEDIUM = {int(Tier.HBM): "GPU", int(Tier.DRAM): "CPU", int(Tier.NVME): "DISK"}
+
+
+def _signed(key: int) -> int:
+    """vLLM's ExternalBlockHash is a signed 64-bit int in msgpack."""
+    return key - (1 << 64) if key >= 1 << 63 else key
+
+
+class EventCollector:
+    """Collects manager events between flushes and encodes them as one batch."""
+
+    def __init__(self, mgr: TierManager, block_tokens: int) -> None:
+        self.mgr = mgr
+        self.block_tokens = block_tokens
+        self.pending: list[tuple[str, int, str]] = []
+        mgr.listeners.append(self.on_event)
+
+    def on_event(self, kind: str, b: int, tier: int) -> None:
+        t = self.mgr.table
+        if t.state[b] != BlockState.SEALED:
+            return
+        key = _signed(int(t.key[b]))
+        if kind == "stored":
+            self.pending.append(("BlockStored", key, MEDIUM[tier]))
+        elif tier >= 0:
+            self.pending.append(("BlockRemoved", key, MEDIUM[tier]))
+        else:  # the block leaves every tier it had a copy in
+            copies = int(t.copies[b])
+            for tr, medium in MEDIUM.items():
+                if copies >> tr & 1:
+                    self.pending.append(("BlockRemoved", key, medium))
+
+    def all_cleared(self) -> None:
+        self.pending.append(("AllBlocksCleared", 0, ""))
+
+    def take_batch(self) -> Optional[list]:
+        """The pending events, in order, as a KVEventBatch array (None if there are none)."""
+        if not self.pending:
+            return None
+        events: list = []
+        run_kind, run_medium, run_keys = None, None, []  # group runs of one kind and medium
+        for kind, key, medium in self.pending + [("", 0, "")]:
+            if (kind, medium) != (run_kind, run_medium) or kind == "AllBlocksCleared":
+                if run_kind == "BlockStored":
+                    events.append(["BlockStored", run_keys, None, [], self.block_tokens, None, run_medium])
+                elif run_kind == "BlockRemoved":
+                    events.append(["BlockRemoved", run_keys, run_medium])
+                elif run_kind == "AllBlocksCleared":
+                    events.append(["AllBlocksCleared"])
+                run_kind, run_medium, run_keys = kind, medium, []
+            run_keys.append(key)
+        self.pending.clear()
+        return [time.time(), events, None]
+
+    def close(self) -> None:
+        if self.on_event in self.mgr.listeners:
+            self.mgr.listeners.remove(self.on_event)
+
+
+def encode_batch(batch: list) -> bytes:
+    return msgpack.packb(batch, use_bin_type=True)
+
+
+def decode_batch(payload: bytes) -> list:
+    return msgpack.unpackb(payload, raw=False)
+
+
+def seq_frame(seq: int) -> bytes:
+    return int(seq).to_bytes(8, "big")
+
+
+__all__ = ["EventCollector", "encode_batch", "decode_batch", "seq_frame", "MEDIUM"]

@@ -1,0 +1,110 @@
+"""Prometheus exporter: maps the stats snapshot to ``kvtier_*`` metrics.
+
+The owner thread publishes a snapshot (``stats.snapshot``) every second; the
+HTTP thread of prometheus_client only reads the latest one, so scraping never
+touches live metadata. The acquire stall histogram is observed directly (it
+is thread-safe in prometheus_client).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+STALL_BUCKETS = (1e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class SnapshotCollector(Collector):
+    def __init__(self) -> None:
+        self.snapshot: dict[str, Any] = {}
+
+    def collect(self) -> Iterator[Any]:
+        s = self.snapshot
+        if not s:
+            return
+        cap = GaugeMetricFamily("kvtier_tier_capacity_bytes", "Tier capacity in bytes", labels=["tier"])
+        used = GaugeMetricFamily("kvtier_tier_used_bytes", "Bytes of a tier holding blocks", labels=["tier"])
+        slots = GaugeMetricFamily("kvtier_tier_slots", "Slots of a tier", labels=["tier"])
+        used_slots = GaugeMetricFamily("kvtier_tier_used_slots", "Occupied slots of a tier", labels=["tier"])
+        hits = CounterMetricFamily("kvtier_tier_hits", "Acquired blocks by the tier they were found in", labels=["tier"])
+        for row in s.get("tiers", []):
+            cap.add_metric([row["tier"]], row["capacity_bytes"])
+            used.add_metric([row["tier"]], row["used_bytes"])
+            slots.add_metric([row["tier"]], row["slots"])
+            used_slots.add_metric([row["tier"]], row["used"])
+            hits.add_metric([row["tier"]], row.get("hits", 0))
+        yield from (cap, used, slots, used_slots, hits)
+        moves = CounterMetricFamily("kvtier_moves", "Blocks moved (promotions and demotions) per path", labels=["path"])
+        moved = CounterMetricFamily("kvtier_moved_bytes", "Bytes moved per path", labels=["path"])
+        errors = CounterMetricFamily("kvtier_move_errors", "Failed block transfers per path", labels=["path"])
+        bw = GaugeMetricFamily("kvtier_mover_bandwidth_bytes_per_second", "Mover bandwidth per path", labels=["path"])
+        for path, row in s.get("paths", {}).items():
+            label = [path.replace("->", "_to_")]
+            moves.add_metric(label, row.get("moves", 0))
+            moved.add_metric(label, row.get("bytes", 0))
+            errors.add_metric(label, row.get("errors", 0))
+            bw.add_metric(label, row.get("bandwidth_bytes_per_s", 0.0))
+        yield from (moves, moved, errors, bw)
+        blocks = GaugeMetricFamily("kvtier_blocks", "Tracked blocks by kind", labels=["kind"])
+        for kind, n in s.get("blocks", {}).items():
+            blocks.add_metric([kind], n)
+        yield blocks
+        svc = s.get("service", {})
+        yield _counter("kvtier_acquires", "Acquire requests", svc.get("acquires", 0))
+        yield _counter("kvtier_acquires_on_time", "Acquires that found every block resident", svc.get("acquires_on_time", 0))
+        yield _gauge("kvtier_prefetch_on_time_ratio", "Acquires on time / acquires", s.get("prefetch_on_time_ratio", 1.0))
+        yield _counter("kvtier_telemetry_block_updates", "Telemetry block updates ingested",
+                       svc.get("telemetry_block_updates", 0))
+        yield _counter("kvtier_telemetry_rejected", "Telemetry messages rejected", svc.get("telemetry_rejected", 0))
+        yield _counter("kvtier_rpc_errors", "RPC requests answered with an error", svc.get("rpc_errors", 0))
+        yield _gauge("kvtier_engines", "Attached engines", len(s.get("engines", [])))
+        yield _counter("kvtier_blocks_dropped", "Cached blocks dropped from the last tier",
+                       s.get("placement", {}).get("dropped", 0))
+        calib = s.get("calibration") or {}
+        for name in ("brier", "ece"):
+            if name in calib and calib[name] == calib[name]:
+                yield _gauge(f"kvtier_predictor_{name}", f"Reuse predictor {name}", calib[name])
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc)
+    g.add_metric([], value)
+    return g
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    c = CounterMetricFamily(name, doc)
+    c.add_metric([], value)
+    return c
+
+
+class Exporter:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.collector = SnapshotCollector()
+        self.registry.register(self.collector)
+        self.stall = Histogram("kvtier_acquire_stall_seconds", "Time an acquire waited for its blocks",
+                               buckets=STALL_BUCKETS, registry=self.registry)
+        self.port: Optional[int] = None
+        self._server: Any = None
+
+    def start(self, host: str, port: int) -> int:
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server = server
+        self.port = server.server_address[1]
+        return self.port
+
+    def publish(self, snapshot: dict[str, Any]) -> None:
+        self.collector.snapshot = snapshot
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+__all__ = ["Exporter"]

@@ -1,0 +1,216 @@
+"""Placement: wires registry policies to the tier manager's mechanism.
+
+One policy object per upper tier (HBM, DRAM) ranks that tier's residents, the
+same objects ``kvtier replay`` drives. Membership follows the manager's copy
+events, so a policy always knows exactly the blocks holding a copy in its tier.
+Accesses are logged at acquire time and applied to the policies later, in the
+owner loop's idle time (``drain``), so an RPC reply never waits on policy
+bookkeeping. The NVMe tier, the last one, drops cached blocks in LRU order of
+the block table's eviction list; live blocks are never dropped.
+
+``make_room`` never blocks: it frees what it can now (clean drops are
+immediate; write-backs are transfers) and the caller retries after the
+transfers complete.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from kvtier.daemon.policy import make_policy
+from kvtier.daemon.policy.base import Policy
+from kvtier.predictor.classes import block_class
+from kvtier.tiers.manager import TierManager
+from kvtier.tiers.types import BlockState, Tier
+
+HBM, DRAM, NVME = int(Tier.HBM), int(Tier.DRAM), int(Tier.NVME)
+
+
+class Placement:
+    def __init__(self, mgr: TierManager, policy_name: str, params: dict, clock: Callable[[], float]) -> None:
+        self.mgr = mgr
+        self.clock = clock
+        t = mgr.table
+        n = t.max_blocks
+        self.policies: dict[int, Policy] = {}
+        for tier in (HBM, DRAM):
+            if t.slots_per_tier[tier]:
+                self.policies[tier] = make_policy(policy_name, t.slots_per_tier[tier], n, **params)
+        self.tracked = np.zeros((2, n), dtype=bool)
+        self.feature_class = np.zeros(n, dtype=np.int16)
+        self._log = np.zeros(1 << 16, dtype=np.int64)
+        self._log_n = 0
+        self.dropped = 0
+        self.demoted = 0
+        mgr.listeners.append(self._on_event)
+
+    # -- membership ------------------------------------------------------------
+    def _on_event(self, kind: str, b: int, tier: int) -> None:
+        tiers = (HBM, DRAM) if tier < 0 else (tier,) if tier in self.policies else ()
+        now = self.clock()
+        for t in tiers:
+            pol = self.policies.get(t)
+            if pol is None:
+                continue
+            if kind == "stored" and not self.tracked[t, b]:
+                cls = int(self.feature_class[b])
+                pol.observe(b, now, cls)
+                pol.insert(b, now, cls, -1)
+                self.tracked[t, b] = True
+            elif kind == "removed" and self.tracked[t, b]:
+                pol.remove(b)
+                self.tracked[t, b] = False
+
+    def on_alloc(self, blocks: np.ndarray, continues: bool) -> None:
+        """New open blocks land in HBM; their class comes from what the engine told us."""
+        cls = block_class(True, continues, int(blocks.size))
+        self.feature_class[blocks] = cls
+        for b in blocks.tolist():
+            self._on_event("stored", b, HBM)
+
+    def on_seal(self, b: int, continues: bool, span: int) -> None:
+        self.feature_class[b] = block_class(False, continues, span)
+
+    # -- accesses (deferred) ---------------------------------------------------------
+    def log_access(self, blocks: np.ndarray) -> None:
+        n = blocks.size
+        if self._log_n + n > self._log.size:
+            self._log = np.resize(self._log, max(self._log.size * 2, self._log_n + n))
+        self._log[self._log_n: self._log_n + n] = blocks
+        self._log_n += n
+
+    @property
+    def backlog(self) -> int:
+        return self._log_n
+
+    def drain(self, limit: int = 256) -> int:
+        """Apply up to ``limit`` logged accesses to the policies; returns how many."""
+        n = min(limit, self._log_n)
+        if n == 0:
+            return 0
+        batch = self._log[:n].tolist()
+        self._log[: self._log_n - n] = self._log[n: self._log_n]
+        self._log_n -= n
+        now = self.clock()
+        t = self.mgr.table
+        for b in batch:
+            if t.state[b] == BlockState.FREE:
+                continue
+            cls = int(self.feature_class[b])
+            for tier, pol in self.policies.items():
+                if self.tracked[tier, b]:
+                    pol.observe(b, now, cls)
+                    pol.on_hit(b, now, cls, -1)
+        return n
+
+    # -- eviction ------------------------------------------------------------
+    def _victims(self, tier: int, n: int) -> list[int]:
+        """Up to n unpinned, idle residents of ``tier``, lowest value first."""
+        pol = self.policies[tier]
+        t = self.mgr.table
+        now = self.clock()
+        out: list[int] = []
+        held: list[int] = []
+        while len(out) < n and pol.size > 0:
+            v = pol.evict(now)
+            self.tracked[tier, v] = False
+            (held if t.pins[v] or t.busy[v] else out).append(v)
+        for v in held:  # in use right now: back in, as most recently used
+            pol.observe(v, now, int(self.feature_class[v]))
+            pol.insert(v, now, int(self.feature_class[v]), -1)
+            self.tracked[tier, v] = True
+        return out
+
+    def _reinsert(self, tier: int, blocks: list[int]) -> None:
+        for b in blocks:
+            self._on_event("stored", b, tier)
+
+    def make_room(self, tier: int, n: int) -> int:
+        """Start freeing ``n`` slots in ``tier``; returns how many are free or on their way."""
+        mgr, t = self.mgr, self.mgr.table
+        if tier == NVME:
+            return self._drop_cached_nvme(n)
+        have = t.free_slot_count(tier) + mgr.pending_out(tier)
+        if have >= n or tier not in self.policies:
+            return have
+        victims = self._victims(tier, n - have)
+        clean, dirty = [], []
+        lower_mask = np.uint8(~((1 << (tier + 1)) - 1) & 0xFF)
+        for v in victims:
+            sealed_below = t.state[v] == BlockState.SEALED and (t.copies[v] & lower_mask)
+            (clean if sealed_below else dirty).append(v)
+        for v in clean:
+            mgr.drop_copy(v, tier)  # listener untracks (already untracked)
+        have += len(clean)
+        if dirty:
+            moved, stuck = self._write_back(tier, dirty)
+            have += moved
+            self._reinsert(tier, stuck)
+        return have
+
+    def maintain(self, high: float, low: float) -> None:
+        """Keep each upper tier below ``high`` full, demoting down to ``low``."""
+        t = self.mgr.table
+        for tier in self.policies:
+            slots = t.slots_per_tier[tier]
+            if t.used_slot_count(tier) - self.mgr.pending_out(tier) > high * slots:
+                self.make_room(tier, int(slots - low * slots))
+
+    def _write_back(self, tier: int, blocks: list[int]) -> tuple[int, list[int]]:
+        """Demote blocks one tier down (or further), dropping cached ones that fit
+        nowhere. Returns (slots freed or on their way, blocks that must stay)."""
+        mgr, t = self.mgr, self.mgr.table
+        started = 0
+        for dst in range(tier + 1, len(Tier)):
+            if t.slots_per_tier[dst] == 0 or (dst == NVME and mgr.nvme is None):
+                continue
+            todo = blocks[started:]
+            if not todo:
+                break
+            self.make_room(dst, len(todo))
+            k = min(len(todo), t.free_slot_count(dst))
+            if k and mgr.demote(todo[:k], tier, dst, keep_source=False) is not None:
+                started += k
+                self.demoted += k
+        stuck = []
+        for b in blocks[started:]:
+            if t.refcount[b] == 0 and t.state[b] == BlockState.SEALED:
+                mgr.drop(b)  # nowhere below has room: a cached block may simply go
+                self.dropped += 1
+                started += 1
+            else:
+                stuck.append(b)
+        return started, stuck
+
+    def _drop_cached_nvme(self, n: int) -> int:
+        mgr, t = self.mgr, self.mgr.table
+        have = t.free_slot_count(NVME)
+        lst = t.evictable[NVME]
+        b = int(lst.next[lst.capacity]) if lst.length() else -1
+        while have < n and b >= 0 and b < lst.capacity:
+            nxt = int(lst.next[b])
+            if t.refcount[b] == 0 and t.state[b] == BlockState.SEALED:
+                if t.copies[b] == (1 << NVME):
+                    mgr.drop(b)
+                else:
+                    mgr.drop_copy(b, NVME)
+                self.dropped += 1
+                have += 1
+            b = nxt
+        return have
+
+    def stats(self) -> dict:
+        out = {"dropped": self.dropped, "demoted": self.demoted, "access_backlog": self._log_n}
+        for tier, pol in self.policies.items():
+            s = pol.stats()
+            out[Tier(tier).name.lower()] = {k: v for k, v in s.items() if not isinstance(v, list)}
+        return out
+
+    def close(self) -> None:
+        if self._on_event in self.mgr.listeners:
+            self.mgr.listeners.remove(self._on_event)
+
+
+__all__ = ["Placement"]

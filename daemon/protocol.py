@@ -1,0 +1,219 @@
+"""Wire protocol: versioned msgpack messages, validated against per-op schemas.
+
+Request  ``{"v": 1, "id": int, "op": str, "engine": str, "args": {...}}``
+Reply    ``{"v": 1, "id": int, "ok": true, "result": {...}}`` or
+         ``{"v": 1, "id": int, "ok": false, "error": {"code": str, "message": str}}``
+
+Block ids and keys travel as packed little-endian ``int64``/``uint64`` bytes
+(msgpack ``bin``) or as lists of ints; either decodes to one numpy array
+without a per-element Python loop. Every decoding problem raises
+``ProtocolError`` with a stable code; the server turns it into an error reply
+and changes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+import msgpack
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictBytes, StrictFloat, StrictInt, StrictStr
+from pydantic import ValidationError
+
+VERSION = 1
+
+# error codes (stable strings; clients map them to exceptions)
+BAD_FRAME = "bad_frame"          # not msgpack / not a map / too large
+BAD_VERSION = "bad_version"
+BAD_REQUEST = "bad_request"      # schema violation
+UNKNOWN_OP = "unknown_op"
+UNKNOWN_ENGINE = "unknown_engine"
+TOO_LARGE = "too_large"
+NO_SPACE = "no_space"
+TIMEOUT = "timeout"
+CONFLICT = "conflict"            # e.g. a layout that disagrees with the daemon's
+INVALID = "invalid"              # a well-formed request that misuses state (unknown block, double free)
+INTERNAL = "internal"
+
+
+class ProtocolError(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class _Args(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+IdArray = Union[StrictBytes, list[StrictInt]]
+
+
+class PingArgs(_Args):
+    pass
+
+
+class RegisterArgs(_Args):
+    pid: StrictInt = Field(ge=0)
+    """Engine process id: the daemon reclaims its blocks when it dies."""
+    block_bytes: StrictInt = Field(gt=0, le=1 << 30)
+    """Bytes of one block (all layers, K and V, ``block_tokens`` tokens)."""
+    block_tokens: StrictInt = Field(default=16, gt=0, le=1 << 20)
+    layout: dict[StrictStr, Union[StrictInt, StrictStr, StrictFloat, StrictBool]] = Field(default_factory=dict)
+    """Free-form description (layers, heads, head_dim, dtype) kept for stats."""
+    hbm_kind: Literal["daemon", "shm", "cuda_ipc"] = "daemon"
+    """``daemon``: map the daemon's pool; ``shm``/``cuda_ipc``: adopt the engine's region."""
+    hbm_name: Optional[StrictStr] = Field(default=None, max_length=255)
+    hbm_handle: Optional[StrictBytes] = Field(default=None, max_length=4096)
+    hbm_slots: StrictInt = Field(default=0, ge=0, le=1 << 26)
+
+
+class AllocArgs(_Args):
+    n: StrictInt = Field(ge=1)
+    seq: Optional[StrictInt] = None
+
+
+class SealArgs(_Args):
+    blocks: IdArray
+    keys: IdArray
+    nbytes: Optional[StrictInt] = Field(default=None, ge=0)
+    seq: Optional[StrictInt] = None
+
+
+class RefArgs(_Args):
+    keys: IdArray
+    seq: Optional[StrictInt] = None
+
+
+class AcquireArgs(_Args):
+    blocks: Optional[IdArray] = None
+    keys: Optional[IdArray] = None
+    seqs: Optional[list[StrictInt]] = None
+    timeout_s: Optional[Union[StrictFloat, StrictInt]] = Field(default=None, ge=0, le=3600)
+    wait: StrictBool = True
+    """False: reply at once with a ticket; poll it with ``acquire_poll``."""
+
+
+class AcquirePollArgs(_Args):
+    ticket: StrictInt
+
+
+class BlocksArgs(_Args):
+    blocks: Optional[IdArray] = None
+    seqs: Optional[list[StrictInt]] = None
+
+
+class HintArgs(_Args):
+    blocks: Optional[IdArray] = None
+    keys: Optional[IdArray] = None
+    seqs: Optional[list[StrictInt]] = None
+    deadline_s: Union[StrictFloat, StrictInt] = Field(default=0.0, ge=0, le=3600)
+    """Seconds until the engine expects to acquire these (earliest first)."""
+
+
+class ReloadArgs(_Args):
+    pass
+
+
+ARGS: dict[str, type[_Args]] = {
+    "ping": PingArgs, "heartbeat": PingArgs, "stats": PingArgs, "unregister": PingArgs, "clear": PingArgs,
+    "check": PingArgs,
+    "register": RegisterArgs, "alloc": AllocArgs, "seal": SealArgs, "ref": RefArgs,
+    "acquire": AcquireArgs, "acquire_poll": AcquirePollArgs, "release": BlocksArgs, "free": BlocksArgs,
+    "hint": HintArgs, "reload": ReloadArgs,
+}
+NO_ENGINE_OPS = frozenset({"ping", "stats", "reload", "register", "clear", "check"})
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    v: StrictInt
+    id: StrictInt
+    op: StrictStr = Field(max_length=64)
+    engine: StrictStr = Field(default="", max_length=255)
+    args: dict[StrictStr, Any] = Field(default_factory=dict)
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _unpack(frame: bytes, max_bytes: int) -> Any:
+    if len(frame) > max_bytes:
+        raise ProtocolError(TOO_LARGE, f"frame of {len(frame)} bytes exceeds {max_bytes}")
+    try:
+        return msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise ProtocolError(BAD_FRAME, f"undecodable frame: {type(e).__name__}") from None
+
+
+def _first_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    loc = ".".join(str(x) for x in err["loc"]) or "(message)"
+    return f"{loc}: {err['msg']}"
+
+
+def decode_request(frame: bytes, max_bytes: int) -> tuple[Request, _Args]:
+    obj = _unpack(frame, max_bytes)
+    if not isinstance(obj, dict):
+        raise ProtocolError(BAD_FRAME, "a request is a msgpack map")
+    if obj.get("v") != VERSION:
+        raise ProtocolError(BAD_VERSION, f"protocol version {obj.get('v')!r} unsupported; this daemon speaks {VERSION}")
+    try:
+        req = Request.model_validate(obj)
+    except ValidationError as e:
+        raise ProtocolError(BAD_REQUEST, _first_error(e)) from None
+    schema = ARGS.get(req.op)
+    if schema is None:
+        raise ProtocolError(UNKNOWN_OP, f"unknown op {req.op!r}; known: {sorted(ARGS)}")
+    try:
+        return req, schema.model_validate(req.args)
+    except ValidationError as e:
+        raise ProtocolError(BAD_REQUEST, f"{req.op}: {_first_error(e)}") from None
+
+
+def request_id(frame: bytes) -> int:
+    """Best-effort id of an undecodable request, so its error reply can be matched."""
+    try:
+        obj = msgpack.unpackb(frame, raw=False) if len(frame) < 1 << 20 else None
+        rid = obj.get("id") if isinstance(obj, dict) else None
+        return rid if isinstance(rid, int) else -1
+    except Exception:
+        return -1
+
+
+def ids(value: Any, dtype: "np.dtype | type", max_n: int, what: str) -> np.ndarray:
+    """Decode a packed id array (bytes or list of ints)."""
+    if value is None:
+        return np.zeros(0, dtype=dtype)
+    item = np.dtype(dtype).itemsize
+    if isinstance(value, (bytes, bytearray)):
+        if len(value) % item:
+            raise ProtocolError(BAD_REQUEST, f"{what}: {len(value)} bytes is not a multiple of {item}")
+        arr = np.frombuffer(value, dtype=np.dtype(dtype).newbyteorder("<")).astype(dtype, copy=False)
+    else:
+        try:
+            arr = np.asarray(value, dtype=np.int64 if np.dtype(dtype).kind == "i" else np.uint64)
+        except OverflowError:
+            raise ProtocolError(BAD_REQUEST, f"{what}: value out of range") from None
+        arr = arr.astype(dtype, copy=False)
+    if arr.size > max_n:
+        raise ProtocolError(TOO_LARGE, f"{what}: {arr.size} entries exceed the limit of {max_n}")
+    return arr
+
+
+def id_bytes(arr: "np.ndarray | list[int]", dtype: "np.dtype | type" = np.int64) -> bytes:
+    return np.ascontiguousarray(arr, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()
+
+
+def ok(rid: int, result: Optional[dict] = None) -> bytes:
+    return pack({"v": VERSION, "id": rid, "ok": True, "result": result or {}})
+
+
+def error(rid: int, code: str, message: str) -> bytes:
+    return pack({"v": VERSION, "id": rid, "ok": False, "error": {"code": code, "message": message}})
+
+
+__all__ = ["VERSION", "ProtocolError", "ARGS", "NO_ENGINE_OPS", "decode_request", "request_id", "ids", "id_bytes",
+           "ok", "error", "pack"]

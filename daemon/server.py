@@ -1,0 +1,276 @@
+"""The daemon process: sockets, the owner loop, signals, heartbeats.
+
+One thread (this loop) owns all metadata. It serves the ROUTER (RPC), drains
+the PULL (telemetry), applies mover completions, advances waiting acquires,
+runs background placement and prefetch in small slices, and publishes block
+events on the PUB socket. No input can kill it: every request is decoded and
+validated inside a guard that turns any problem into an error reply.
+
+Runtime files live in ``server.runtime_dir`` (mode 0700): ``rpc.sock``,
+``telemetry.sock``, ``events.sock`` (all 0600) and ``daemon.json`` (endpoints,
+pid, metrics port), which ``kvtier stats`` and ``TierClient`` read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import msgpack
+import zmq
+
+from . import protocol as P
+from .acquire import Waiter
+from .config import ConfigError, KvtierConfig, reload_hot
+from .events import encode_batch, seq_frame
+from .metrics import Exporter
+from .protocol import ProtocolError
+from .service import Service
+from .stats import snapshot
+
+log = logging.getLogger("kvtier.server")
+INFO_FILE = "daemon.json"
+EVENTS_TOPIC = b"kv-events"
+
+
+def endpoints(runtime_dir: str) -> dict[str, str]:
+    d = Path(runtime_dir)
+    return {"rpc": f"ipc://{d / 'rpc.sock'}", "telemetry": f"ipc://{d / 'telemetry.sock'}",
+            "events": f"ipc://{d / 'events.sock'}"}
+
+
+def read_info(runtime_dir: str) -> dict:
+    """The running daemon's ``daemon.json`` (raises FileNotFoundError if none)."""
+    with open(Path(runtime_dir) / INFO_FILE) as f:
+        return json.load(f)
+
+
+class Server:
+    def __init__(self, cfg: KvtierConfig, config_path: Optional[str] = None, overrides: Sequence[str] = ()) -> None:
+        self.cfg = cfg
+        self.config_path = config_path
+        self.overrides = list(overrides)
+        self.service = Service(cfg)
+        self.stop_requested = False
+        self.reload_requested = False
+        self.exporter: Optional[Exporter] = None
+        self.ctx = zmq.Context.instance()
+        self.runtime_dir = Path(cfg.server.runtime_dir)
+        self.endpoints = endpoints(str(self.runtime_dir))
+        self._event_seq = 0
+        self._last_check = 0.0
+        self._last_snapshot = 0.0
+        self._bind()
+
+    # -- setup -------------------------------------------------------------------
+    def _bind(self) -> None:
+        self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.runtime_dir, 0o700)
+        info = self.runtime_dir / INFO_FILE
+        if info.exists():
+            try:
+                pid = json.loads(info.read_text()).get("pid", 0)
+                os.kill(pid, 0)
+                raise RuntimeError(f"a kvtier daemon (pid {pid}) already serves {self.runtime_dir}")
+            except (ProcessLookupError, ValueError, json.JSONDecodeError):
+                pass  # stale file of a dead daemon
+        old_umask = os.umask(0o177)  # socket files are created 0600
+        try:
+            self.rpc = self.ctx.socket(zmq.ROUTER)
+            self.rpc.setsockopt(zmq.LINGER, 0)
+            self.rpc.setsockopt(zmq.MAXMSGSIZE, self.cfg.server.max_message_bytes)
+            self.telemetry = self.ctx.socket(zmq.PULL)
+            self.telemetry.setsockopt(zmq.LINGER, 0)
+            self.telemetry.setsockopt(zmq.MAXMSGSIZE, self.cfg.server.max_message_bytes)
+            self.pub = self.ctx.socket(zmq.PUB)
+            self.pub.setsockopt(zmq.LINGER, 0)
+            for sock, name in ((self.rpc, "rpc"), (self.telemetry, "telemetry"), (self.pub, "events")):
+                path = self.endpoints[name][len("ipc://"):]
+                if os.path.exists(path):
+                    os.unlink(path)
+                sock.bind(self.endpoints[name])
+                os.chmod(path, 0o600)
+        finally:
+            os.umask(old_umask)
+        if self.cfg.server.tcp_port:
+            self.rpc.bind(f"tcp://127.0.0.1:{self.cfg.server.tcp_port}")
+        if self.cfg.metrics.enabled:
+            self.exporter = Exporter()
+            self.exporter.start(self.cfg.metrics.host, self.cfg.metrics.port)
+            self.service.on_stall = self.exporter.stall.observe
+        self._write_info()
+
+    def _write_info(self) -> None:
+        info = {"pid": os.getpid(), **self.endpoints, "metrics_port": self.exporter.port if self.exporter else None,
+                "metrics_host": self.cfg.metrics.host, "config": self.config_path, "started": time.time()}
+        tmp = self.runtime_dir / (INFO_FILE + ".tmp")
+        tmp.write_text(json.dumps(info))
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, self.runtime_dir / INFO_FILE)
+
+    def install_signals(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stop_requested", True))
+        signal.signal(signal.SIGINT, lambda *_: setattr(self, "stop_requested", True))
+        signal.signal(signal.SIGHUP, lambda *_: setattr(self, "reload_requested", True))
+
+    # -- loop ----------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.rpc, zmq.POLLIN)
+        poller.register(self.telemetry, zmq.POLLIN)
+        svc = self.service
+        while not self.stop_requested:
+            busy = bool(svc.waiters) or (svc.mgr is not None and (svc.mgr._pending or svc.placement.backlog
+                                                                   or len(svc.prefetcher)))
+            ready = dict(poller.poll(1 if busy else 50))
+            if self.rpc in ready:
+                for _ in range(256):
+                    try:
+                        frames = self.rpc.recv_multipart(zmq.NOBLOCK, copy=True)
+                    except zmq.Again:
+                        break
+                    self._on_request(frames)
+            if self.telemetry in ready:
+                for _ in range(1024):
+                    try:
+                        frame = self.telemetry.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._on_telemetry(frame)
+            self._tick()
+        self.shutdown()
+
+    def _tick(self) -> None:
+        svc = self.service
+        try:
+            svc.background()
+            for w, result in svc.advance_waiters():
+                self._reply_later(w, result)
+        except Exception:  # a bug must be loud but must not take the node's KV cache down
+            log.exception("background work failed")
+            svc.counters["internal_errors"] += 1
+        now = time.monotonic()
+        if now - self._last_check > 0.5:
+            self._last_check = now
+            for eid in svc.check_engines():
+                log.warning("engine %s reclaimed (heartbeat timeout or process exit)", eid)
+        if self.reload_requested:
+            self.reload_requested = False
+            try:
+                self.reload()
+            except ConfigError as e:
+                log.error("reload rejected, running config kept: %s", e)
+        self._publish_events()
+        if now - self._last_snapshot > 1.0 and self.exporter is not None:
+            self._last_snapshot = now
+            self.exporter.publish(snapshot(svc))
+
+    def _on_request(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            return  # ROUTER always prefixes an identity; nothing to answer
+        envelope, payload = frames[:-1], frames[-1]
+        svc = self.service
+        rid = -1
+        try:
+            req, args = P.decode_request(payload, self.cfg.server.max_message_bytes)
+            rid = req.id
+            if req.op == "reload":
+                result: Any = self.reload()
+            elif req.op == "stats":
+                result = snapshot(svc) | {"metrics_port": self.exporter.port if self.exporter else None}
+            else:
+                result = svc.handle(req, args)
+            if isinstance(result, Waiter):
+                result.reply_to = (envelope, rid)
+                return
+            reply = P.ok(rid, result)
+        except ProtocolError as e:
+            svc.counters["rpc_errors"] += 1
+            reply = P.error(rid if rid >= 0 else P.request_id(payload), e.code, e.message)
+        except ConfigError as e:
+            svc.counters["rpc_errors"] += 1
+            reply = P.error(rid, P.INVALID, str(e))
+        except Exception as e:  # never die from input
+            log.exception("request failed")
+            svc.counters["internal_errors"] += 1
+            reply = P.error(rid, P.INTERNAL, f"{type(e).__name__}: {e}")
+        self.rpc.send_multipart([*envelope, reply], copy=False)
+
+    def _reply_later(self, w: Waiter, result: Any) -> None:
+        if w.reply_to is None:
+            return
+        envelope, rid = w.reply_to
+        if isinstance(result, ProtocolError):
+            self.service.counters["rpc_errors"] += 1
+            reply = P.error(rid, result.code, result.message)
+        else:
+            reply = P.ok(rid, result)
+        self.rpc.send_multipart([*envelope, reply], copy=False)
+
+    def _on_telemetry(self, frame: bytes) -> None:
+        svc = self.service
+        try:
+            msg = msgpack.unpackb(frame, raw=False) if len(frame) <= self.cfg.server.max_message_bytes else None
+        except Exception:
+            msg = None
+        batch = msg.get("batch") if isinstance(msg, dict) and isinstance(msg.get("batch"), list) else [msg]
+        for m in batch:
+            try:
+                svc.ingest(m)
+            except Exception:
+                log.exception("telemetry failed")
+                svc.counters["telemetry_rejected"] += 1
+
+    def _publish_events(self) -> None:
+        ev = self.service.events
+        if ev is None:
+            return
+        batch = ev.take_batch()
+        if batch is not None:
+            self._event_seq += 1
+            self.pub.send_multipart([EVENTS_TOPIC, seq_frame(self._event_seq), encode_batch(batch)])
+
+    def reload(self) -> dict:
+        """Re-read config sources; apply [policy]/[scoring]/[predictor] or keep all on error."""
+        new, changed = reload_hot(self.cfg, self.config_path, overrides=self.overrides)
+        notes = []
+        if new.policy.name != self.cfg.policy.name and self.service.mgr is not None:
+            notes.append(f"policy.name {new.policy.name!r} takes effect on restart; "
+                         f"running {self.cfg.policy.name!r} with the new parameters")
+            new.policy.name = self.cfg.policy.name
+        self.service.apply_hot(new, changed)
+        self.cfg = new
+        log.info("reloaded: %s", ", ".join(changed) or "no changes")
+        return {"changed": changed, "notes": notes}
+
+    # -- stop --------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Drain transfers, sync NVMe slabs, remove socket files and daemon.json."""
+        svc = self.service
+        if svc.mgr is not None:
+            try:
+                svc.mgr.wait(timeout=30)
+            except TimeoutError:
+                log.error("transfers still pending at shutdown")
+            if svc.mgr.nvme is not None:
+                svc.mgr.nvme.sync()
+        svc.close()
+        for sock in (self.rpc, self.telemetry, self.pub):
+            sock.close(0)
+        for name in ("rpc", "telemetry", "events"):
+            path = self.endpoints[name][len("ipc://"):]
+            if os.path.exists(path):
+                os.unlink(path)
+        info = self.runtime_dir / INFO_FILE
+        if info.exists():
+            info.unlink()
+        if self.exporter is not None:
+            self.exporter.close()
+
+
+__all__ = ["Server", "endpoints", "read_info", "INFO_FILE"]

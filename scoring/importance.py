@@ -1,0 +1,100 @@
+"""Attention importance per block: a score in [0, 1] for placement and prefetch order.
+
+importance = max(structural prior, EMA of reported attention mass), where the
+mass a block receives is normalised within its sequence (the block's share
+times the number of blocks, clipped to 1:
+a block with at least its fair share of the attention scores 1). The structural priors are
+the attention sinks (first blocks), the recency window (newest blocks are read
+by every decode step) and a per-segment weight. Pure numpy over the arrays it
+is handed: no import from ``tiers`` or ``daemon``.
+
+In exact mode importance only orders placement and prefetch; it never decides
+what attention reads.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import numpy as np
+
+
+class ImportanceScores:
+    def __init__(self, max_blocks: int, ema: float = 0.3, sink_blocks: int = 1, recency_blocks: int = 4,
+                 recency_floor: float = 0.5, segment_weights: Optional[Mapping[str, float]] = None,
+                 importance_floor: float = 0.2) -> None:
+        if not 0 < ema <= 1:
+            raise ValueError("ema must be in (0, 1]")
+        self.ema_value = np.zeros(max_blocks, dtype=np.float32)
+        self.reports = np.zeros(max_blocks, dtype=np.int32)
+        self.segment = np.zeros(max_blocks, dtype=np.int16)  # index into segment_names
+        self.configure(ema, sink_blocks, recency_blocks, recency_floor, segment_weights, importance_floor)
+
+    def configure(self, ema: float, sink_blocks: int, recency_blocks: int, recency_floor: float,
+                  segment_weights: Optional[Mapping[str, float]], importance_floor: float) -> None:
+        """Hot-reloadable knobs (config ``[scoring]``)."""
+        self.ema = float(ema)
+        self.sink_blocks = int(sink_blocks)
+        self.recency_blocks = int(recency_blocks)
+        self.recency_floor = float(recency_floor)
+        self.importance_floor = float(importance_floor)
+        names = ["", *sorted(segment_weights or {})]
+        old = getattr(self, "segment_names", names)
+        self.segment_names = names
+        self.segment_weight = np.array([1.0] + [float((segment_weights or {})[n]) for n in names[1:]], np.float32)
+        if old != names:  # keep tags meaningful across a reload that renames segments
+            remap = np.array([names.index(n) if n in names else 0 for n in old], dtype=np.int16)
+            self.segment[:] = remap[self.segment]
+
+    def segment_id(self, tag: str) -> int:
+        return self.segment_names.index(tag) if tag in self.segment_names else 0
+
+    def tag(self, blocks: np.ndarray, tag: str) -> None:
+        self.segment[blocks] = self.segment_id(tag)
+
+    def report(self, blocks: np.ndarray, mass: np.ndarray) -> None:
+        """Fold one step's attention mass of one sequence's blocks into the EMA.
+
+        ``mass`` is normalised here (share x number of blocks, clipped to 1),
+        so engines may report raw sums of attention probabilities.
+        """
+        blocks = np.asarray(blocks, dtype=np.int64)
+        mass = np.asarray(mass, dtype=np.float32)
+        if blocks.shape != mass.shape:
+            raise ValueError("blocks and mass must have the same length")
+        if blocks.size == 0:
+            return
+        total = float(mass.sum())
+        share = mass / total * blocks.size if total > 0 else np.zeros_like(mass)
+        x = np.clip(share, 0.0, 1.0)
+        first = self.reports[blocks] == 0
+        old = self.ema_value[blocks]
+        self.ema_value[blocks] = np.where(first, x, old + self.ema * (x - old))
+        self.reports[blocks] += 1
+
+    def score(self, blocks: np.ndarray, position: Optional[np.ndarray] = None,
+              seq_len_blocks: Optional[np.ndarray] = None) -> np.ndarray:
+        """Importance in [0, 1] of ``blocks`` (positions in their sequence if known)."""
+        blocks = np.asarray(blocks, dtype=np.int64)
+        s = self.ema_value[blocks].astype(np.float64)
+        s = np.where(self.reports[blocks] == 0, 0.5, s)  # unknown: neutral
+        if position is not None:
+            pos = np.asarray(position)
+            s = np.where(pos < self.sink_blocks, 1.0, s)
+            if seq_len_blocks is not None:
+                recent = pos >= np.asarray(seq_len_blocks) - self.recency_blocks
+                s = np.where(recent, np.maximum(s, self.recency_floor), s)
+        s = s * self.segment_weight[self.segment[blocks]]
+        return np.clip(s, 0.0, 1.0)
+
+    def weight(self, blocks: np.ndarray) -> np.ndarray:
+        """Multiplier of a block's value: floor + (1 - floor) x importance."""
+        return self.importance_floor + (1.0 - self.importance_floor) * self.score(blocks)
+
+    def forget(self, blocks: np.ndarray) -> None:
+        self.ema_value[blocks] = 0
+        self.reports[blocks] = 0
+        self.segment[blocks] = 0
+
+
+__all__ = ["ImportanceScores"]

@@ -1,0 +1,70 @@
+"""Config sources, precedence, validation errors and hot reload."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.daemon.config import ConfigError, load_config, reload_hot
+
+
+def write(tmp_path, text: str):
+    p = tmp_path / "kvtier.toml"
+    p.write_text(text)
+    return p
+
+
+def test_embedded_default_is_valid_and_documented():
+    cfg = load_config(environ={})
+    assert cfg.policy.name == "kvtier"
+    schema = cfg.model_json_schema()
+    props = schema["$defs"]["TiersConfig"]["properties"]
+    assert all(p.get("description") for p in props.values())  # every field has a docstring
+
+
+def test_precedence_file_env_cli(tmp_path):
+    p = write(tmp_path, '[policy]\nname = "lru"\n[tiers]\nhbm_bytes = 1000\ndram_bytes = 2000\n')
+    cfg = load_config(p, environ={"KVTIER_TIERS__DRAM_BYTES": "3000", "KVTIER_TIERS__HBM_BYTES": "4000"},
+                      overrides=["tiers.hbm_bytes=5000"])
+    assert cfg.policy.name == "lru"  # file beats default
+    assert cfg.tiers.dram_bytes == 3000  # env beats file
+    assert cfg.tiers.hbm_bytes == 5000  # CLI beats env
+
+
+@pytest.mark.parametrize("text, needle", [
+    ('[policy]\nname = "kvtier"\nbogus = 1\n', ":3: policy.bogus: unknown key"),
+    ('[tiers]\n\nhbm_bytes = -5\n', ":3: tiers.hbm_bytes: Input should be greater than or equal to 0"),
+    ('[policy]\nname = "belady"\n', ":2: policy.name: Value error, policy 'belady' needs the future"),
+    ('[policy]\nname = "nope"\n', "unknown policy 'nope'"),
+    ('[nosuch]\nx = 1\n', ":1: nosuch: unknown key"),
+    ('[policy\nname = 1\n', "TOML syntax error"),
+])
+def test_validation_errors_name_key_and_line(tmp_path, text, needle):
+    p = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_config(p, environ={})
+    assert needle in str(e.value)
+
+
+def test_bad_env_and_cli_values():
+    with pytest.raises(ConfigError, match="tiers.hbm_bytes"):
+        load_config(environ={"KVTIER_TIERS__HBM_BYTES": "lots"})
+    with pytest.raises(ConfigError, match="section.field=value"):
+        load_config(environ={}, overrides=["nonsense"])
+
+
+def test_hot_reload_takes_only_hot_sections(tmp_path):
+    p = write(tmp_path, "[scoring]\nema = 0.5\n[tiers]\nhbm_bytes = 4096\n")
+    cur = load_config(environ={})
+    new, changed = reload_hot(cur, p, environ={})
+    assert changed == ["scoring"]
+    assert new.scoring.ema == 0.5
+    assert new.tiers.hbm_bytes == cur.tiers.hbm_bytes  # cold section: needs a restart
+
+
+def test_invalid_reload_raises_and_keeps_current(tmp_path):
+    cur = load_config(environ={})
+    before = cur.model_dump()
+    p = write(tmp_path, "[scoring]\nema = 7\n")
+    with pytest.raises(ConfigError, match="scoring.ema"):
+        reload_hot(cur, p, environ={})
+    assert cur.model_dump() == before
