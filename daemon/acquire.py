@@ -94,7 +94,7 @@ def progress(w: Waiter, mgr: TierManager, placement: Placement) -> None:
         idx = todo[ready]
         w.slots[idx] = mgr.pin_many(w.blocks[idx])
         w.pinned[idx] = True
-        w.session.pins.update(w.blocks[idx].tolist())
+        w.session.pins[w.blocks[idx]] += 1
     if not ready.all():
         promote_missing(mgr, placement, blocks[~ready])
 
@@ -103,10 +103,7 @@ def unpin_waiter(w: Waiter, mgr: TierManager) -> None:
     held = w.blocks[w.pinned]
     if held.size:
         mgr.unpin_many(held)
-        for b in held.tolist():
-            w.session.pins[b] -= 1
-            if w.session.pins[b] <= 0:
-                del w.session.pins[b]
+        w.session.pins[held] -= 1
     w.pinned[:] = False
 
 

@@ -42,6 +42,8 @@ class Placement:
         self.feature_class = np.zeros(n, dtype=np.int16)
         self._log = np.zeros(1 << 16, dtype=np.int64)
         self._log_n = 0
+        self.epoch_s = float(params.get("epoch_s", 1.0))
+        self.logged_epoch = np.full(n, -1, dtype=np.int64)
         self.dropped = 0
         self.demoted = 0
         mgr.listeners.append(self._on_event)
@@ -75,6 +77,14 @@ class Placement:
 
     # -- accesses (deferred) ---------------------------------------------------------
     def log_access(self, blocks: np.ndarray) -> None:
+        """Queue accesses for the policies, once per block per epoch (the predictor's
+        time unit): repeated acquires of a hot block within an epoch are one event."""
+        epoch = int(self.clock() / self.epoch_s)
+        fresh = self.logged_epoch[blocks] != epoch
+        if not fresh.any():
+            return
+        blocks = blocks[fresh]
+        self.logged_epoch[blocks] = epoch
         n = blocks.size
         if self._log_n + n > self._log.size:
             self._log = np.resize(self._log, max(self._log.size * 2, self._log_n + n))
@@ -191,7 +201,7 @@ class Placement:
         b = int(lst.next[lst.capacity]) if lst.length() else -1
         while have < n and b >= 0 and b < lst.capacity:
             nxt = int(lst.next[b])
-            if t.refcount[b] == 0 and t.state[b] == BlockState.SEALED:
+            if t.refcount[b] == 0 and t.pins[b] == 0 and t.state[b] == BlockState.SEALED:
                 if t.copies[b] == (1 << NVME):
                     mgr.drop(b)
                 else:

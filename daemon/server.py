@@ -124,17 +124,14 @@ class Server:
         poller.register(self.rpc, zmq.POLLIN)
         poller.register(self.telemetry, zmq.POLLIN)
         svc = self.service
+        last_tick = 0.0
         while not self.stop_requested:
-            busy = bool(svc.waiters) or (svc.mgr is not None and (svc.mgr._pending or svc.placement.backlog
-                                                                   or len(svc.prefetcher)))
-            ready = dict(poller.poll(1 if busy else 50))
+            busy = bool(svc.waiters) or (svc.mgr is not None and bool(
+                svc.mgr._pending or svc.placement.backlog or len(svc.prefetcher)))
+            ready = dict(poller.poll(1 if busy else 20))
             if self.rpc in ready:
-                for _ in range(256):
-                    try:
-                        frames = self.rpc.recv_multipart(zmq.NOBLOCK, copy=True)
-                    except zmq.Again:
-                        break
-                    self._on_request(frames)
+                # one request per turn: no exception-driven drain loop on the latency path
+                self._on_request(self.rpc.recv_multipart(copy=True))
             if self.telemetry in ready:
                 for _ in range(1024):
                     try:
@@ -142,7 +139,10 @@ class Server:
                     except zmq.Again:
                         break
                     self._on_telemetry(frame)
-            self._tick()
+            now = time.monotonic()
+            if busy or now - last_tick > 0.005 or not ready:
+                last_tick = now
+                self._tick()
         self.shutdown()
 
     def _tick(self) -> None:

@@ -34,6 +34,7 @@ from .protocol import ProtocolError
 from .session import EngineSession
 
 HBM = int(Tier.HBM)
+HIT_COUNTERS = tuple(f"hits_{t.name.lower()}" for t in Tier)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -107,9 +108,13 @@ class Service:
             parts.append(found.astype(np.int64))
         if getattr(args, "seqs", None):
             parts.append(session.seq_blocks(args.seqs))
-        blocks = np.unique(np.concatenate(parts)) if len(parts) > 1 else parts[0]
-        if blocks.size != np.unique(blocks).size:
-            raise ProtocolError(P.INVALID, "a block is named twice in one request")
+        if len(parts) > 1:
+            blocks = np.unique(np.concatenate(parts))  # several sources may overlap: sorted union
+        else:
+            blocks = parts[0]  # one source: keep the caller's order, so replies line up with it
+            srt = np.sort(blocks)
+            if srt.size > 1 and bool((srt[1:] == srt[:-1]).any()):
+                raise ProtocolError(P.INVALID, "a block is named twice in one request")
         t = mgr.table
         bad = (blocks < 0) | (blocks >= t.max_blocks)
         if not bad.any():
@@ -206,7 +211,7 @@ class Service:
         if engine_id in self.engines:  # a restarted engine: its old holdings are void
             self.reclaim(engine_id, "re-registered")
         self.engines[engine_id] = EngineSession(engine_id, args.pid, args.block_tokens, dict(args.layout),
-                                                self.clock())
+                                                self.clock(), self.mgr.table.max_blocks)  # type: ignore[union-attr]
         self.counters["registers"] += 1
         info = self.hbm_info()
         if self._hbm_shm is not None:
@@ -224,14 +229,15 @@ class Service:
         mgr, t = self.mgr, self.mgr.table
         for tk in [k for k, w in self.waiters.items() if w.session is session]:
             self.waiters.pop(tk)
-        for b, n in session.pins.items():
-            t.pins[b] -= n
-        if session.pins:
-            t.refresh_evictable_many(np.fromiter(session.pins.keys(), dtype=np.int64))
+        held = np.flatnonzero(session.pins)
+        while held.size:  # unpin through the manager, so blocks that die on release are reaped
+            mgr.unpin_many(held)
+            session.pins[held] -= 1
+            held = held[session.pins[held] > 0]
         n_blocks = 0
         for b, n in session.refs.items():
             for _ in range(n):
-                mgr.free(b)
+                mgr.free(b, allow_pinned=True)  # another engine may hold a shared block pinned
             n_blocks += 1
         self.counters[f"reclaimed_{why.replace('-', '_')}"] += 1
         return n_blocks
@@ -317,10 +323,10 @@ class Service:
         for b in blocks.tolist():
             if session.refs.get(b, 0) <= 0:
                 raise ProtocolError(P.INVALID, f"block {b} is not held by engine {session.engine_id!r}")
-            if session.pins.get(b, 0) > 0:
+            if session.pins[b] > 0:
                 raise ProtocolError(P.INVALID, f"block {b} is pinned; release it before freeing")
         for b in blocks.tolist():
-            mgr.free(b)
+            mgr.free(b, allow_pinned=True)  # our pins were checked above; others' pins are theirs
             session.drop_ref(b)
         for s in args.seqs or []:
             session.seqs.pop(s, None)
@@ -336,20 +342,24 @@ class Service:
         if blocks.size > t.slots_per_tier[HBM]:
             raise ProtocolError(P.NO_SPACE, f"{blocks.size} blocks can never fit {t.slots_per_tier[HBM]} HBM slots")
         now = self.clock()
+        copies = t.copies[blocks]
+        resident = ((copies & 1) == 1) & (t.busy[blocks] == 0)  # HBM is bit 0
+        c = self.counters
+        c["acquires"] += 1
+        c["acquire_blocks"] += int(blocks.size)
+        if resident.all():  # the hot path: no waiter, one vectorised pin
+            c["acquires_on_time"] += 1
+            c["hits_hbm"] += int(blocks.size)
+            slots = mgr.pin_many(blocks, checked=True)
+            session.pins[blocks] += 1
+            self.on_stall(0.0)
+            self.placement.log_access(blocks)  # type: ignore[union-attr]
+            return {"done": True, "ticket": 0, "blocks": P.id_bytes(blocks), "slots": P.id_bytes(slots)}
+        src = np.where(resident, HBM, source_tiers(copies, HBM))
+        for name, n in zip(HIT_COUNTERS, np.bincount(src[src >= 0], minlength=len(Tier)).tolist()):
+            c[name] += n
         timeout = args.timeout_s if args.timeout_s is not None else self.cfg.server.acquire_timeout_s
         w = Waiter(next(self.tickets), session, blocks, now + timeout, now, args.wait)
-        resident = ((t.copies[blocks] >> HBM) & 1 == 1) & (t.busy[blocks] == 0)
-        src = np.where(resident, HBM, source_tiers(t.copies[blocks], HBM))
-        for tier, n in enumerate(np.bincount(src[src >= 0], minlength=len(Tier)).tolist()):
-            self.counters[f"hits_{Tier(tier).name.lower()}"] += n
-        self.counters["acquires"] += 1
-        self.counters["acquire_blocks"] += int(blocks.size)
-        if resident.all():
-            self.counters["acquires_on_time"] += 1
-            w.slots[:] = mgr.pin_many(blocks)
-            w.pinned[:] = True
-            session.pins.update(blocks.tolist())
-            return self._finish(w)
         progress(w, mgr, self.placement)  # type: ignore[arg-type]
         self.waiters[w.ticket] = w
         if not args.wait:
@@ -400,19 +410,13 @@ class Service:
     def op_release(self, session: EngineSession, args: Any) -> dict:
         mgr = self._need_mgr()
         blocks = self._blocks(session, args, allow_keys=False)
-        lst = blocks.tolist()
-        for b in lst:
-            if session.pins.get(b, 0) <= 0:
-                raise ProtocolError(P.INVALID, f"block {b} is not pinned by engine {session.engine_id!r}")
-        mgr.unpin_many(blocks)
-        pins = session.pins
-        for b in lst:
-            n = pins[b] - 1
-            if n:
-                pins[b] = n
-            else:
-                del pins[b]
-        return {"released": len(lst)}
+        unheld = session.pins[blocks] <= 0
+        if unheld.any():
+            b = int(blocks[np.argmax(unheld)])
+            raise ProtocolError(P.INVALID, f"block {b} is not pinned by engine {session.engine_id!r}")
+        mgr.unpin_many(blocks, checked=True)
+        session.pins[blocks] -= 1
+        return {"released": int(blocks.size)}
 
     def op_hint(self, session: EngineSession, args: Any) -> dict:
         self._need_mgr()
@@ -428,12 +432,10 @@ class Service:
             except RuntimeError as e:
                 raise ProtocolError(P.INTERNAL, f"invariant broken: {e}") from None
             t = self.mgr.table
-            held = Counter()
-            for s in self.engines.values():
-                held.update(s.pins)
-            for b, n in held.items():
-                if t.pins[b] < n:
-                    raise ProtocolError(P.INTERNAL, f"block {b}: engines hold {n} pins, table has {t.pins[b]}")
+            held = sum((s.pins for s in self.engines.values()), np.zeros(t.max_blocks, dtype=np.int64))
+            if np.any(t.pins < held) or np.any(held < 0):
+                b = int(np.argmax((t.pins < held) | (held < 0)))
+                raise ProtocolError(P.INTERNAL, f"block {b}: engines hold {held[b]} pins, table has {t.pins[b]}")
         return {"ok": True}
 
     def op_clear(self, session: Optional[EngineSession], args: Any) -> dict:

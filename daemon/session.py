@@ -20,9 +20,13 @@ class EngineSession:
     block_tokens: int
     layout: dict
     last_seen: float
+    max_blocks: int = 0
     refs: Counter = field(default_factory=Counter)
-    pins: Counter = field(default_factory=Counter)
     seqs: dict[int, list[int]] = field(default_factory=dict)
+    pins: np.ndarray = field(init=False)  # pins per block held by this engine (vectorised on the RPC path)
+
+    def __post_init__(self) -> None:
+        self.pins = np.zeros(self.max_blocks, dtype=np.int32)
 
     def add_refs(self, blocks: np.ndarray, seq: "int | None") -> None:
         lst = blocks.tolist()

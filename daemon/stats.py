@@ -19,7 +19,7 @@ def snapshot(svc: Service) -> dict[str, Any]:
     c = svc.counters
     acquires = c["acquires"]
     out: dict[str, Any] = {
-        "engines": [{"engine": s.engine_id, "pid": s.pid, "live_blocks": len(s.refs), "pins": sum(s.pins.values()),
+        "engines": [{"engine": s.engine_id, "pid": s.pid, "live_blocks": len(s.refs), "pins": int(s.pins.sum()),
                      "sequences": len(s.seqs)} for s in svc.engines.values()],
         "service": dict(c),
         "prefetch_on_time_ratio": c["acquires_on_time"] / acquires if acquires else 1.0,

@@ -175,9 +175,9 @@ class BlockTable:
 
     # -- eviction lists --------------------------------------------------
     def should_be_evictable(self, b: int, tier: int) -> bool:
-        return bool(
-            self.copies[b] >> tier & 1 and self.pins[b] == 0 and self.busy[b] == 0
-        )
+        # pins do not matter: pin/unpin is the RPC hot path and must not touch the
+        # lists; victim selection skips pinned blocks with an O(1) check instead
+        return bool(self.copies[b] >> tier & 1 and self.busy[b] == 0)
 
     def refresh_evictable(self, b: int) -> None:
         for t in range(N_TIERS):
@@ -190,7 +190,7 @@ class BlockTable:
 
     def refresh_evictable_many(self, blocks: np.ndarray) -> None:
         """Batch form: vectorised membership test, O(1) fix per mismatch."""
-        idle = (self.pins[blocks] == 0) & (self.busy[blocks] == 0)
+        idle = self.busy[blocks] == 0
         copies = self.copies[blocks]
         for t in range(N_TIERS):
             lst = self.evictable[t]
@@ -273,7 +273,7 @@ class BlockTable:
                 raise RuntimeError(f"{Tier(t).name}: valid copy without a slot")
             ev = np.zeros(self.max_blocks, dtype=bool)
             ev[self.evictable[t].to_array()] = True
-            want = valid & (self.pins == 0) & (self.busy == 0)
+            want = valid & (self.busy == 0)
             if np.any(ev != want):
                 bad = int(np.flatnonzero(ev != want)[0])
                 raise RuntimeError(f"{Tier(t).name}: eviction list membership wrong for block {bad}")

@@ -183,16 +183,19 @@ class TierManager:
         self.table.refcount[b] += 1
         return b
 
-    def free(self, b: int) -> None:
-        """Drop one reference. OPEN blocks die; SEALED ones become cached."""
+    def free(self, b: int, allow_pinned: bool = False) -> None:
+        """Drop one reference. OPEN blocks die; SEALED ones become cached.
+
+        ``allow_pinned``: the daemon drops one engine's reference to a block that
+        another engine has pinned; the block then dies at its last unpin+free."""
         b = self._check_block(b)
         t = self.table
         if t.refcount[b] <= 0:
             raise ValueError(f"block {b} has no reference to free (double free?)")
-        if t.pins[b]:
+        if t.pins[b] and not allow_pinned:
             raise ValueError(f"block {b} is pinned; release it before freeing")
         t.refcount[b] -= 1
-        if t.refcount[b] == 0 and t.state[b] == BlockState.OPEN and not t.busy[b]:
+        if t.refcount[b] == 0 and t.state[b] == BlockState.OPEN and not t.busy[b] and not t.pins[b]:
             self._emit("removed", b, -1)
             t.release_block(b)
 
@@ -230,25 +233,34 @@ class TierManager:
         t.refresh_evictable(b)
         return int(t.slot[HBM, b])
 
-    def pin_many(self, blocks: np.ndarray) -> np.ndarray:
-        """Vectorised ``pin``: all or nothing; returns the HBM slots."""
+    def pin_many(self, blocks: np.ndarray, checked: bool = False) -> np.ndarray:
+        """Vectorised ``pin``: all or nothing; returns the HBM slots.
+
+        ``checked``: the caller already validated ids (live, no duplicates)."""
         t = self.table
-        arr = self._check_blocks(blocks)
+        arr = blocks if checked else self._check_blocks(blocks)
         bad = ((t.copies[arr] >> HBM) & 1 == 0) | (t.busy[arr] != 0)
         if bad.any():
             raise ValueError(f"block {int(arr[np.argmax(bad)])} is not resident in HBM")
         t.pins[arr] += 1
-        t.last_access[arr] = self.clock()
-        t.refresh_evictable_many(arr)
+        t.last_access[arr] = self.clock()  # list order is the policy's business, not the pin's
         return t.slot[HBM, arr].astype(np.int64)
 
-    def unpin_many(self, blocks: np.ndarray) -> None:
+    def unpin_many(self, blocks: np.ndarray, checked: bool = False) -> None:
         t = self.table
-        arr = self._check_blocks(blocks)
+        arr = blocks if checked else self._check_blocks(blocks)
         if np.any(t.pins[arr] <= 0):
             raise ValueError(f"block {int(arr[np.argmax(t.pins[arr] <= 0)])} is not pinned")
         t.pins[arr] -= 1
-        t.refresh_evictable_many(arr)
+        self._reap(arr)
+
+    def _reap(self, arr: np.ndarray) -> None:
+        """Release OPEN blocks whose last reference went while they were pinned."""
+        t = self.table
+        dead = arr[(t.pins[arr] == 0) & (t.refcount[arr] == 0) & (t.state[arr] == BlockState.OPEN) & (t.busy[arr] == 0)]
+        for b in dead.tolist():
+            self._emit("removed", b, -1)
+            t.release_block(b)
 
     def unpin(self, b: int) -> None:
         b = self._check_block(b)
@@ -257,6 +269,7 @@ class TierManager:
             raise ValueError(f"block {b} is not pinned")
         t.pins[b] -= 1
         t.refresh_evictable(b)
+        self._reap(np.array([b]))
 
     # -- movement ----------------------------------------------------------
     def demote(self, blocks: Iterable[int], src: "Tier | int | str", dst: "Tier | int | str",

@@ -12,6 +12,7 @@ from typing import Any
 # bench name -> module with ``add_arguments(p)`` and ``run(args) -> dict``
 BENCHES: dict[str, str] = {
     "tiers": "kvtier.daemon.bench.tiers",
+    "rpc": "kvtier.daemon.bench.rpc",
 }
 
 

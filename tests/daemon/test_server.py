@@ -22,7 +22,7 @@ from kvtier.daemon import protocol as P
 from kvtier.daemon.client import DaemonUnavailable, RequestRejected, TierClient
 from kvtier.daemon.events import decode_batch
 
-from daemon_proc import DaemonProcess
+from kvtier.daemon.spawn import DaemonProcess
 
 WORKER = str(Path(__file__).parent / "client_worker.py")
 

@@ -1,4 +1,4 @@
-"""Start a real daemon process for tests and benchmarks (temporary dirs, small tiers)."""
+"""Start a real daemon process (tests, benchmarks, the demo) in a directory of its own."""
 
 from __future__ import annotations
 
