@@ -69,6 +69,8 @@ def promote_missing(mgr: TierManager, placement: Placement, blocks: np.ndarray, 
     if missing.size == 0:
         return 0
     placement.make_room(HBM, int(missing.size))
+    # making room may have started moving one of ours further down (DRAM -> NVMe): skip it this turn
+    missing = missing[(t.busy[missing] == 0) & ((t.copies[missing] >> HBM) & 1 == 0)]
     free = t.free_slot_count(HBM)
     src = source_tiers(t.copies[missing], HBM)
     started = 0

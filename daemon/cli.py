@@ -18,6 +18,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvtier.daemon.commands.replay",
     "kvtier.daemon.commands.serve",
     "kvtier.daemon.commands.config",
+    "kvtier.daemon.commands.demo",
 )
 
 

@@ -93,7 +93,7 @@ class AcquireHandle:
 class TierClient:
     def __init__(self, endpoint: Optional[str] = None, runtime_dir: Optional[str] = None,
                  engine_id: Optional[str] = None, timeout_s: float = 30.0, heartbeat_s: Optional[float] = 2.0,
-                 lease_size: int = 64) -> None:
+                 lease_size: int = 16) -> None:
         self.runtime_dir = runtime_dir or default_runtime_dir()
         self.engine_id = engine_id or f"engine-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.timeout_s = timeout_s
@@ -188,6 +188,8 @@ class TierClient:
             slots, stride = self.info["hbm_slots"], self.info["slot_stride"]
             self.hbm = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=slots * stride).view(slots, stride) \
                 if slots else torch.empty(0, stride, dtype=torch.uint8)
+        # a lease holds HBM slots idle: keep it a small fraction of the pool
+        self.lease_size = min(self.lease_size, int(self.info.get("hbm_slots", 0)) // 16)
         if self.heartbeat_s and self._hb_thread is None:
             self._hb_thread = threading.Thread(target=self._heartbeat, name="kvtier-heartbeat", daemon=True)
             self._hb_thread.start()
@@ -214,29 +216,29 @@ class TierClient:
         return self.hbm[int(slot), : self.info["block_bytes"]]
 
     # -- blocks --------------------------------------------------------------------------
-    def alloc(self, n: int, seq: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
+    def alloc(self, n: int, seq: Optional[int] = None, pin: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """n new blocks and their HBM slots at allocation time. Without ``seq`` they come
         from a local lease (one RPC per ``lease_size`` blocks). The daemon may move an
         unpinned block, so ``acquire`` a block before writing into its slot."""
-        if seq is None and self.lease_size and n <= self.lease_size:
+        if seq is None and not pin and self.lease_size and n <= self.lease_size:
             if len(self._lease) < n:
                 r = self._alloc_retry(self.lease_size + n - len(self._lease), None)
                 self._lease.extend(_ids(r["blocks"]).tolist())
             out = np.asarray(self._lease[:n], dtype=np.int64)
             del self._lease[:n]
             return out, self._slots_of(out)
-        r = self._alloc_retry(n, seq)
+        r = self._alloc_retry(n, seq, pin)
         return _ids(r["blocks"]), _ids(r["slots"])
 
     def _slots_of(self, blocks: np.ndarray) -> np.ndarray:
         return np.asarray([self._lease_slot.pop(b) for b in blocks.tolist()], dtype=np.int64)
 
-    def _alloc_retry(self, n: int, seq: Optional[int]) -> dict:
+    def _alloc_retry(self, n: int, seq: Optional[int], pin: bool = False) -> dict:
         end = time.monotonic() + self.timeout_s
         while True:
             try:
-                r = self._call("alloc", {"n": int(n), "seq": seq})
-                if seq is None:
+                r = self._call("alloc", {"n": int(n), "seq": seq, "pin": pin or None})
+                if seq is None and not pin:
                     self._lease_slot.update(zip(_ids(r["blocks"]).tolist(), _ids(r["slots"]).tolist()))
                 return r
             except RequestRejected as e:

@@ -44,6 +44,7 @@ class Placement:
         self._log_n = 0
         self.epoch_s = float(params.get("epoch_s", 1.0))
         self.logged_epoch = np.full(n, -1, dtype=np.int64)
+        self.protect_until = np.zeros(n)  # hinted blocks: not victims before their acquire is due
         self.dropped = 0
         self.demoted = 0
         mgr.listeners.append(self._on_event)
@@ -126,7 +127,7 @@ class Placement:
         while len(out) < n and pol.size > 0:
             v = pol.evict(now)
             self.tracked[tier, v] = False
-            (held if t.pins[v] or t.busy[v] else out).append(v)
+            (held if t.pins[v] or t.busy[v] or self.protect_until[v] > now else out).append(v)
         for v in held:  # in use right now: back in, as most recently used
             pol.observe(v, now, int(self.feature_class[v]))
             pol.insert(v, now, int(self.feature_class[v]), -1)
@@ -136,6 +137,10 @@ class Placement:
     def _reinsert(self, tier: int, blocks: list[int]) -> None:
         for b in blocks:
             self._on_event("stored", b, tier)
+
+    def protect(self, blocks: np.ndarray, until: float) -> None:
+        """Keep hinted blocks out of victim selection until ``until`` (their acquire is due)."""
+        self.protect_until[blocks] = np.maximum(self.protect_until[blocks], until)
 
     def make_room(self, tier: int, n: int) -> int:
         """Start freeing ``n`` slots in ``tier``; returns how many are free or on their way."""

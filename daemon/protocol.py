@@ -72,6 +72,8 @@ class RegisterArgs(_Args):
 class AllocArgs(_Args):
     n: StrictInt = Field(ge=1)
     seq: Optional[StrictInt] = None
+    pin: StrictBool = False
+    """Return the blocks pinned (the engine releases them after writing)."""
 
 
 class SealArgs(_Args):

@@ -151,6 +151,7 @@ class Server:
             svc.background()
             for w, result in svc.advance_waiters():
                 self._reply_later(w, result)
+            svc.maintain()
         except Exception:  # a bug must be loud but must not take the node's KV cache down
             log.exception("background work failed")
             svc.counters["internal_errors"] += 1

@@ -268,6 +268,9 @@ class Service:
             raise ProtocolError(P.NO_SPACE, f"no room for {args.n} blocks in HBM yet; demotions are in flight, retry")
         mgr.table.nbytes[blocks] = mgr.block_bytes  # the engine writes the slot directly: all of it is payload
         session.add_refs(blocks, args.seq)
+        if args.pin:  # the engine writes them next: keep them in HBM until it releases them
+            mgr.pin_many(blocks, checked=True)
+            session.pins[blocks] += 1
         self.placement.on_alloc(blocks, continues=bool(args.seq is not None and args.seq in session.seqs  # type: ignore[union-attr]
                                                             and len(session.seqs[args.seq]) > blocks.size))
         self.counters["allocs"] += int(blocks.size)
@@ -289,12 +292,18 @@ class Service:
                 raise ProtocolError(P.INVALID, f"block {b} is not held by engine {session.engine_id!r}")
             if t.state[b] != BlockState.OPEN:
                 raise ProtocolError(P.INVALID, f"block {b} is already sealed")
-            if not t.has_copy(b, HBM) or t.busy[b] or t.pins[b]:
-                raise ProtocolError(P.INVALID, f"block {b} must be resident in HBM, idle and unpinned to seal")
+            if not t.has_copy(b, HBM) or t.busy[b]:
+                raise ProtocolError(P.INVALID, f"block {b} must be resident in HBM and idle to seal")
+            if t.pins[b] != session.pins[b]:
+                raise ProtocolError(P.INVALID, f"block {b} is pinned by another engine")
         out = np.empty_like(blocks)
         nbytes = args.nbytes if args.nbytes is not None else mgr.block_bytes
         cont = args.seq is not None and args.seq in session.seqs and len(session.seqs[args.seq]) > blocks.size
         for i, (b, k) in enumerate(zip(blocks.tolist(), keys.tolist())):
+            if session.pins[b] and t.lookup(k) >= 0:  # folding into a shared block: our pins on b go
+                while session.pins[b]:
+                    mgr.unpin_many(np.array([b]), checked=True)
+                    session.pins[b] -= 1
             c = mgr.seal(b, k, nbytes)
             if c != b:
                 session.replace(b, c)
@@ -421,7 +430,10 @@ class Service:
     def op_hint(self, session: EngineSession, args: Any) -> dict:
         self._need_mgr()
         blocks = self._blocks(session, args)
-        self.prefetcher.hint(blocks, self.clock() + float(args.deadline_s))  # type: ignore[union-attr]
+        due = self.clock() + float(args.deadline_s)
+        self.prefetcher.hint(blocks, due)  # type: ignore[union-attr]
+        # protect through the deadline plus a grace period, then they compete like any block
+        self.placement.protect(blocks, due + max(1.0, float(args.deadline_s)))  # type: ignore[union-attr]
         return {"hinted": int(blocks.size)}
 
     def op_check(self, session: Optional[EngineSession], args: Any) -> dict:
@@ -502,11 +514,16 @@ class Service:
         while self.placement.backlog and time.perf_counter() < end:  # type: ignore[union-attr]
             self.placement.drain(64)  # type: ignore[union-attr]
             did = True
+        return did
+
+    def maintain(self) -> None:
+        """Watermark demotion and prefetch; run after waiters have pinned what arrived."""
+        if self.mgr is None:
+            return
         tc = self.cfg.tiers
         self.placement.maintain(tc.high_watermark, tc.low_watermark)  # type: ignore[union-attr]
         if len(self.prefetcher):  # type: ignore[arg-type]
-            did |= self.prefetcher.run(self.mgr, self.placement, self.clock()) > 0  # type: ignore[union-attr,arg-type]
-        return did
+            self.prefetcher.run(self.mgr, self.placement, self.clock())  # type: ignore[union-attr,arg-type]
 
     def apply_hot(self, cfg: KvtierConfig, changed: list[str]) -> None:
         """Take a reloaded config's hot sections (policy params, scoring, predictor)."""

@@ -153,13 +153,15 @@ class TierManager:
         t = self.table
         if t.state[b] != BlockState.OPEN:
             raise ValueError(f"block {b} is already sealed")
-        if not t.has_copy(b, HBM) or t.busy[b] or t.pins[b]:
-            raise ValueError(f"block {b} must be resident in HBM, idle and unpinned to seal")
+        if not t.has_copy(b, HBM) or t.busy[b]:
+            raise ValueError(f"block {b} must be resident in HBM and idle to seal")
         length = int(nbytes) if nbytes is not None else int(t.nbytes[b])
         if not 0 <= length <= self.block_bytes:
             raise ValueError(f"nbytes {length} out of range")
         existing = t.lookup(key)
         if existing >= 0:
+            if t.pins[b]:
+                raise ValueError(f"block {b} is pinned; release it before folding it into shared block {existing}")
             t.refcount[existing] += t.refcount[b]
             self._emit("removed", b, -1)
             t.release_block(b)

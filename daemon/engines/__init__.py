@@ -1,0 +1,1 @@
+"""Engine adapters: transformers ``Cache`` backed by kvtier, and the demo workload."""
