@@ -23,6 +23,7 @@ from .placement import Placement
 from .session import EngineSession
 
 HBM = int(Tier.HBM)
+MAX_IO_FAILURES = 3  # failed reads of one block before its acquire gives up with an error
 
 
 @dataclass
@@ -55,20 +56,21 @@ def source_tiers(copies: np.ndarray, above: int) -> np.ndarray:
     return out
 
 
-def promote_missing(mgr: TierManager, placement: Placement, blocks: np.ndarray, budget: Optional[int] = None) -> int:
+def promote_missing(mgr: TierManager, placement: Placement, blocks: np.ndarray, budget: Optional[int] = None,
+                    urgent: bool = True) -> int:
     """Start promotions to HBM for ``blocks`` that are neither resident nor moving.
 
     Frees HBM room through the placement policy first. Returns the number of
     promotions started.
     """
     t = mgr.table
-    idle = t.busy[blocks] == 0
+    idle = (t.busy[blocks] == 0) & ~mgr.corrupt[blocks] & (mgr.io_failures[blocks] < MAX_IO_FAILURES)
     missing = blocks[idle & ((t.copies[blocks] >> HBM) & 1 == 0)]
     if budget is not None:
         missing = missing[:budget]
     if missing.size == 0:
         return 0
-    placement.make_room(HBM, int(missing.size))
+    placement.make_room(HBM, int(missing.size), urgent=urgent)
     # making room may have started moving one of ours further down (DRAM -> NVMe): skip it this turn
     missing = missing[(t.busy[missing] == 0) & ((t.copies[missing] >> HBM) & 1 == 0)]
     free = t.free_slot_count(HBM)
@@ -99,6 +101,20 @@ def progress(w: Waiter, mgr: TierManager, placement: Placement) -> None:
         w.session.pins[w.blocks[idx]] += 1
     if not ready.all():
         promote_missing(mgr, placement, blocks[~ready])
+
+
+def unservable(blocks: np.ndarray, mgr: TierManager) -> "tuple[str, str] | None":
+    """(code, message) if a block can never be brought to HBM, else None."""
+    bad = mgr.corrupt[blocks]
+    if bad.any():
+        b = int(blocks[np.argmax(bad)])
+        return "corrupt", f"block {b}: its only copy failed its checksum ({mgr.last_errors.get(b, '')}); not served"
+    failed = mgr.io_failures[blocks] >= MAX_IO_FAILURES
+    failed &= (mgr.table.copies[blocks] & 1) == 0
+    if failed.any():
+        b = int(blocks[np.argmax(failed)])
+        return "io_error", f"block {b}: {MAX_IO_FAILURES} reads failed, last: {mgr.last_errors.get(b, '')}"
+    return None
 
 
 def unpin_waiter(w: Waiter, mgr: TierManager) -> None:
@@ -146,7 +162,7 @@ class Prefetcher:
                 heapq.heappop(self._heap)
                 continue
             allowed = int(self._tokens // self.block_bytes) if deadline > now else wanted.size
-            n = promote_missing(mgr, placement, wanted, budget=allowed) if allowed > 0 else 0
+            n = promote_missing(mgr, placement, wanted, budget=allowed, urgent=False) if allowed > 0 else 0
             if n == 0:
                 break  # no budget or no room: retry on the next idle turn
             self._tokens = max(0.0, self._tokens - n * self.block_bytes)

@@ -68,8 +68,8 @@ class TiersConfig(_Section):
     """NVMe slab capacity; 0 disables the NVMe tier."""
     nvme_dir: str = Field(default_factory=default_data_dir)
     """Directory of the slab files (a fast local disk)."""
-    io_backend: Literal["auto", "posix", "kvikio"] = "auto"
-    """NVMe I/O backend: kvikio where a CUDA driver exists, else posix (O_DIRECT)."""
+    io_backend: Literal["auto", "posix", "kvikio", "faulty"] = "auto"
+    """NVMe I/O backend: kvikio where a CUDA driver exists, else posix (O_DIRECT); faulty = fault drills."""
     io_threads: int = Field(default=8, ge=1, le=256)
     """POSIX backend thread-pool size (the NVMe queue depth it can reach)."""
     mover_workers: int = Field(default=2, ge=1, le=64)

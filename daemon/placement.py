@@ -78,6 +78,10 @@ class Placement:
 
     # -- accesses (deferred) ---------------------------------------------------------
     def log_access(self, blocks: np.ndarray) -> None:
+        self.protect_until[blocks] = 0.0  # a hint is fulfilled by the acquire it announced
+        self._log_access(blocks)
+
+    def _log_access(self, blocks: np.ndarray) -> None:
         """Queue accesses for the policies, once per block per epoch (the predictor's
         time unit): repeated acquires of a hot block within an epoch are one event."""
         epoch = int(self.clock() / self.epoch_s)
@@ -117,8 +121,11 @@ class Placement:
         return n
 
     # -- eviction ------------------------------------------------------------
-    def _victims(self, tier: int, n: int) -> list[int]:
-        """Up to n unpinned, idle residents of ``tier``, lowest value first."""
+    def _victims(self, tier: int, n: int, urgent: bool = False) -> list[int]:
+        """Up to n unpinned, idle residents of ``tier``, lowest value first.
+
+        Hinted (protected) blocks are skipped unless ``urgent``: a running
+        sequence's demand outranks a prefetch for a later one."""
         pol = self.policies[tier]
         t = self.mgr.table
         now = self.clock()
@@ -127,7 +134,7 @@ class Placement:
         while len(out) < n and pol.size > 0:
             v = pol.evict(now)
             self.tracked[tier, v] = False
-            (held if t.pins[v] or t.busy[v] or self.protect_until[v] > now else out).append(v)
+            (held if t.pins[v] or t.busy[v] or (not urgent and self.protect_until[v] > now) else out).append(v)
         for v in held:  # in use right now: back in, as most recently used
             pol.observe(v, now, int(self.feature_class[v]))
             pol.insert(v, now, int(self.feature_class[v]), -1)
@@ -142,8 +149,10 @@ class Placement:
         """Keep hinted blocks out of victim selection until ``until`` (their acquire is due)."""
         self.protect_until[blocks] = np.maximum(self.protect_until[blocks], until)
 
-    def make_room(self, tier: int, n: int) -> int:
-        """Start freeing ``n`` slots in ``tier``; returns how many are free or on their way."""
+    def make_room(self, tier: int, n: int, urgent: bool = False) -> int:
+        """Start freeing ``n`` slots in ``tier``; returns how many are free or on their way.
+
+        ``urgent``: for a running sequence (alloc, acquire): may evict hinted blocks too."""
         mgr, t = self.mgr, self.mgr.table
         if tier == NVME:
             return self._drop_cached_nvme(n)
@@ -151,6 +160,8 @@ class Placement:
         if have >= n or tier not in self.policies:
             return have
         victims = self._victims(tier, n - have)
+        if urgent and len(victims) < n - have:
+            victims += self._victims(tier, n - have - len(victims), urgent=True)
         clean, dirty = [], []
         lower_mask = np.uint8(~((1 << (tier + 1)) - 1) & 0xFF)
         for v in victims:

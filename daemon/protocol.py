@@ -34,6 +34,8 @@ TIMEOUT = "timeout"
 CONFLICT = "conflict"            # e.g. a layout that disagrees with the daemon's
 INVALID = "invalid"              # a well-formed request that misuses state (unknown block, double free)
 INTERNAL = "internal"
+CORRUPT = "corrupt"              # a block's only copy failed its checksum: it cannot be served
+IO_ERROR = "io_error"            # a block could not be read back after repeated I/O errors
 
 
 class ProtocolError(Exception):

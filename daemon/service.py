@@ -26,7 +26,7 @@ from kvtier.tiers.pools import attach_shm, release_shm, round_up
 from kvtier.tiers.types import BlockState, Tier
 
 from . import protocol as P
-from .acquire import Prefetcher, Waiter, progress, source_tiers, unpin_waiter
+from .acquire import Prefetcher, Waiter, progress, source_tiers, unpin_waiter, unservable
 from .config import KvtierConfig
 from .events import EventCollector
 from .placement import Placement
@@ -262,7 +262,7 @@ class Service:
             raise ProtocolError(P.TOO_LARGE, f"alloc of {args.n} exceeds {self.cfg.server.max_batch_blocks}")
         blocks = mgr.alloc(args.n)
         if blocks is None:
-            self.placement.make_room(HBM, args.n)  # type: ignore[union-attr]
+            self.placement.make_room(HBM, args.n, urgent=True)  # type: ignore[union-attr]
             blocks = mgr.alloc(args.n)
         if blocks is None:
             raise ProtocolError(P.NO_SPACE, f"no room for {args.n} blocks in HBM yet; demotions are in flight, retry")
@@ -364,6 +364,9 @@ class Service:
             self.on_stall(0.0)
             self.placement.log_access(blocks)  # type: ignore[union-attr]
             return {"done": True, "ticket": 0, "blocks": P.id_bytes(blocks), "slots": P.id_bytes(slots)}
+        broken = unservable(blocks[~resident], mgr)
+        if broken is not None:
+            raise ProtocolError(*broken)
         src = np.where(resident, HBM, source_tiers(copies, HBM))
         for name, n in zip(HIT_COUNTERS, np.bincount(src[src >= 0], minlength=len(Tier)).tolist()):
             c[name] += n
@@ -390,6 +393,11 @@ class Service:
         progress(w, self.mgr, self.placement)  # type: ignore[arg-type]
         if w.done:
             return self._finish(w)
+        broken = unservable(w.blocks[~w.pinned], self.mgr)  # type: ignore[arg-type]
+        if broken is not None:
+            unpin_waiter(w, self.mgr)  # type: ignore[arg-type]
+            self.waiters.pop(w.ticket, None)
+            raise ProtocolError(*broken)
         if self.clock() > w.deadline:
             unpin_waiter(w, self.mgr)  # type: ignore[arg-type]
             self.waiters.pop(w.ticket, None)
@@ -407,8 +415,14 @@ class Service:
                     self.waiters.pop(w.ticket, None)
                 continue
             progress(w, self.mgr, self.placement)  # type: ignore[arg-type]
+            broken = None if w.done else unservable(w.blocks[~w.pinned], self.mgr)  # type: ignore[arg-type]
             if w.done:
                 out.append((w, self._finish(w)))
+            elif broken is not None:
+                unpin_waiter(w, self.mgr)  # type: ignore[arg-type]
+                self.waiters.pop(w.ticket, None)
+                self.counters["acquire_failures"] += 1
+                out.append((w, ProtocolError(*broken)))
             elif now > w.deadline:
                 unpin_waiter(w, self.mgr)  # type: ignore[arg-type]
                 self.waiters.pop(w.ticket, None)

@@ -226,9 +226,16 @@ class KvikioBackend:
         self._waiters.shutdown(wait=True)
 
 
+def _faulty(threads: int = 8) -> IOBackend:
+    from .faults import faulty_from_env
+
+    return faulty_from_env(threads)
+
+
 BACKENDS: dict[str, Callable[..., IOBackend]] = {
     "posix": PosixBackend,
     "kvikio": KvikioBackend,
+    "faulty": _faulty,  # fault injection (KVTIER_FAULTS); never picked by "auto"
 }
 
 

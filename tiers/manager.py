@@ -81,6 +81,8 @@ class TierManager:
         self.counters: Counter[str] = Counter()
         self.last_errors: dict[int, str] = {}
         self.listeners: list[EventListener] = []
+        self.corrupt = self.table.add_column("corrupt", np.bool_)  # reset when the entry is reused
+        self.io_failures = self.table.add_column("io_failures", np.uint8)
         self.recovered = 0
         self.discarded = 0
         if self.nvme is not None and recover:
@@ -348,6 +350,7 @@ class TierManager:
         t.busy[blocks] -= 1
         good, bad = blocks[c.ok], blocks[~c.ok]
         t.copies[good] |= np.uint8(1 << d)
+        self.io_failures[good] = 0  # failures count consecutive attempts only
         if c.checksums is not None:  # open blocks written back: checksum now known
             t.checksum[good] = c.checksums[c.ok]
         drop_src = good[~p.keep_source[c.ok]]
@@ -359,7 +362,11 @@ class TierManager:
                 self._emit("removed", b, s)
         t.release_slots(bad, d)  # reserved, never valid: the source copy stays
         for b in bad.tolist():
-            self.last_errors[b] = c.errors.get(b, "transfer failed")
+            msg = c.errors.get(b, "transfer failed")
+            self.last_errors[b] = msg
+            self.io_failures[b] = min(255, int(self.io_failures[b]) + 1)
+            if p.src == Tier.NVME and "failed its checksum" in msg:
+                self._quarantine(b)
         self.counters[f"errors_{path}"] += int(bad.size)
         orphans = (t.refcount[blocks] == 0) & (t.state[blocks] == BlockState.OPEN) & (t.busy[blocks] == 0)
         for b in blocks[orphans].tolist():
@@ -369,6 +376,17 @@ class TierManager:
         self.counters[f"moves_{path}"] += int(good.size)
         self.counters[f"bytes_{path}"] += c.nbytes
         self.counters[f"busy_ns_{path}"] += int(c.seconds * 1e9)
+
+    def _quarantine(self, b: int) -> None:
+        """A copy failed its checksum: never serve it. Drop it if another copy exists,
+        else mark the block corrupt (readers get an error, never the bytes)."""
+        t = self.table
+        if bin(int(t.copies[b])).count("1") >= 2 and t.has_copy(b, Tier.NVME):
+            t.release_slot(b, Tier.NVME)
+            self._emit("removed", b, Tier.NVME)
+        else:
+            self.corrupt[b] = True
+        self.counters["corrupt_copies"] += 1
 
     def pending_out(self, tier: "Tier | int") -> int:
         """Slots of ``tier`` that in-flight transfers will free when they complete."""

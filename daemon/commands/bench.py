@@ -13,6 +13,7 @@ from typing import Any
 BENCHES: dict[str, str] = {
     "tiers": "kvtier.daemon.bench.tiers",
     "rpc": "kvtier.daemon.bench.rpc",
+    "e2e": "kvtier.daemon.bench.e2e",
 }
 
 

@@ -9,6 +9,7 @@ gathers the daemon's view (tiers, hits, moves, prefetch, stalls).
 from __future__ import annotations
 
 import math
+import os
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -52,6 +53,9 @@ def plan_tiers(opts: DemoOptions, layout: KVLayout) -> dict[str, int]:
 
 def run_demo(opts: DemoOptions, progress: Callable[[int, int, str], None] = lambda done, total, what: None,
              keep: bool = False) -> dict[str, Any]:
+    # One compute thread for the engine (both runs): on a real node the engine computes on
+    # the GPU and the daemon's movers use host cores; on a small CPU box they must not fight.
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) // 2)))
     model = build_model(opts.model, opts.seed)
     layout = KVLayout.from_config(model.config, opts.block_tokens, torch.float32)
     plan = plan_tiers(opts, layout)

@@ -123,6 +123,7 @@ class TieredCache(Cache):
         self.seq_ids = list(seq_ids) if seq_ids is not None else [None] * batch_size
         self.active = False
         self._work: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = [None] * layout.num_layers
+        self._where: list[tuple] = []
         self.acquires = 0
         self.last_mass: Optional[torch.Tensor] = None
 
@@ -207,13 +208,17 @@ class TieredCache(Cache):
             if not self.active:
                 self.activate()
             self._grow(q_len)
-        T = self.layout.block_tokens
-        for i, row in enumerate(self.rows):  # the slots are the truth: every new K/V lands there
-            pos = torch.arange(row.length, row.length + q_len)
-            slots = torch.as_tensor(row.slots, dtype=torch.long)
-            tok_slot, tok_off = slots[pos // T], pos % T
-            self.pool[tok_slot, layer, 0, :, tok_off, :] = keys[i].transpose(0, 1).to(self.layout.dtype)
-            self.pool[tok_slot, layer, 1, :, tok_off, :] = values[i].transpose(0, 1).to(self.layout.dtype)
+        if layer == 0:
+            self._where = [self._token_places(row, q_len) for row in self.rows]
+        for i, where in enumerate(self._where):  # the slots are the truth: every new K/V lands there
+            if q_len == 1:  # one token (decode): plain slicing, no scatter
+                slot, off = where
+                self.pool[slot, layer, 0, :, off, :] = keys[i, :, 0, :]
+                self.pool[slot, layer, 1, :, off, :] = values[i, :, 0, :]
+            else:
+                tok_slot, tok_off = where
+                self.pool[tok_slot, layer, 0, :, tok_off, :] = keys[i].transpose(0, 1).to(self.layout.dtype)
+                self.pool[tok_slot, layer, 1, :, tok_off, :] = values[i].transpose(0, 1).to(self.layout.dtype)
         work = self._work[layer]
         if work is None:  # first step of a turn: one gather from the pinned slots
             k, v = self._gather(layer, q_len)
@@ -224,6 +229,14 @@ class TieredCache(Cache):
         if layer == self.layout.num_layers - 1:
             self._end_step(q_len)
         return k, v
+
+    def _token_places(self, row: Row, q_len: int) -> tuple:
+        """(slot, offset) of the new tokens of ``row``: ints for one token, index tensors for more."""
+        T = self.layout.block_tokens
+        if q_len == 1:
+            return row.slots[row.length // T], row.length % T
+        pos = torch.arange(row.length, row.length + q_len)
+        return torch.as_tensor(row.slots, dtype=torch.long)[pos // T], pos % T
 
     def _gather(self, layer: int, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Full K/V of every row, [B, H, S, D], read from the paged slots."""

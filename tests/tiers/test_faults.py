@@ -5,7 +5,7 @@ from kvtier.tiers.manager import TierManager
 from kvtier.tiers.types import BlockState, Tier
 
 from ..conftest import pattern
-from .faults import FaultyBackend
+from kvtier.tiers.faults import FaultyBackend
 
 BB = 9000
 

@@ -1,8 +1,16 @@
-"""Fault injection for I/O: the one place a fake is allowed (a failing disk)."""
+"""Fault injection for I/O: a failing or slow disk, for resilience tests and drills.
+
+``FaultyBackend`` wraps a real backend and fails, corrupts or delays chosen
+calls the way real disks do. The daemon builds it for ``io_backend = "faulty"``
+from ``KVTIER_FAULTS`` (e.g. ``"delay_s=0.01,fail_reads=2,mode=eio"``); it is
+never chosen by ``auto``.
+"""
 
 from __future__ import annotations
 
 import errno
+import os
+import time
 from concurrent.futures import Future
 from typing import Any, Sequence
 
@@ -13,9 +21,12 @@ class FaultyBackend:
     """Wraps a real backend; fails chosen calls the way real disks do."""
 
     def __init__(self, inner: Any, fail_writes: int = 0, fail_reads: int = 0,
-                 mode: str = "enospc", corrupt_reads: int = 0) -> None:
+                 mode: str = "enospc", corrupt_reads: int = 0, delay_s: float = 0.0) -> None:
+        if mode not in ("enospc", "eio", "short"):
+            raise ValueError(f"fault mode {mode!r}: choose enospc, eio or short")
         self.inner = inner
         self.name = inner.name
+        self.delay_s = float(delay_s)
         self.fail_writes = fail_writes
         self.fail_reads = fail_reads
         self.corrupt_reads = corrupt_reads
@@ -36,6 +47,8 @@ class FaultyBackend:
         return f
 
     def pwrite(self, handle: Any, buffers: Sequence[Any], offset: int) -> "Future[int]":
+        if self.delay_s:
+            time.sleep(self.delay_s)
         if self.fail_writes > 0:
             self.fail_writes -= 1
             if self.mode == "short":  # a real partial write, then the error
@@ -44,6 +57,8 @@ class FaultyBackend:
         return self.inner.pwrite(handle, buffers, offset)
 
     def pread(self, handle: Any, buffers: Sequence[Any], offset: int) -> "Future[int]":
+        if self.delay_s:
+            time.sleep(self.delay_s)
         if self.fail_reads > 0:
             self.fail_reads -= 1
             return self._fail()
@@ -64,3 +79,17 @@ class FaultyBackend:
 
     def shutdown(self) -> None:
         self.inner.shutdown()
+
+
+def faulty_from_env(threads: int = 8) -> FaultyBackend:
+    """``io_backend = "faulty"``: posix wrapped with the faults named in ``KVTIER_FAULTS``."""
+    from .io_backends import PosixBackend
+
+    kw: dict[str, Any] = {}
+    spec = os.environ.get("KVTIER_FAULTS", "")
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        key, _, value = item.partition("=")
+        if key not in ("fail_writes", "fail_reads", "corrupt_reads", "delay_s", "mode"):
+            raise ValueError(f"KVTIER_FAULTS: unknown fault {key!r}")
+        kw[key] = value if key == "mode" else float(value) if key == "delay_s" else int(value)
+    return FaultyBackend(PosixBackend(threads=threads), **kw)
