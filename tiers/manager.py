@@ -86,7 +86,11 @@ class TierManager:
         self.recovered = 0
         self.discarded = 0
         if self.nvme is not None and recover:
-            self._recover()
+            try:
+                self._recover()
+            except BaseException:
+                self.close()  # no leaked shared memory, threads or file handles
+                raise
 
     # -- events ------------------------------------------------------------
     def _emit(self, kind: str, b: int, tier: int) -> None:

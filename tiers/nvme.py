@@ -100,6 +100,7 @@ class NvmeStore:
             path = os.path.join(directory, f"slab-{i:04d}.kvt")
             self._handles.append(backend.open(path, count * self.slot_bytes))
         self.seq = 0
+        self.unreadable = 0  # slots whose read failed during recovery
 
     @property
     def capacity_bytes(self) -> int:
@@ -168,7 +169,12 @@ class NvmeStore:
                 bufs.append(buf)
                 futs.append(self.backend.pread(handle, [buf], off))
             for s, buf, fut in zip(range(start, stop), bufs, futs):
-                fut.result()
+                try:
+                    fut.result()
+                except OSError:
+                    discarded += 1  # an unreadable slot is never served; the slot is reused
+                    self.unreadable += 1
+                    continue
                 h = decode_header(buf[:HEADER_BYTES])
                 if h is None:
                     if buf[:8].any():

@@ -38,6 +38,8 @@ class DemoOptions:
     hints: bool = True
     policy: str = "kvtier"
     workdir: Optional[str] = None
+    dram: bool = True  # False: no DRAM tier, idle sessions go straight to NVMe
+    io_backend: str = "posix"
 
 
 def plan_tiers(opts: DemoOptions, layout: KVLayout) -> dict[str, int]:
@@ -52,7 +54,7 @@ def plan_tiers(opts: DemoOptions, layout: KVLayout) -> dict[str, int]:
 
 
 def run_demo(opts: DemoOptions, progress: Callable[[int, int, str], None] = lambda done, total, what: None,
-             keep: bool = False) -> dict[str, Any]:
+             keep: bool = False, env: Optional[dict[str, str]] = None) -> dict[str, Any]:
     # One compute thread for the engine (both runs): on a real node the engine computes on
     # the GPU and the daemon's movers use host cores; on a small CPU box they must not fight.
     torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) // 2)))
@@ -62,10 +64,10 @@ def run_demo(opts: DemoOptions, progress: Callable[[int, int, str], None] = lamb
     root = Path(opts.workdir or tempfile.mkdtemp(prefix="kvtier-demo-"))
     root.mkdir(parents=True, exist_ok=True)
     stride = layout.block_bytes + (-layout.block_bytes) % 4096
-    daemon = DaemonProcess(root, f"tiers.hbm_bytes={plan['hbm_blocks'] * stride}",
-                           f"tiers.dram_bytes={plan['dram_blocks'] * stride}",
+    dram = plan["dram_blocks"] * stride if opts.dram else 0
+    daemon = DaemonProcess(root, f"tiers.hbm_bytes={plan['hbm_blocks'] * stride}", f"tiers.dram_bytes={dram}",
                            f"tiers.nvme_bytes={plan['nvme_blocks'] * stride}", f'policy.name="{opts.policy}"',
-                           "tiers.io_backend=\"posix\"")
+                           f'tiers.io_backend="{opts.io_backend}"', env=env)
     wl = Workload(opts.sessions, opts.turns, opts.system_tokens, opts.user_tokens, opts.gen_tokens, opts.seed,
                   model.config.vocab_size)
     cmp = Comparison()

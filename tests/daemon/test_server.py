@@ -216,6 +216,12 @@ def test_telemetry_and_metrics(daemon):
     assert cap == {"hbm": 65536, "dram": 65536, "nvme": 262144}
     assert fams["kvtier_telemetry_block_updates"].samples[0].value == 400
     assert "kvtier_acquire_stall_seconds" in fams
+    dash = json.loads((Path(__file__).parents[2] / "daemon" / "grafana" / "kvtier.json").read_text())
+    import re
+    used = set(re.findall(r"kvtier_[a-z_]+", json.dumps(dash)))
+    bases = {re.sub(r"_(bucket|total)$", "", n) for n in used}
+    bases -= {"kvtier_predictor_ece", "kvtier_predictor_brier"}  # exported once predictions have resolved
+    assert bases <= set(fams), bases - set(fams)
 
 
 def test_reload_valid_and_invalid(tmp_path):

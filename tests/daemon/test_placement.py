@@ -1,0 +1,80 @@
+"""The daemon's placement over a real TierManager (in process): exact victims and accounting."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvtier.daemon import protocol as P
+from kvtier.daemon.config import load_config
+from kvtier.daemon.service import Service
+
+
+@pytest.fixture
+def svc(tmp_path):
+    cfg = load_config(environ={}, overrides=[
+        "tiers.hbm_bytes=16384", "tiers.dram_bytes=16384", "tiers.nvme_bytes=0", 'policy.name="lru"',
+        f'server.runtime_dir="{tmp_path}/run"', "metrics.enabled=false", "tiers.high_watermark=1.0",
+        "tiers.low_watermark=1.0"])
+    s = Service(cfg)
+    yield s
+    s.close()
+
+
+def call(svc, op, engine="e", **args):
+    req, a = P.decode_request(P.pack({"v": 1, "id": 1, "op": op, "engine": engine, "args": args}), 1 << 20)
+    out = svc.handle(req, a)
+    svc.background()
+    svc.mgr.wait(timeout=10)
+    svc.background()
+    return out
+
+
+def ids(b):
+    return np.frombuffer(b, dtype="<i8").tolist()
+
+
+def test_lru_victim_is_demoted_first(svc):
+    call(svc, "register", pid=0, block_bytes=4096)
+    blocks = ids(call(svc, "alloc", n=4, seq=1)["blocks"])  # HBM holds exactly 4
+    call(svc, "seal", blocks=P.id_bytes(blocks), keys=P.id_bytes([11, 12, 13, 14], np.uint64))
+    for b in (blocks[2], blocks[0], blocks[3], blocks[1]):  # access order: block 2 is now least recent
+        call(svc, "acquire", blocks=P.id_bytes([b]))
+        call(svc, "release", blocks=P.id_bytes([b]))
+        svc.placement.drain(1000)
+        svc.placement.logged_epoch[:] = -1  # count every access in this test
+    with pytest.raises(P.ProtocolError) as e:  # the demotion it started is a transfer: retry after it lands
+        call(svc, "alloc", n=1, seq=2)
+    assert e.value.code == P.NO_SPACE
+    svc.mgr.wait(timeout=10)
+    svc.background()
+    more = ids(call(svc, "alloc", n=1, seq=2)["blocks"])
+    t = svc.mgr.table
+    assert t.copies[blocks[2]] == 0b010  # demoted to DRAM
+    assert all(t.copies[b] & 1 for b in (blocks[0], blocks[1], blocks[3], more[0]))
+    c = call(svc, "check")
+    assert c == {"ok": True}
+
+
+def test_pinned_blocks_are_never_victims(svc):
+    call(svc, "register", pid=0, block_bytes=4096)
+    blocks = ids(call(svc, "alloc", n=4, seq=1)["blocks"])
+    call(svc, "acquire", blocks=P.id_bytes(blocks))
+    with pytest.raises(P.ProtocolError) as e:
+        call(svc, "alloc", n=1, seq=2)
+    assert e.value.code == P.NO_SPACE
+    assert all(svc.mgr.table.copies[b] == 1 for b in blocks)
+
+
+def test_failed_ops_change_nothing(svc):
+    call(svc, "register", pid=0, block_bytes=4096)
+    blocks = ids(call(svc, "alloc", n=2, seq=1)["blocks"])
+    snap = (svc.mgr.table.refcount.copy(), svc.mgr.table.pins.copy(), svc.mgr.table.state.copy())
+    bad = [("free", dict(blocks=P.id_bytes([blocks[0], 99]))), ("release", dict(blocks=P.id_bytes(blocks))),
+           ("seal", dict(blocks=P.id_bytes(blocks), keys=P.id_bytes([1], np.uint64))),
+           ("acquire", dict(keys=P.id_bytes([12345], np.uint64))), ("free", dict(seqs=[77]))]
+    for op, args in bad:
+        with pytest.raises(P.ProtocolError):
+            call(svc, op, **args)
+        after = (svc.mgr.table.refcount, svc.mgr.table.pins, svc.mgr.table.state)
+        assert all(np.array_equal(x, y) for x, y in zip(snap, after)), op
