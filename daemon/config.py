@@ -86,7 +86,7 @@ class TiersConfig(_Section):
 
 class PolicyConfig(_Section):
     name: str = "kvtier"
-    """Placement policy from the registry: lru, s3fifo, kvtier (belady is replay-only)."""
+    """Placement policy from the registry: kvtier (hit density), kvtier-beta, lru, s3fifo (belady: replay only)."""
     epoch_s: float = Field(default=1.0, gt=0)
     """Seconds per predictor epoch (the unit of forgetting and horizon)."""
     forgetting: float = Field(default=0.99999, gt=0, le=1)
@@ -103,6 +103,16 @@ class PolicyConfig(_Section):
     """EWMA weight of the horizon tracker."""
     admission: bool = True
     """Bypass a tier for blocks worth less than its victim."""
+    samples: int = Field(default=16, ge=1, le=1024)
+    """kvtier: residents sampled per eviction (the lowest hit density among them goes)."""
+    age_buckets: int = Field(default=128, ge=4, le=4096)
+    """kvtier: age resolution of the hit-density tables."""
+    reconfigure_every: int = Field(default=4000, ge=100)
+    """kvtier: accesses between recomputations of the density tables."""
+    table_decay: float = Field(default=0.9, gt=0, le=1)
+    """kvtier: decay of the hit/eviction tables per recomputation (adapts to drift)."""
+    explore_every: int = Field(default=16, ge=1)
+    """kvtier: one missed block in this many is admitted regardless, so every class keeps producing evidence."""
     prefetch_budget_bytes_per_s: float = Field(default=8e9, gt=0)
     """Bandwidth the prefetcher may spend on hinted and predicted promotions."""
 

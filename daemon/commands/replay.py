@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import tomllib
 from typing import Any
 
 from .bench import write_json
@@ -14,24 +13,50 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.add_argument("traces", nargs="+", metavar="TRACE", help="Mooncake or Qwen-Bailian JSONL trace")
     p.add_argument("--capacity", default="1%,2%,5%,10%,20%", help="capacities as %% of unique blocks")
     p.add_argument("--policy", default="lru,s3fifo,kvtier,belady", help="comma-separated policy names")
-    p.add_argument("--config", help="TOML file; its [policy.params.NAME] tables are passed to policy NAME")
+    p.add_argument("--config", help="kvtier config (TOML); its [policy] section parameterises the policies "
+                                    "(default: the shipped daemon/defaults/kvtier.toml)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PNG")
+    p.add_argument("--tiers", metavar="HBM,DRAM", help="multi-tier mode: HBM and DRAM capacities (e.g. 1%%,5%%) "
+                                                       "over an NVMe tier that holds everything")
+    p.add_argument("--block-mib", type=float, default=2.0, help="multi-tier: bytes of one block, MiB")
+    p.add_argument("--dram-gbps", type=float, default=20.0, help="multi-tier: DRAM->HBM bandwidth, GB/s")
+    p.add_argument("--nvme-gbps", type=float, default=5.0, help="multi-tier: NVMe->HBM bandwidth, GB/s")
     p.set_defaults(func=run)
 
 
-def _params(path: str | None) -> dict[str, Any]:
-    if not path:
-        return {}
-    with open(path, "rb") as f:
-        try:
-            cfg = tomllib.load(f)
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"{path}: {e}") from None
-    params = cfg.get("policy", {}).get("params", {})
-    if not isinstance(params, dict):
-        raise ValueError(f"{path}: [policy.params] must be a table of tables")
-    return params
+def _params(path: str | None, policies: list[str]) -> dict[str, Any]:
+    """Policy parameters from the same config the daemon reads: the shipped default
+    file, or ``--config FILE`` on top of it ([policy] and [predictor] sections)."""
+    from kvtier.daemon.config import load_config
+
+    cfg = load_config(path, environ={})
+    base = cfg.policy.params() | {"track_calibration": cfg.predictor.track_calibration,
+                                  "calibration_bins": cfg.predictor.calibration_bins}
+    return {name: dict(base) for name in policies}
+
+
+def _tiered(args: argparse.Namespace, trace: Any, policies: list[str], params: dict[str, Any],
+            console: Any) -> list[dict]:
+    from rich.table import Table
+
+    from kvtier.daemon.replay.report import parse_fractions
+    from kvtier.daemon.replay.tiered import TierSpec, simulate_tiers
+
+    fr = parse_fractions(args.tiers)
+    if len(fr) != 2:
+        raise ValueError("--tiers takes two capacities: HBM,DRAM (e.g. 1%,5%)")
+    spec = TierSpec(max(1, round(fr[0] * trace.n_unique)), max(1, round(fr[1] * trace.n_unique)),
+                    int(args.block_mib * 2**20), args.dram_gbps * 1e9, args.nvme_gbps * 1e9)
+    rows = [simulate_tiers(p, spec, trace, params.get(p, {})) for p in policies]
+    t = Table(title=f"{trace.name}: tiers HBM {spec.hbm_blocks:,} + DRAM {spec.dram_blocks:,} blocks over NVMe")
+    for col in ("policy", "hbm hit", "dram hit", "nvme hit", "miss", "stall s (no prefetch)"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(r["policy"], f"{r['hit']['hbm']:.4f}", f"{r['hit']['dram']:.4f}", f"{r['hit']['nvme']:.4f}",
+                  f"{r['miss']:.4f}", f"{r['stall_s']:.1f}")
+    console.print(t)
+    return rows
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     for p in policies:
         if p not in POLICIES:
             raise ValueError(f"unknown policy {p!r}; choose from {sorted(POLICIES)}")
-    params = _params(args.config)
+    params = _params(args.config, policies)
     console = Console()
     reports = []
     for path in args.traces:
@@ -77,5 +102,8 @@ def run(args: argparse.Namespace) -> int:
                           f"ECE {rep['calibration']['ece']:.4f}")
         if args.plot:
             plot(rep, args.plot if len(args.traces) == 1 else args.plot.replace(".png", f"-{trace.name}.png"))
+        if args.tiers:
+            rep["tiers"] = _tiered(args, trace, [p for p in policies if p != "belady" and
+                                                 not getattr(POLICIES[p], "offline", False)], params, console)
     write_json(args.json, reports[0] if len(reports) == 1 else {"traces": reports})
     return 0

@@ -1,4 +1,4 @@
-"""kvtier's value policy: keep the blocks most likely to be reused.
+"""The Beta value policy (``kvtier-beta``): keep the blocks most likely to be reused.
 
 value(b) = P(reuse within H | b) x weight(importance_b) x cost saved.
 P comes from the Beta-Bernoulli predictor: after each access a block's
@@ -21,29 +21,19 @@ keeping" means "likely to be reused before this cache would forget it".
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import numpy as np
 
-from kvtier.predictor.beta import BetaReuseModel, forget, p_reuse_within
-from kvtier.predictor.calibration import CalibrationTracker
-from kvtier.predictor.classes import N_CLASSES, N_STAGES
-from kvtier.predictor.priors import ClassPriors
+from kvtier.predictor.classes import N_CLASSES
+from kvtier.predictor.online import OnlineReusePredictor
 from kvtier.tiers.intrusive import IndexLists
 
 from . import register_policy
 from .base import Policy
 
 
-def p_scalar(a: float, b: float, h: float) -> float:
-    """1 - B(a, b+h)/B(a, b) with math.lgamma (the per-access fast path)."""
-    a = max(a, 1e-12)
-    b = max(b, 1e-12)
-    return -math.expm1(math.lgamma(b + h) - math.lgamma(a + b + h) - math.lgamma(b) + math.lgamma(a + b))
-
-
-@register_policy("kvtier")
+@register_policy("kvtier-beta")
 class ValuePolicy(Policy):
     def __init__(self, capacity: int, max_blocks: int, epoch_s: float = 1.0, forgetting: float = 0.99999,
                  prior_window_epochs: float = 2048.0, prior_refit_every: int = 2000, prior_shrink: float = 50.0,
@@ -51,42 +41,35 @@ class ValuePolicy(Policy):
                  admission: bool = True, track_calibration: bool = True, calibration_bins: int = 10,
                  calibration_window: Optional[int] = None, **_: object) -> None:
         super().__init__(capacity, max_blocks)
-        self.alpha = np.zeros(max_blocks)
-        self.beta = np.zeros(max_blocks)
-        self.last = np.zeros(max_blocks)
-        self.model = BetaReuseModel(self.alpha, self.beta, self.last, epoch_s, forgetting)
-        self.priors = ClassPriors(N_CLASSES, max_blocks, prior_window_epochs, prior_refit_every, prior_shrink)
-        self.accesses = np.zeros(max_blocks, dtype=np.int32)
-        self.klass = np.zeros(max_blocks, dtype=np.int32)
+        self.pred = OnlineReusePredictor(max_blocks, epoch_s, forgetting, prior_window_epochs, prior_refit_every,
+                                         prior_shrink, horizon_init_epochs, track_calibration, calibration_bins,
+                                         calibration_window)
+        p = self.pred
+        self.alpha, self.beta, self.last, self.model, self.priors = p.alpha, p.beta, p.last, p.model, p.priors
+        self.accesses, self.klass, self.calib = p.accesses, p.klass, p.calib
         self.weight = np.ones(max_blocks)  # importance weight (the daemon sets it; 1 in replay)
         self.lists = IndexLists(max_blocks, n_lists=N_CLASSES)
         self.sentinels = self.lists.capacity + np.arange(N_CLASSES)
-        self.horizon = float(horizon_init_epochs)
         self.smoothing = float(horizon_smoothing)
         self.admission = admission
-        self.calib = CalibrationTracker(max_blocks, calibration_bins, calibration_window) if track_calibration else None
         self._victim = -1
-        self._epoch = 0.0
         self.bypassed = 0
 
     # -- predictor ---------------------------------------------------------
     def observe(self, b: int, now: float, cls: int) -> None:
-        e = now / self.model.epoch_s
-        self._epoch = e
-        pr = self.priors
-        pr.advance(e)
-        n = int(self.accesses[b]) + 1
-        self.accesses[b] = n
-        k = cls * N_STAGES + min(n, N_STAGES) - 1
-        self.klass[b] = k
-        pr.event(b, k, e)
-        a, bb = float(pr.alpha[k]), float(pr.beta[k])
-        self.alpha[b] = a
-        self.beta[b] = bb
-        self.last[b] = e
-        if self.calib is not None:
-            self.calib.access(b, e)
-            self.calib.predict(b, p_scalar(a, bb, self.horizon), e, self.horizon)
+        self.pred.observe(b, now, cls)
+
+    @property
+    def horizon(self) -> float:
+        return self.pred.horizon
+
+    @horizon.setter
+    def horizon(self, value: float) -> None:
+        self.pred.horizon = value
+
+    @property
+    def _epoch(self) -> float:
+        return self.pred.epoch
 
     # -- cache hooks ---------------------------------------------------------
     def on_hit(self, b: int, now: float, cls: int, next_use: int) -> None:
@@ -96,8 +79,7 @@ class ValuePolicy(Policy):
     def _find_victim(self) -> tuple[int, float]:
         nonempty = np.flatnonzero(self.lists.lengths)
         heads = self.lists.next[self.sentinels[nonempty]]
-        a, b = forget(self.alpha[heads], self.beta[heads], self._epoch - self.last[heads], self.model.lam)
-        p = p_reuse_within(a, b, self.horizon) * self.weight[heads]
+        p = self.pred.p_idle(heads) * self.weight[heads]
         i = int(np.argmin(p))
         return int(heads[i]), float(p[i])
 
@@ -109,7 +91,7 @@ class ValuePolicy(Policy):
         self._victim = victim
         if not self.admission:
             return True
-        if p_scalar(float(self.alpha[b]), float(self.beta[b]), self.horizon) * self.weight[b] > v_value:
+        if self.pred.p_fresh(b) * self.weight[b] > v_value:
             return True
         self.bypassed += 1
         return False

@@ -133,3 +133,17 @@ def test_reference_lru_and_belady_on_conversation_trace():
         assert round(row["hit"]["lru"], 4) == lru
         assert round(row["hit"]["belady"], 4) == bel
     assert ref  # the reference file is readable alongside the trace
+
+
+def test_multi_tier_accounting():
+    from kvtier.daemon.replay.tiered import TierSpec, simulate_tiers
+
+    rng = np.random.default_rng(3)
+    tr = _trace((rng.zipf(1.2, 4000) % 500).tolist())
+    r = simulate_tiers("lru", TierSpec(20, 60, block_bytes=1000, dram_bytes_per_s=1e6, nvme_bytes_per_s=1e5), tr)
+    assert abs(sum(r["hit"].values()) + r["miss"] - 1) < 1e-12
+    assert r["miss"] == tr.n_unique / tr.n_accesses  # NVMe keeps everything: only first touches miss
+    single = simulate(make_policy("lru", 20, tr.n_unique), tr, None)
+    assert r["hit"]["hbm"] == single / tr.n_accesses  # HBM under LRU is exactly the single-tier LRU cache
+    n = tr.n_accesses
+    assert r["stall_s"] == pytest.approx(r["hit"]["dram"] * n * 1000 / 1e6 + r["hit"]["nvme"] * n * 1000 / 1e5)
