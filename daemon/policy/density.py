@@ -62,10 +62,13 @@ class HitDensityPolicy(Policy):
         self.reconfigure_every = int(reconfigure_every)
         self.table_decay = float(table_decay)
         self.rng = np.random.default_rng(seed)
+        self._pool = self.rng.integers(0, 1 << 62, size=self.samples * 4096)
+        self._pool_at = 0
         self.hits = np.zeros((N_CLASSES, self.A))
         self.evictions = np.zeros((N_CLASSES, self.A))
         self.density = np.zeros((N_CLASSES, self.A))
         self.density[:] = np.linspace(1.0, 0.0, self.A)  # before any evidence: LRU-like
+        self._flat = self.density.reshape(-1)
         self.granularity = max(1.0, capacity / (self.A / 4))  # replaced by the measured eviction age
         self.clock = 0
         self.ts = np.zeros(max_blocks, dtype=np.int64)
@@ -113,12 +116,18 @@ class HitDensityPolicy(Policy):
     def _find_victim(self) -> tuple[int, int, float]:
         if self.size <= self.samples:  # a small cache: every resident is a candidate
             cand = self.slots[: self.size]
-        else:
-            cand = self.slots[self.rng.integers(0, self.size, size=self.samples)]
+        else:  # random draws come from a pre-drawn pool: rng calls cost more than the lookup
+            if self._pool_at + self.samples > self._pool.size:
+                self._pool = self.rng.integers(0, 1 << 62, size=self._pool.size)
+                self._pool_at = 0
+            r = self._pool[self._pool_at: self._pool_at + self.samples]
+            self._pool_at += self.samples
+            cand = self.slots[r % self.size]
         ages = self.clock - self.ts[cand]
-        buckets = np.minimum((ages / self.granularity).astype(np.int64), self.A - 1)
-        d = self.density[self.klass[cand], buckets] * self.weight[cand]
-        i = int(np.argmin(d))
+        buckets = (ages * (1.0 / self.granularity)).astype(np.int64)
+        np.minimum(buckets, self.A - 1, out=buckets)
+        d = self._flat[self.klass[cand] * self.A + buckets] * self.weight[cand]
+        i = int(d.argmin())
         return int(cand[i]), int(buckets[i]), float(d[i])
 
     def admit(self, b: int, now: float, cls: int, next_use: int) -> bool:
@@ -181,6 +190,7 @@ class HitDensityPolicy(Policy):
         pooled = np.where(pooled_l > 0, pooled_h / np.maximum(pooled_l, 1e-12), 0.0)
         weight = events_above[:, :1] / (events_above[:, :1] + 100.0)
         self.density = weight * dens + (1 - weight) * pooled[None, :]
+        self._flat = self.density.reshape(-1)
         if self._evict_n:
             mean_age = self._evict_age_sum / self._evict_n
             new_g = max(1.0, 4.0 * mean_age / self.A)  # the mean eviction age sits at a quarter of the range
