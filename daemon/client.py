@@ -145,18 +145,22 @@ class TierClient:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         with self._lock if sock is None else _nolock():
             s = sock or self._sock
-            s.send_multipart([b"", payload], copy=False)
+            s.send_multipart([b"", payload])
             end = time.monotonic() + timeout
             while True:
                 left = end - time.monotonic()
-                if left <= 0 or not s.poll(int(left * 1000) + 1):
+                try:  # a blocking receive with a timeout: one call, no separate poll
+                    if left <= 0:
+                        raise zmq.Again()
+                    s.setsockopt(zmq.RCVTIMEO, int(left * 1000) + 1)
+                    frames = s.recv_multipart()
+                except zmq.Again:
                     if sock is None:  # resynchronise: a late reply must not be read as the next one's
                         s.close(0)
                         self._sock = self._dealer()
                     if self.endpoint.startswith("ipc://") and not os.path.exists(self.endpoint[6:]):
-                        raise DaemonUnavailable(f"the daemon at {self.endpoint} went away")
-                    raise RequestTimeout(f"{op}: no reply within {timeout} s")
-                frames = s.recv_multipart()
+                        raise DaemonUnavailable(f"the daemon at {self.endpoint} went away") from None
+                    raise RequestTimeout(f"{op}: no reply within {timeout} s") from None
                 reply = msgpack.unpackb(frames[-1], raw=False)
                 if reply.get("id") == rid:
                     break

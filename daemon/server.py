@@ -128,7 +128,12 @@ class Server:
         while not self.stop_requested:
             busy = bool(svc.waiters) or (svc.mgr is not None and bool(
                 svc.mgr._pending or svc.placement.backlog or len(svc.prefetcher)))
-            ready = dict(poller.poll(1 if busy else 20))
+            if self.rpc.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # a request is waiting: skip the poller
+                ready = {self.rpc: zmq.POLLIN}
+                if self.telemetry.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # ... but never starve telemetry
+                    ready[self.telemetry] = zmq.POLLIN
+            else:
+                ready = dict(poller.poll(1 if busy else 20))
             if self.rpc in ready:
                 # one request per turn: no exception-driven drain loop on the latency path
                 self._on_request(self.rpc.recv_multipart(copy=True))
@@ -200,7 +205,7 @@ class Server:
             log.exception("request failed")
             svc.counters["internal_errors"] += 1
             reply = P.error(rid, P.INTERNAL, f"{type(e).__name__}: {e}")
-        self.rpc.send_multipart([*envelope, reply], copy=False)
+        self.rpc.send_multipart([*envelope, reply])
 
     def _reply_later(self, w: Waiter, result: Any) -> None:
         if w.reply_to is None:
@@ -211,7 +216,7 @@ class Server:
             reply = P.error(rid, result.code, result.message)
         else:
             reply = P.ok(rid, result)
-        self.rpc.send_multipart([*envelope, reply], copy=False)
+        self.rpc.send_multipart([*envelope, reply])
 
     def _on_telemetry(self, frame: bytes) -> None:
         svc = self.service

@@ -62,6 +62,9 @@ def snapshot(svc: Service) -> dict[str, Any]:
                        "started": svc.prefetcher.started if svc.prefetcher else 0,
                        "queued": len(svc.prefetcher) if svc.prefetcher else 0}
     out["importance_mean"] = float(np.mean(t.importance[used])) if used.any() else 0.0
+    if svc.scores is not None:  # live blocks per segment tag (untagged: "")
+        counts = np.bincount(svc.scores.segment[used], minlength=len(svc.scores.segment_names))
+        out["segments"] = {name or "untagged": int(n) for name, n in zip(svc.scores.segment_names, counts)}
     return out
 
 

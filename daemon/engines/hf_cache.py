@@ -122,6 +122,7 @@ class TieredCache(Cache):
         self.rows = [Row() for _ in range(batch_size)]
         self.seq_ids = list(seq_ids) if seq_ids is not None else [None] * batch_size
         self.active = False
+        self.segment: Optional[str] = None  # chat segment of the tokens being written (system/user/assistant)
         self._work: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = [None] * layout.num_layers
         self._where: list[tuple] = []
         self.acquires = 0
@@ -199,6 +200,8 @@ class TieredCache(Cache):
             new, slots = self.client.alloc(need, seq=self.seq_ids[i], pin=True)  # pinned: written next
             row.blocks.extend(new.tolist())
             row.slots.extend(slots.tolist())
+            if self.segment:  # a block is tagged by the segment that starts it
+                self.client.report_segment(new, self.segment)
 
     def layer_update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q_len = keys.shape[-2]

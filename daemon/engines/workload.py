@@ -134,6 +134,7 @@ class TieredRunner:
 
     def prefill_system(self, tokens: torch.Tensor) -> None:
         cache = TieredCache(self.client, self.layout, 1, self.namespace, seq_ids=[0])  # type: ignore[arg-type]
+        cache.segment = "system"
         cache.feed_tokens(tokens)
         with torch.no_grad():
             self.model(input_ids=tokens, cache=cache)
@@ -158,11 +159,17 @@ class TieredRunner:
             n = min(len(row.blocks), m.numel())
             self.client.report_attention(np.asarray(row.blocks[:n]), m[:n].numpy())  # type: ignore[attr-defined]
 
+    @staticmethod
+    def _before(cache: TieredCache, ids: torch.Tensor) -> None:
+        cache.segment = "user" if ids.shape[1] > 1 else "assistant"  # prompt chunk vs decoded token
+        cache.feed_tokens(ids)
+
     def turn(self, s: int, user: torch.Tensor, gen: int) -> TurnResult:
         cache = self.cache(s)
         install_recorder(self.model, self.recorder)
         try:
-            res = run_turn(self.model, cache, user, gen, before=cache.feed_tokens, after=lambda: self._report(cache))
+            res = run_turn(self.model, cache, user, gen, before=lambda ids: self._before(cache, ids),
+                           after=lambda: self._report(cache))
         finally:
             install_recorder(self.model, None)
         cache.deactivate()

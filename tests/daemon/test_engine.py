@@ -107,10 +107,13 @@ def test_idle_sequence_comes_back_exact_after_demotion(model, engine):
 
 
 def test_multi_turn_sessions_share_the_system_prompt():
-    r = run_demo(DemoOptions(sessions=4, turns=2, user_tokens=24, gen_tokens=8))
+    r = run_demo(DemoOptions(sessions=4, turns=2, user_tokens=24, gen_tokens=24))
     assert r["bit_exact"] and r["turns_checked"] == 8
     svc_hits = sum(row["hits"] for row in r["tiers"])
     assert svc_hits > 0
+    assert r["segments"]["system"] == 4  # the shared system prompt: 64 tokens, 4 blocks, stored once
+    assert r["segments"]["user"] > 0 and r["segments"]["assistant"] > 0
+    assert 0 < r["importance_mean"] <= 1  # attention telemetry reached the daemon
 
 
 def test_tiny_budget_pushes_idle_sessions_to_nvme():
