@@ -57,7 +57,7 @@ def source_tiers(copies: np.ndarray, above: int) -> np.ndarray:
 
 
 def promote_missing(mgr: TierManager, placement: Placement, blocks: np.ndarray, budget: Optional[int] = None,
-                    urgent: bool = True) -> int:
+                    urgent: bool = True, chunks: int = 1) -> int:
     """Start promotions to HBM for ``blocks`` that are neither resident nor moving.
 
     Frees HBM room through the placement policy first. Returns the number of
@@ -80,13 +80,13 @@ def promote_missing(mgr: TierManager, placement: Placement, blocks: np.ndarray, 
         if free <= 0:
             break
         group = missing[src == tier][:free]
-        if mgr.promote(group, HBM) is not None:
+        if mgr.promote(group, HBM, chunks=chunks) is not None:
             started += group.size
             free -= group.size
     return started
 
 
-def progress(w: Waiter, mgr: TierManager, placement: Placement) -> None:
+def progress(w: Waiter, mgr: TierManager, placement: Placement, chunks: int = 1) -> None:
     """Pin what is resident, promote what is not (never blocks)."""
     t = mgr.table
     todo = np.flatnonzero(~w.pinned)
@@ -100,7 +100,7 @@ def progress(w: Waiter, mgr: TierManager, placement: Placement) -> None:
         w.pinned[idx] = True
         w.session.pins[w.blocks[idx]] += 1
     if not ready.all():
-        promote_missing(mgr, placement, blocks[~ready])
+        promote_missing(mgr, placement, blocks[~ready], chunks=chunks)
 
 
 def unservable(blocks: np.ndarray, mgr: TierManager) -> "tuple[str, str] | None":

@@ -65,6 +65,7 @@ class AcquireHandle:
         self.ticket = reply["ticket"]
         self._last = reply
         self.n = blocks_hint
+        self.layers = int(reply.get("layers", 1))
 
     @property
     def done(self) -> bool:
@@ -77,6 +78,16 @@ class AcquireHandle:
         if self.done:
             return np.ones(len(self._last["blocks"]) // 8, dtype=bool)
         return np.frombuffer(self._last["ready"], dtype=bool).copy()
+
+    def layers_ready(self) -> tuple[np.ndarray, np.ndarray]:
+        """(layers landed per block, HBM slot per block or -1): layer l of a block may be
+        read from its slot once layers_ready > l, while later layers are still arriving."""
+        self.poll()
+        if self.done:
+            n = len(self._last["blocks"]) // 8
+            return np.full(n, self.layers, dtype=np.int64), _ids(self._last["slots"])
+        self.layers = int(self._last.get("layers", 1))
+        return _ids(self._last["layers_ready"]), _ids(self._last["slots"])
 
     def wait(self, timeout_s: Optional[float] = None, interval_s: float = 0.0005) -> tuple[np.ndarray, np.ndarray]:
         end = None if timeout_s is None else time.monotonic() + timeout_s

@@ -63,6 +63,7 @@ class Service:
         self.tickets = itertools.count(1)
         self.counters: Counter[str] = Counter()
         self.block_tokens = 16
+        self.layers = 1  # parts a DRAM -> HBM promotion is copied and reported in (the engine's layers)
         self.on_stall: Callable[[float], None] = lambda seconds: None
         self._hbm_shm: Optional[shared_memory.SharedMemory] = None
         self.ops: dict[str, Callable[[EngineSession | None, Any], Any]] = {
@@ -165,6 +166,8 @@ class Service:
             mover_workers=tc.mover_workers, hbm_tensor=hbm_tensor, dram_numa_node=tc.dram_numa_node,
             clock=self.clock)
         self.block_tokens = args.block_tokens
+        layers = args.layout.get("layers", 1)
+        self.layers = layers if isinstance(layers, int) and layers > 0 and args.block_bytes % layers == 0 else 1
         pc = self.cfg.policy
         pr = self.cfg.predictor
         params = pc.params() | {"track_calibration": pr.track_calibration, "calibration_bins": pr.calibration_bins,
@@ -372,10 +375,10 @@ class Service:
             c[name] += n
         timeout = args.timeout_s if args.timeout_s is not None else self.cfg.server.acquire_timeout_s
         w = Waiter(next(self.tickets), session, blocks, now + timeout, now, args.wait)
-        progress(w, mgr, self.placement)  # type: ignore[arg-type]
+        progress(w, mgr, self.placement, self.layers)  # type: ignore[arg-type]
         self.waiters[w.ticket] = w
         if not args.wait:
-            return {"done": False, "ticket": w.ticket, "ready": w.pinned.tobytes()}
+            return self._pending_reply(w)
         return w
 
     def _finish(self, w: Waiter) -> dict:
@@ -390,7 +393,7 @@ class Service:
         w = self.waiters.get(args.ticket)
         if w is None or w.session is not session or w.blocking:
             raise ProtocolError(P.INVALID, f"unknown acquire ticket {args.ticket}")
-        progress(w, self.mgr, self.placement)  # type: ignore[arg-type]
+        progress(w, self.mgr, self.placement, self.layers)  # type: ignore[arg-type]
         if w.done:
             return self._finish(w)
         broken = unservable(w.blocks[~w.pinned], self.mgr)  # type: ignore[arg-type]
@@ -402,19 +405,30 @@ class Service:
             unpin_waiter(w, self.mgr)  # type: ignore[arg-type]
             self.waiters.pop(w.ticket, None)
             raise ProtocolError(P.TIMEOUT, f"acquire {w.ticket} missed its deadline")
-        return {"done": False, "ticket": w.ticket, "ready": w.pinned.tobytes(), "slots": P.id_bytes(w.slots)}
+        return self._pending_reply(w)
+
+    def _pending_reply(self, w: Waiter) -> dict:
+        """Per block of a waiting acquire: pinned, layers landed so far, and its HBM slot
+        (reserved already for blocks in flight, so layer l may be read once it landed)."""
+        t = self.mgr.table  # type: ignore[union-attr]
+        layers = self.mgr.parts_ready(w.blocks, self.layers)  # type: ignore[union-attr]
+        slots = np.where(w.pinned, w.slots, np.where(layers > 0, t.slot[HBM, w.blocks], -1))
+        return {"done": False, "ticket": w.ticket, "ready": w.pinned.tobytes(), "layers": self.layers,
+                "layers_ready": P.id_bytes(layers), "slots": P.id_bytes(slots)}
 
     def advance_waiters(self) -> list[tuple[Waiter, Any]]:
         """Progress blocking acquires: (waiter, result dict or ProtocolError) for each finished."""
         out: list[tuple[Waiter, Any]] = []
         now = self.clock()
         for w in list(self.waiters.values()):
-            if not w.blocking:
+            if not w.blocking:  # pin what landed now, before background work could move it
                 if now > w.deadline + 60:  # abandoned non-blocking ticket
                     unpin_waiter(w, self.mgr)  # type: ignore[arg-type]
                     self.waiters.pop(w.ticket, None)
+                elif not w.done:
+                    progress(w, self.mgr, self.placement, self.layers)  # type: ignore[arg-type]
                 continue
-            progress(w, self.mgr, self.placement)  # type: ignore[arg-type]
+            progress(w, self.mgr, self.placement, self.layers)  # type: ignore[arg-type]
             broken = None if w.done else unservable(w.blocks[~w.pinned], self.mgr)  # type: ignore[arg-type]
             if w.done:
                 out.append((w, self._finish(w)))

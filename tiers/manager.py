@@ -44,6 +44,8 @@ class _Pending:
     src: Tier
     dst: Tier
     keep_source: np.ndarray  # per block: keep the source copy
+    chunks: int = 1
+    progress: Optional[np.ndarray] = None  # parts landed (layer-wise DRAM -> HBM promotions)
 
 
 class TierManager:
@@ -83,6 +85,7 @@ class TierManager:
         self.listeners: list[EventListener] = []
         self.corrupt = self.table.add_column("corrupt", np.bool_)  # reset when the entry is reused
         self.io_failures = self.table.add_column("io_failures", np.uint8)
+        self.inflight = self.table.add_column("inflight_tid", np.int64)  # transfer moving the block (0: none)
         self.recovered = 0
         self.discarded = 0
         if self.nvme is not None and recover:
@@ -289,8 +292,13 @@ class TierManager:
             raise ValueError(f"demote goes down: {src.name} -> {dst.name}")
         return self._move(self._check_blocks(blocks), src, dst, keep_source)
 
-    def promote(self, blocks: Iterable[int], dst: "Tier | int | str" = Tier.HBM) -> Optional[int]:
-        """Copy blocks up into ``dst`` from their fastest lower copy."""
+    def promote(self, blocks: Iterable[int], dst: "Tier | int | str" = Tier.HBM, chunks: int = 1) -> Optional[int]:
+        """Copy blocks up into ``dst`` from their fastest lower copy.
+
+        ``chunks`` > 1 (DRAM -> HBM): copy layer by layer and expose progress
+        (``parts_ready``); ``block_bytes`` must divide evenly."""
+        if chunks < 1 or self.block_bytes % chunks:
+            raise ValueError(f"chunks={chunks} must divide block_bytes={self.block_bytes}")
         dst = parse_tier(dst)
         arr = self._check_blocks(blocks)
         copies = self.table.copies[arr].astype(np.int64)
@@ -302,9 +310,9 @@ class TierManager:
         src = dst + 1 + np.log2(lower & -lower).astype(np.int64)
         if np.any(src != src[0]):
             raise ValueError("promote: blocks come from different tiers; split the request")
-        return self._move(arr, Tier(int(src[0])) if arr.size else dst, dst, keep_source=True)
+        return self._move(arr, Tier(int(src[0])) if arr.size else dst, dst, keep_source=True, chunks=chunks)
 
-    def _move(self, arr: np.ndarray, src: Tier, dst: Tier, keep_source: bool) -> Optional[int]:
+    def _move(self, arr: np.ndarray, src: Tier, dst: Tier, keep_source: bool, chunks: int = 1) -> Optional[int]:
         t = self.table
         s, d = int(src), int(dst)
         if NVME in (s, d) and self.nvme is None:
@@ -334,13 +342,17 @@ class TierManager:
         dst_slots = t.assign_slots(io, d)
         assert dst_slots is not None
         tid = next(self._tids)
+        layered = chunks > 1 and (s, d) == (DRAM, HBM)
+        progress = np.zeros(1, dtype=np.int64) if layered else None
         xfer = Transfer(
             tid, src, dst, io.copy(), t.slot[s, io].astype(np.int64), dst_slots.astype(np.int64),
             t.key[io].copy(), t.nbytes[io].astype(np.int64), t.checksum[io].copy(), sealed[need_io].copy(),
+            chunks if layered else 1, progress,
         )
+        self.inflight[io] = tid
         t.busy[io] += 1
         t.refresh_evictable_many(io)
-        self._pending[tid] = _Pending(io, src, dst, keep[need_io].copy())
+        self._pending[tid] = _Pending(io, src, dst, keep[need_io].copy(), chunks if layered else 1, progress)
         if not self.mover.submit(xfer):
             raise RuntimeError("mover refused a transfer")
         return tid
@@ -352,6 +364,7 @@ class TierManager:
         path = f"{p.src.name.lower()}->{p.dst.name.lower()}"
         blocks = p.blocks
         t.busy[blocks] -= 1
+        self.inflight[blocks] = 0
         good, bad = blocks[c.ok], blocks[~c.ok]
         t.copies[good] |= np.uint8(1 << d)
         self.io_failures[good] = 0  # failures count consecutive attempts only
@@ -391,6 +404,17 @@ class TierManager:
         else:
             self.corrupt[b] = True
         self.counters["corrupt_copies"] += 1
+
+    def parts_ready(self, blocks: np.ndarray, chunks: int) -> np.ndarray:
+        """Per block: ``chunks`` if resident in HBM and idle, the parts already landed
+        if a layer-wise promotion is moving it there, else 0."""
+        t = self.table
+        out = np.where(((t.copies[blocks] & 1) == 1) & (t.busy[blocks] == 0), chunks, 0).astype(np.int64)
+        for i in np.flatnonzero(self.inflight[blocks]).tolist():
+            p = self._pending.get(int(self.inflight[blocks[i]]))
+            if p is not None and p.progress is not None and p.dst == Tier.HBM:
+                out[i] = int(p.progress[0]) * chunks // p.chunks
+        return out
 
     def pending_out(self, tier: "Tier | int") -> int:
         """Slots of ``tier`` that in-flight transfers will free when they complete."""

@@ -42,6 +42,9 @@ class Transfer:
     checksums: np.ndarray
     sealed: np.ndarray
 
+    chunks: int = 1  # layer-wise: copy (and report) each block in this many equal parts, in order
+    progress: Optional[np.ndarray] = None  # [1] int64: parts done for every block (DRAM -> HBM only)
+
     def __post_init__(self) -> None:
         n = self.blocks.size
         for name in ("src_slots", "dst_slots", "keys", "lengths", "checksums", "sealed"):
@@ -224,7 +227,19 @@ def _hbm_to_dram(m: Mover, t: Transfer, ok: np.ndarray, errors: dict) -> None:
 
 @path(Tier.DRAM, Tier.HBM)
 def _dram_to_hbm(m: Mover, t: Transfer, ok: np.ndarray, errors: dict) -> None:
-    m._copy_rows(m.hbm.tensor, t.dst_slots, m.dram.tensor, t.src_slots)
+    """Layer by layer when asked: part c of every block lands before part c+1 starts,
+    and ``progress`` says how many parts are in place, so an engine can compute layer
+    l while layer l+1 is still arriving. (NVMe reads are all or nothing: a block is
+    only trusted once its checksum verified.)"""
+    if t.chunks <= 1 or t.progress is None:
+        m._copy_rows(m.hbm.tensor, t.dst_slots, m.dram.tensor, t.src_slots)
+        ok[:] = True
+        return
+    part = m.hbm.block_bytes // t.chunks
+    for c in range(t.chunks):
+        cols = slice(c * part, (c + 1) * part)
+        m._copy_rows(m.hbm.tensor[:, cols], t.dst_slots, m.dram.tensor[:, cols], t.src_slots)
+        t.progress[0] = c + 1
     ok[:] = True
 
 

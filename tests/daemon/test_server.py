@@ -251,3 +251,45 @@ def test_graceful_stop_removes_runtime_files(tmp_path):
     assert not (d.runtime_dir / "rpc.sock").exists() and not (d.runtime_dir / "daemon.json").exists()
     with pytest.raises(DaemonUnavailable):
         TierClient(runtime_dir=str(d.runtime_dir))
+
+
+def test_async_acquire_reports_layers_as_they_land(tmp_path):
+    layers, part = 8, 128 << 10
+    bb = layers * part
+    d = DaemonProcess(tmp_path, f"tiers.hbm_bytes={8 * bb}", f"tiers.dram_bytes={32 * bb}", "tiers.nvme_bytes=0")
+    try:
+        c = d.client(engine_id="layered", heartbeat_s=None)
+        c.register(block_bytes=bb, layout={"layers": layers})
+
+        def expect(b: int, layer: int) -> int:
+            return (b * layers + layer) % 251
+
+        first, slots = c.alloc(8, seq=1, pin=True)
+        for b, s in zip(first.tolist(), slots.tolist()):
+            view = c.slot_view(s).numpy()
+            for layer in range(layers):
+                view[layer * part:(layer + 1) * part] = expect(b, layer)
+        c.seal(first, np.arange(1, 9))  # sealed while pinned: an unpinned open block may already be moving
+        c.release(blocks=first)
+        second, _ = c.alloc(8, seq=2, pin=True)  # HBM is full of pinned blocks: the first 8 went to DRAM
+        c.release(blocks=second)
+        h = c.acquire_async(blocks=first)
+        seen = np.zeros(8, dtype=np.int64)
+        while not h.done:
+            ready, where = h.layers_ready()
+            assert np.all(ready >= seen) and np.all(ready <= layers)  # monotonic
+            seen = ready
+            for i in np.flatnonzero(ready).tolist():
+                view = c.slot_view(where[i]).numpy()
+                for layer in range(int(ready[i])):  # every landed layer is already exact
+                    assert view[layer * part] == expect(int(first[i]), layer)
+        blocks, slots = h.wait(timeout_s=30)
+        for b, s in zip(blocks.tolist(), slots.tolist()):
+            view = c.slot_view(s).numpy()
+            assert all((view[layer * part:(layer + 1) * part] == expect(b, layer)).all() for layer in range(layers))
+        assert c.stats()["paths"]["dram->hbm"]["moves"] >= 8
+        c.release(blocks=blocks)
+        c.check()
+        c.close()
+    finally:
+        assert d.stop() == 0
