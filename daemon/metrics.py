@@ -2,19 +2,17 @@
 
 The owner thread publishes a snapshot (``stats.snapshot``) every second; the
 HTTP thread of prometheus_client only reads the latest one, so scraping never
-touches live metadata. The acquire stall histogram is observed directly (it
-is thread-safe in prometheus_client).
+touches live metadata. The acquire stall histogram is counted by the service
+(one array increment on the acquire path) and exported from the snapshot.
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterator, Optional
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
-
-STALL_BUCKETS = (1e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class SnapshotCollector(Collector):
@@ -63,6 +61,14 @@ class SnapshotCollector(Collector):
         yield _gauge("kvtier_engines", "Attached engines", len(s.get("engines", [])))
         yield _counter("kvtier_blocks_dropped", "Cached blocks dropped from the last tier",
                        s.get("placement", {}).get("dropped", 0))
+        hist = s.get("acquire_stall_histogram")
+        if hist:
+            cum, buckets = 0, []
+            for le, n in zip([*hist["le"], float("inf")], hist["counts"]):
+                cum += n
+                buckets.append(("+Inf" if le == float("inf") else repr(float(le)), cum))
+            yield HistogramMetricFamily("kvtier_acquire_stall_seconds", "Time an acquire waited for its blocks",
+                                        buckets=buckets, sum_value=hist["sum"])
         calib = s.get("calibration") or {}
         for name in ("brier", "ece"):
             if name in calib and calib[name] == calib[name]:
@@ -86,8 +92,6 @@ class Exporter:
         self.registry = CollectorRegistry()
         self.collector = SnapshotCollector()
         self.registry.register(self.collector)
-        self.stall = Histogram("kvtier_acquire_stall_seconds", "Time an acquire waited for its blocks",
-                               buckets=STALL_BUCKETS, registry=self.registry)
         self.port: Optional[int] = None
         self._server: Any = None
 

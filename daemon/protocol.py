@@ -139,6 +139,9 @@ class Request(BaseModel):
     args: dict[StrictStr, Any] = Field(default_factory=dict)
 
 
+_ENVELOPE = frozenset({"v", "id", "op", "engine", "args"})
+
+
 def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
@@ -164,10 +167,16 @@ def decode_request(frame: bytes, max_bytes: int) -> tuple[Request, _Args]:
         raise ProtocolError(BAD_FRAME, "a request is a msgpack map")
     if obj.get("v") != VERSION:
         raise ProtocolError(BAD_VERSION, f"protocol version {obj.get('v')!r} unsupported; this daemon speaks {VERSION}")
-    try:
-        req = Request.model_validate(obj)
-    except ValidationError as e:
-        raise ProtocolError(BAD_REQUEST, _first_error(e)) from None
+    # the envelope is checked by hand (it is on every request's path); the schema is ``Request``
+    rid, op, engine, args = obj.get("id"), obj.get("op"), obj.get("engine", ""), obj.get("args", {})
+    if (len(obj) > 5 or type(rid) is not int or type(op) is not str or type(engine) is not str
+            or type(args) is not dict or len(op) > 64 or len(engine) > 255 or not set(obj) <= _ENVELOPE):
+        try:
+            Request.model_validate(obj)  # for its precise message
+        except ValidationError as e:
+            raise ProtocolError(BAD_REQUEST, _first_error(e)) from None
+        raise ProtocolError(BAD_REQUEST, "malformed request envelope")
+    req = Request.model_construct(v=VERSION, id=rid, op=op, engine=engine, args=args)
     schema = ARGS.get(req.op)
     if schema is None:
         raise ProtocolError(UNKNOWN_OP, f"unknown op {req.op!r}; known: {sorted(ARGS)}")
@@ -187,28 +196,34 @@ def request_id(frame: bytes) -> int:
         return -1
 
 
+_LE = {np.dtype(t): np.dtype(t).newbyteorder("<") for t in (np.int64, np.uint64, np.float32, np.int32)}
+
+
 def ids(value: Any, dtype: "np.dtype | type", max_n: int, what: str) -> np.ndarray:
     """Decode a packed id array (bytes or list of ints)."""
+    dt = np.dtype(dtype)
     if value is None:
-        return np.zeros(0, dtype=dtype)
-    item = np.dtype(dtype).itemsize
+        return np.zeros(0, dtype=dt)
     if isinstance(value, (bytes, bytearray)):
-        if len(value) % item:
-            raise ProtocolError(BAD_REQUEST, f"{what}: {len(value)} bytes is not a multiple of {item}")
-        arr = np.frombuffer(value, dtype=np.dtype(dtype).newbyteorder("<")).astype(dtype, copy=False)
+        if len(value) % dt.itemsize:
+            raise ProtocolError(BAD_REQUEST, f"{what}: {len(value)} bytes is not a multiple of {dt.itemsize}")
+        arr = np.frombuffer(value, dtype=_LE.get(dt, dt))
+        if arr.dtype != dt:
+            arr = arr.astype(dt)
     else:
         try:
-            arr = np.asarray(value, dtype=np.int64 if np.dtype(dtype).kind == "i" else np.uint64)
-        except OverflowError:
-            raise ProtocolError(BAD_REQUEST, f"{what}: value out of range") from None
-        arr = arr.astype(dtype, copy=False)
-    if arr.size > max_n:
+            arr = np.asarray(value, dtype=np.int64 if dt.kind == "i" else np.uint64)
+        except (OverflowError, TypeError, ValueError):
+            raise ProtocolError(BAD_REQUEST, f"{what}: not a list of integers") from None
+        arr = arr.astype(dt, copy=False)
+    if arr.ndim != 1 or arr.size > max_n:
         raise ProtocolError(TOO_LARGE, f"{what}: {arr.size} entries exceed the limit of {max_n}")
     return arr
 
 
 def id_bytes(arr: "np.ndarray | list[int]", dtype: "np.dtype | type" = np.int64) -> bytes:
-    return np.ascontiguousarray(arr, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()
+    dt = np.dtype(dtype)
+    return np.ascontiguousarray(arr, dtype=_LE.get(dt, dt)).tobytes()
 
 
 def ok(rid: int, result: Optional[dict] = None) -> bytes:

@@ -102,7 +102,6 @@ class Server:
         if self.cfg.metrics.enabled:
             self.exporter = Exporter()
             self.exporter.start(self.cfg.metrics.host, self.cfg.metrics.port)
-            self.service.on_stall = self.exporter.stall.observe
         self._write_info()
 
     def _write_info(self) -> None:

@@ -10,6 +10,7 @@ where HBM is).
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import os
 import time
@@ -34,6 +35,7 @@ from .protocol import ProtocolError
 from .session import EngineSession
 
 HBM = int(Tier.HBM)
+STALL_BUCKETS = (1e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)  # seconds
 HIT_COUNTERS = tuple(f"hits_{t.name.lower()}" for t in Tier)
 
 
@@ -64,7 +66,8 @@ class Service:
         self.counters: Counter[str] = Counter()
         self.block_tokens = 16
         self.layers = 1  # parts a DRAM -> HBM promotion is copied and reported in (the engine's layers)
-        self.on_stall: Callable[[float], None] = lambda seconds: None
+        self.stall_counts = np.zeros(len(STALL_BUCKETS) + 1, dtype=np.int64)  # histogram (last: +Inf)
+        self.stall_sum = 0.0
         self._hbm_shm: Optional[shared_memory.SharedMemory] = None
         self.ops: dict[str, Callable[[EngineSession | None, Any], Any]] = {
             "ping": self.op_ping, "heartbeat": self.op_ping, "stats": self.op_stats, "register": self.op_register,
@@ -364,7 +367,7 @@ class Service:
             c["hits_hbm"] += int(blocks.size)
             slots = mgr.pin_many(blocks, checked=True)
             session.pins[blocks] += 1
-            self.on_stall(0.0)
+            self.stall_counts[0] += 1  # no stall: the cheapest bucket, no search
             self.placement.log_access(blocks)  # type: ignore[union-attr]
             return {"done": True, "ticket": 0, "blocks": P.id_bytes(blocks), "slots": P.id_bytes(slots)}
         broken = unservable(blocks[~resident], mgr)
@@ -385,7 +388,8 @@ class Service:
         self.waiters.pop(w.ticket, None)
         stall = self.clock() - w.started
         self.counters["stall_ns"] += int(stall * 1e9)
-        self.on_stall(stall)
+        self.stall_counts[bisect.bisect_left(STALL_BUCKETS, stall)] += 1
+        self.stall_sum += stall
         self.placement.log_access(w.blocks)  # type: ignore[union-attr]
         return {"done": True, "ticket": w.ticket, "blocks": P.id_bytes(w.blocks), "slots": P.id_bytes(w.slots)}
 

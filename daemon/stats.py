@@ -12,7 +12,7 @@ import numpy as np
 
 from kvtier.tiers.types import BlockState
 
-from .service import Service
+from .service import STALL_BUCKETS, Service
 
 
 def snapshot(svc: Service) -> dict[str, Any]:
@@ -24,6 +24,8 @@ def snapshot(svc: Service) -> dict[str, Any]:
         "service": dict(c),
         "prefetch_on_time_ratio": c["acquires_on_time"] / acquires if acquires else 1.0,
         "acquire_stall_s_total": c["stall_ns"] / 1e9,
+        "acquire_stall_histogram": {"le": list(STALL_BUCKETS), "counts": svc.stall_counts.tolist(),
+                                    "sum": svc.stall_sum},
         "policy": svc.cfg.policy.name,
         "config_hot": {name: getattr(svc.cfg, name).model_dump() for name in ("policy", "scoring", "predictor")},
     }

@@ -2,9 +2,9 @@
 
 Same run, same machine: a bare pyzmq ROUTER echo process answers a DEALER
 over ``ipc://`` with frames of the same sizes as an ``acquire`` of 128
-resident blocks and its reply; then a real daemon process serves that
-acquire through ``TierClient``. The ratio of the p50 round trips is what
-matters. Telemetry: attention-mass reports of 1024 blocks each, pushed as
+resident blocks and its reply, and a real daemon process serves that acquire
+through ``TierClient``; the two round trips alternate, so both see the same
+machine state. The ratio of the p50 round trips is what matters. Telemetry: attention-mass reports of 1024 blocks each, pushed as
 fast as the client can, counted by the daemon.
 """
 
@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -41,7 +42,9 @@ def _p50_us(samples: list[float]) -> float:
     return statistics.median(samples) * 1e6
 
 
-def _raw_rtt(endpoint: str, request: bytes, reply_len: int, iters: int) -> list[float]:
+def _interleaved(endpoint: str, request: bytes, reply_len: int, iters: int,
+                 acquire: Callable[[], None], release: Callable[[], None]) -> tuple[list[float], list[float]]:
+    """Alternate one raw round trip and one acquire, so both see the same machine state."""
     import zmq
 
     proc = subprocess.Popen([sys.executable, "-c", ECHO, endpoint, str(reply_len)], stdout=subprocess.PIPE, text=True)
@@ -50,16 +53,21 @@ def _raw_rtt(endpoint: str, request: bytes, reply_len: int, iters: int) -> list[
         s = zmq.Context.instance().socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.connect(endpoint)
-        out = []
+        raw, acq = [], []
         for i in range(iters + 100):
             t0 = time.perf_counter()
             s.send_multipart([b"", request])
             s.recv_multipart()
-            if i >= 100:
-                out.append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            acquire()
+            t2 = time.perf_counter()
+            release()
+            if i >= 100:  # warm-up excluded
+                raw.append(t1 - t0)
+                acq.append(t2 - t1)
         s.send_multipart([b"", b"stop"])
         s.close(0)
-        return out
+        return raw, acq
     finally:
         proc.wait(timeout=10)
 
@@ -84,17 +92,10 @@ def run(args: argparse.Namespace) -> dict:
         request = P.pack({"v": P.VERSION, "id": 1, "op": "acquire", "engine": c.engine_id,
                           "args": {"blocks": P.id_bytes(blocks)}})
         reply_len = len(P.ok(1, {"done": True, "ticket": 1, "blocks": P.id_bytes(blocks), "slots": P.id_bytes(blocks)}))
-        con.print(f"raw zmq round trips ({len(request)} B request, {reply_len} B reply) ...")
-        raw = _raw_rtt(f"ipc://{root / 'echo.sock'}", request, reply_len, args.iters)
-        con.print(f"acquire of {n} resident blocks through TierClient ...")
-        acq = []
-        for i in range(args.iters + 100):
-            t0 = time.perf_counter()
-            b, _ = c.acquire(blocks=blocks)
-            dt = time.perf_counter() - t0
-            c.release(blocks=b)
-            if i >= 100:
-                acq.append(dt)
+        con.print(f"raw zmq round trips ({len(request)} B request, {reply_len} B reply) interleaved with "
+                  f"acquire of {n} resident blocks through TierClient ...")
+        raw, acq = _interleaved(f"ipc://{root / 'echo.sock'}", request, reply_len, args.iters,
+                                lambda: c.acquire(blocks=blocks), lambda: c.release(blocks=blocks))
         con.print(f"telemetry: {args.telemetry_messages} x 1024 block updates ...")
         tele_blocks, _ = c.alloc(1024, seq=2)
         mass = np.random.default_rng(0).random(1024).astype(np.float32)
