@@ -30,8 +30,12 @@ def round_up(n: int, align: int = ALIGN) -> int:
     return (int(n) + align - 1) // align * align
 
 
+_CREATED_HERE: set[str] = set()  # segments this process created (its tracker entry must stay)
+
+
 def _create_shm(nbytes: int, name: Optional[str]) -> shared_memory.SharedMemory:
     shm = shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1))
+    _CREATED_HERE.add(shm._name)  # type: ignore[attr-defined]
     return shm
 
 
@@ -53,10 +57,11 @@ def attach_shm(name: str) -> shared_memory.SharedMemory:
     """Map an existing segment without letting this process's resource
     tracker unlink it at exit (the creator owns its lifetime)."""
     shm = shared_memory.SharedMemory(name=name, create=False)
-    try:
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    except Exception:
-        pass
+    if shm._name not in _CREATED_HERE:  # type: ignore[attr-defined]
+        try:
+            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        except Exception:
+            pass
     return shm
 
 
