@@ -3,8 +3,9 @@
 Every figure is measured in the same run, on the same bytes and block size:
 the raw baselines are a single numpy copy of the whole buffer (memcpy) and a
 sequential ``os.pwrite``/``os.preadv`` loop on an O_DIRECT file; the kvtier
-figures go through ``TierManager`` and its mover. Ratios are what matter on
-noisy machines.
+figures go through ``TierManager`` and its mover. Raw and kvtier steps
+alternate within every repetition, so drift on a noisy machine hits both
+sides of a ratio alike. Ratios are what matter.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ MiB = 1 << 20
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-kib", type=int, nargs="+", default=[256, 2048], help="block sizes in KiB")
     p.add_argument("--total-mib", type=int, default=256, help="bytes moved per measurement")
-    p.add_argument("--reps", type=int, default=3, help="repetitions (median is reported)")
+    p.add_argument("--reps", type=int, default=5, help="repetitions, raw and kvtier alternating (median is reported)")
     p.add_argument("--nvme-dir", default=None, help="directory on the NVMe device (default: a temp dir)")
     p.add_argument("--io-backend", default="auto", help="auto | posix | kvikio")
     p.add_argument("--io-threads", type=int, default=8)
@@ -37,56 +38,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metadata-blocks", type=int, default=1_000_000)
 
 
-def _median_gbps(nbytes: int, fn: Callable[[], None], reps: int) -> float:
-    fn()  # warm-up: page faults and caches are not what we measure
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times) / 1e9
-
-
-def raw_memcpy(nbytes: int, reps: int) -> float:
-    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)  # fault pages in
-    return _median_gbps(nbytes, lambda: np.copyto(dst, src), reps)
-
-
-def raw_odirect(directory: str, block: int, n: int, reps: int) -> tuple[float, float]:
-    path = os.path.join(directory, "raw-odirect.bin")
-    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0)
-    fd = os.open(path, flags, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, block * n)
-        buf = aligned_empty(block)
-        buf[:] = 7
-
-        def write() -> None:
-            for i in range(n):
-                os.pwrite(fd, buf, i * block)
-
-        def read() -> None:
-            for i in range(n):
-                os.preadv(fd, [buf], i * block)
-
-        w = _median_gbps(block * n, write, reps)
-        r = _median_gbps(block * n, read, reps)
-        return w, r
-    finally:
-        os.close(fd)
-        os.unlink(path)
-
-
 def _batches(arr: np.ndarray, size: int) -> list[np.ndarray]:
     return [arr[i : i + size] for i in range(0, arr.size, size)]
 
 
-def mover_figures(directory: str, block: int, n: int, reps: int, args: argparse.Namespace) -> dict[str, float]:
+class _RawODirect:
+    """The baseline disk path: a sequential pwrite/preadv loop on one O_DIRECT file."""
+
+    def __init__(self, directory: str, block: int, n: int) -> None:
+        self.path = os.path.join(directory, "raw-odirect.bin")
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600)
+        os.posix_fallocate(self.fd, 0, block * n)
+        self.buf = aligned_empty(block)
+        self.buf[:] = 7
+        self.block, self.n = block, n
+
+    def write(self) -> None:
+        for i in range(self.n):
+            os.pwrite(self.fd, self.buf, i * self.block)
+
+    def read(self) -> None:
+        for i in range(self.n):
+            os.preadv(self.fd, [self.buf], i * self.block)
+
+    def close(self) -> None:
+        os.close(self.fd)
+        os.unlink(self.path)
+
+
+def interleaved_figures(directory: str, block: int, n: int, reps: int, args: argparse.Namespace) -> dict[str, float]:
+    """Raw baselines and mover paths measured alternately, rep by rep, so a noisy
+    machine's drift hits both sides of every ratio alike."""
     m = TierManager(block, n, n, n, nvme_dir=os.path.join(directory, f"slabs-{block}"),
                     io_backend=args.io_backend, io_threads=args.io_threads, recover=False,
                     queue_depth=max(8, n // args.batch + 1))
+    raw = _RawODirect(directory, block, n)
+    src = np.random.default_rng(0).integers(0, 255, block * n, dtype=np.uint8)
+    dst = np.empty_like(src)
     try:
         blocks = m.alloc(n)
         assert blocks is not None
@@ -102,34 +90,36 @@ def mover_figures(directory: str, block: int, n: int, reps: int, args: argparse.
             if m.last_errors:
                 raise RuntimeError(f"transfer errors: {list(m.last_errors.values())[:3]}")
 
-        res = {}
-        # each rep: move everything down then up again; copies are dropped in
-        # between so every measured move does real work.
-        down, up = [], []
-        for rep in range(reps + 1):  # rep 0 is a warm-up
-            t0 = time.perf_counter(); run(lambda b: m.demote(b, Tier.HBM, Tier.DRAM)); down.append(time.perf_counter() - t0)
-            t0 = time.perf_counter(); run(lambda b: m.promote(b, Tier.HBM)); up.append(time.perf_counter() - t0)
+        def drop(tier: Tier) -> None:
             for b in blocks.tolist():
-                m.drop_copy(b, Tier.DRAM)
-        down, up = down[1:], up[1:]
+                m.drop_copy(b, tier)
+
+        steps: list[tuple[str, Callable[[], None]]] = [  # blocks start each rep in HBM only
+            ("memcpy", lambda: np.copyto(dst, src)),
+            ("hbm_to_dram", lambda: run(lambda b: m.demote(b, Tier.HBM, Tier.DRAM))),  # -> DRAM only
+            ("dram_to_hbm", lambda: run(lambda b: m.promote(b, Tier.HBM))),  # -> HBM + DRAM
+            ("", lambda: drop(Tier.HBM)),  # -> DRAM only
+            ("raw_odirect_write", raw.write),
+            ("dram_to_nvme", lambda: run(lambda b: m.demote(b, Tier.DRAM, Tier.NVME))),  # -> NVMe only
+            ("raw_odirect_read", raw.read),
+            ("nvme_to_dram", lambda: run(lambda b: m.promote(b, Tier.DRAM))),  # -> DRAM + NVMe
+            ("", lambda: (drop(Tier.NVME), run(lambda b: m.promote(b, Tier.HBM)), drop(Tier.DRAM))),
+        ]
+        times: dict[str, list[float]] = {name: [] for name, _ in steps if name}
+        for rep in range(reps + 1):  # rep 0 is a warm-up: page faults and caches are not what we measure
+            for name, fn in steps:
+                t0 = time.perf_counter()
+                fn()
+                if name and rep:
+                    times[name].append(time.perf_counter() - t0)
         total = block * n
-        res["hbm_to_dram_gbps"] = total / statistics.median(down) / 1e9
-        res["dram_to_hbm_gbps"] = total / statistics.median(up) / 1e9
-        run(lambda b: m.demote(b, Tier.HBM, Tier.DRAM))
-        wr, rd = [], []
-        for rep in range(reps + 1):
-            t0 = time.perf_counter(); run(lambda b: m.demote(b, Tier.DRAM, Tier.NVME)); wr.append(time.perf_counter() - t0)
-            t0 = time.perf_counter(); run(lambda b: m.promote(b, Tier.DRAM)); rd.append(time.perf_counter() - t0)
-            for b in blocks.tolist():
-                m.drop_copy(b, Tier.NVME)
-        wr, rd = wr[1:], rd[1:]
-        res["dram_to_nvme_gbps"] = total / statistics.median(wr) / 1e9
-        res["nvme_to_dram_gbps"] = total / statistics.median(rd) / 1e9
+        res: dict[str, float] = {f"{k}_gbps": total / statistics.median(v) / 1e9 for k, v in times.items()}
         res["nvme_direct_io"] = bool(m.nvme.direct) if m.nvme else False
         res["io_backend"] = m.backend.name
         m.check_invariants()
         return res
     finally:
+        raw.close()
         m.close()
 
 
@@ -155,11 +145,9 @@ def run(args: argparse.Namespace) -> dict:
             block = kib * 1024
             n = max(4, args.total_mib * MiB // block)
             total = block * n
-            with console.status(f"block {kib} KiB: raw baselines"):
-                memcpy = raw_memcpy(total, args.reps)
-                raw_w, raw_r = raw_odirect(directory, block, n, args.reps)
-            with console.status(f"block {kib} KiB: kvtier mover"):
-                mv = mover_figures(directory, block, n, args.reps, args)
+            with console.status(f"block {kib} KiB: raw baselines and kvtier mover, interleaved"):
+                mv = interleaved_figures(directory, block, n, args.reps, args)
+            memcpy, raw_w, raw_r = mv.pop("memcpy_gbps"), mv.pop("raw_odirect_write_gbps"), mv.pop("raw_odirect_read_gbps")
             sizes[f"{kib}KiB"] = {
                 "block_bytes": block, "blocks": n, "memcpy_gbps": memcpy,
                 "raw_odirect_write_gbps": raw_w, "raw_odirect_read_gbps": raw_r, **mv,
