@@ -149,6 +149,8 @@ class ScoringConfig(_Section):
 
 
 class PredictorConfig(_Section):
+    calibration_sample: int = Field(default=8, ge=1, le=4096)
+    """kvtier: the Beta predictor follows 1 block in N (by id hash) for calibration and metrics."""
     calibration_bins: int = Field(default=10, ge=2, le=100)
     """Reliability bins of the calibration tracker (Brier, ECE)."""
     track_calibration: bool = True

@@ -174,7 +174,7 @@ class Service:
         pc = self.cfg.policy
         pr = self.cfg.predictor
         params = pc.params() | {"track_calibration": pr.track_calibration, "calibration_bins": pr.calibration_bins,
-                                "calibration_window": 1 << 17}
+                                "calibration_sample": pr.calibration_sample, "calibration_window": 1 << 17}
         self.placement = Placement(self.mgr, pc.name, params, self.clock)
         sc = self.cfg.scoring
         self.scores = ImportanceScores(self.mgr.table.max_blocks, **sc.model_dump())
@@ -532,9 +532,7 @@ class Service:
         w = self.scores.weight(blocks)  # type: ignore[union-attr]
         self.mgr.table.importance[blocks] = self.scores.score(blocks)  # type: ignore[union-attr]
         for pol in self.placement.policies.values():  # type: ignore[union-attr]
-            weight = getattr(pol, "weight", None)
-            if weight is not None:
-                weight[blocks] = w
+            pol.set_weights(blocks, w)
 
     # -- background ------------------------------------------------------------------------
     def background(self, budget_s: float = 0.002) -> bool:

@@ -31,7 +31,10 @@ class OnlineReusePredictor:
     def __init__(self, max_blocks: int, epoch_s: float = 1.0, forgetting: float = 0.99999,
                  prior_window_epochs: float = 2048.0, prior_refit_every: int = 2000, prior_shrink: float = 50.0,
                  horizon_epochs: float = 64.0, track_calibration: bool = True, calibration_bins: int = 10,
-                 calibration_window: Optional[int] = None) -> None:
+                 calibration_window: Optional[int] = None, sample_every: int = 1) -> None:
+        if sample_every < 1:
+            raise ValueError("sample_every must be >= 1")
+        self.sample_every = int(sample_every)  # follow 1 block in N (by a hash of its id): spatial sampling
         self.alpha = np.zeros(max_blocks)
         self.beta = np.zeros(max_blocks)
         self.last = np.zeros(max_blocks)
@@ -44,7 +47,10 @@ class OnlineReusePredictor:
         self.epoch = 0.0
 
     def observe(self, b: int, now: float, cls: int) -> int:
-        """Record an access of ``b`` (feature class ``cls``); returns its prior class."""
+        """Record an access of ``b`` (feature class ``cls``); returns its prior class
+        (-1 for a block outside the sample)."""
+        if self.sample_every > 1 and ((b * 0x9E3779B1) >> 7) % self.sample_every:
+            return -1
         e = now / self.model.epoch_s
         self.epoch = e
         pr = self.priors

@@ -32,7 +32,8 @@ def _params(path: str | None, policies: list[str]) -> dict[str, Any]:
 
     cfg = load_config(path, environ={})
     base = cfg.policy.params() | {"track_calibration": cfg.predictor.track_calibration,
-                                  "calibration_bins": cfg.predictor.calibration_bins}
+                                  "calibration_bins": cfg.predictor.calibration_bins,
+                                  "calibration_sample": cfg.predictor.calibration_sample}
     return {name: dict(base) for name in policies}
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 
 class Policy:
     """Hooks called by the cache mechanism for every access.
@@ -41,6 +43,9 @@ class Policy:
     def remove(self, b: int) -> None:
         """Forget a resident block dropped by the mechanism (not a victim)."""
         raise NotImplementedError
+
+    def set_weights(self, blocks: "np.ndarray", weights: "np.ndarray") -> None:
+        """Importance weights from the daemon's scoring (policies that use them override)."""
 
     def stats(self) -> dict:
         return {}

@@ -45,14 +45,16 @@ class HitDensityPolicy(Policy):
                  epoch_s: float = 1.0, forgetting: float = 0.99999, prior_window_epochs: float = 2048.0,
                  prior_refit_every: int = 2000, prior_shrink: float = 50.0, horizon_init_epochs: float = 64.0,
                  horizon_smoothing: float = 0.01, calibration_bins: int = 10,
-                 calibration_window: Optional[int] = None, **_: object) -> None:
+                 calibration_window: Optional[int] = None, calibration_sample: int = 8, **_: object) -> None:
         super().__init__(capacity, max_blocks)
         if samples < 1 or age_buckets < 4 or not 0 < table_decay <= 1 or explore_every < 1:
             raise ValueError("samples >= 1, age_buckets >= 4, 0 < table_decay <= 1 and explore_every >= 1 required")
         # the Beta predictor: calibration report and the daemon's metrics (not the ranking)
+        # it follows a 1-in-``calibration_sample`` subset of blocks (by id hash): the same
+        # calibration statistics at a fraction of the per-access cost
         self.pred = OnlineReusePredictor(max_blocks, epoch_s, forgetting, prior_window_epochs, prior_refit_every,
                                          prior_shrink, horizon_init_epochs, True, calibration_bins,
-                                         calibration_window) if track_calibration else None
+                                         calibration_window, calibration_sample) if track_calibration else None
         self.calib = self.pred.calib if self.pred is not None else None
         self.model = self.pred.model if self.pred is not None else None
         self.smoothing = float(horizon_smoothing)
@@ -70,6 +72,8 @@ class HitDensityPolicy(Policy):
         self.density[:] = np.linspace(1.0, 0.0, self.A)  # before any evidence: LRU-like
         self._flat = self.density.reshape(-1)
         self.granularity = max(1.0, capacity / (self.A / 4))  # replaced by the measured eviction age
+        self._inv_g = 1.0 / self.granularity
+        self._weighted = False  # no importance weights set (replay): skip the multiply
         self.clock = 0
         self.ts = np.zeros(max_blocks, dtype=np.int64)
         self.klass = np.zeros(max_blocks, dtype=np.int32)
@@ -99,8 +103,9 @@ class HitDensityPolicy(Policy):
         n = int(self.accesses[b]) + 1
         self.accesses[b] = n
         self.klass[b] = cls * N_STAGES + min(n, N_STAGES) - 1
-        if self.pred is not None:
-            self.pred.observe(b, now, cls)
+        p = self.pred
+        if p is not None and not ((b * 0x9E3779B1) >> 7) % p.sample_every:  # its sample, checked inline
+            p.observe(b, now, cls)
 
     def on_hit(self, b: int, now: float, cls: int, next_use: int) -> None:
         age = self.clock - self.ts[b]
@@ -124,9 +129,13 @@ class HitDensityPolicy(Policy):
             self._pool_at += self.samples
             cand = self.slots[r % self.size]
         ages = self.clock - self.ts[cand]
-        buckets = (ages * (1.0 / self.granularity)).astype(np.int64)
+        buckets = (ages * self._inv_g).astype(np.int64)
         np.minimum(buckets, self.A - 1, out=buckets)
-        d = self._flat[self.klass[cand] * self.A + buckets] * self.weight[cand]
+        idx = self.klass[cand] * self.A
+        idx += buckets
+        d = self._flat.take(idx)
+        if self._weighted:
+            d *= self.weight[cand]
         i = int(d.argmin())
         return int(cand[i]), int(buckets[i]), float(d[i])
 
@@ -157,11 +166,15 @@ class HitDensityPolicy(Policy):
         self.evictions[self.klass[v], bucket] += 1
         self._evict_age_sum += float(self.clock - self.ts[v])
         self._evict_n += 1
-        if self.pred is not None:  # the predictor's horizon: this cache's eviction age, in epochs
-            p = self.pred
+        p = self.pred
+        if p is not None and p.accesses[v]:  # the predictor's horizon: this cache's eviction age, in epochs
             p.horizon += self.smoothing * (max(p.epoch - p.last[v], 1.0) - p.horizon)
         self._unlink(v)
         return v
+
+    def set_weights(self, blocks: np.ndarray, weights: np.ndarray) -> None:
+        self.weight[blocks] = weights
+        self._weighted = True
 
     def _unlink(self, b: int) -> None:
         i = int(self.where[b])
@@ -202,6 +215,7 @@ class HitDensityPolicy(Policy):
                 np.add.at(self.hits, (slice(None), src), hits)
                 np.add.at(self.evictions, (slice(None), src), ev)
                 self.granularity = new_g
+                self._inv_g = 1.0 / new_g
         self.hits *= self.table_decay
         self.evictions *= self.table_decay
         self._evict_age_sum *= self.table_decay

@@ -113,6 +113,9 @@ class ValuePolicy(Policy):
         self.lists.remove(b)
         self.size -= 1
 
+    def set_weights(self, blocks: np.ndarray, weights: np.ndarray) -> None:
+        self.weight[blocks] = weights
+
     def stats(self) -> dict:
         return {"horizon_epochs": self.horizon, "bypassed": self.bypassed,
                 "class_alpha": self.priors.alpha.tolist(), "class_beta": self.priors.beta.tolist()}
