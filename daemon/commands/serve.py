@@ -69,6 +69,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print(json.dumps(s, indent=2, sort_keys=True, default=str))
         return 0
     con = Console()
+    if not s.get("tiers"):
+        con.print(f"kvtier daemon up (policy {s.get('policy')}, metrics port {s.get('metrics_port')}); "
+                  "no engine has registered yet, so the block size and tiers are not set up")
+        return 0
     t = Table(title=f"kvtier daemon — policy {s.get('policy')}, metrics port {s.get('metrics_port')}")
     for col in ("tier", "slots", "used", "used MiB", "capacity MiB", "hits"):
         t.add_column(col, justify="right")
