@@ -240,6 +240,10 @@ class DramPool(SlotPool):
         self._check_slot(slot)
         return self.array[slot, : self.block_bytes]
 
+    def host_view_all(self) -> np.ndarray:
+        """Every slot as one flat uint8 array (benchmarks, bulk initialisation)."""
+        return self.tensor.numpy().reshape(-1)
+
     def slot_buffer(self, slot: int) -> np.ndarray:
         """Whole page-aligned slot (stride bytes), for direct I/O."""
         self._check_slot(slot)
