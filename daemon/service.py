@@ -33,6 +33,7 @@ from .events import EventCollector
 from .placement import Placement
 from .protocol import ProtocolError
 from .session import EngineSession
+from .telemetry import ingest
 
 HBM = int(Tier.HBM)
 STALL_BUCKETS = (1e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)  # seconds
@@ -495,44 +496,7 @@ class Service:
     # -- telemetry -----------------------------------------------------------------------
     def ingest(self, msg: Any) -> int:
         """One telemetry message; returns block updates applied (bad ones are counted, not fatal)."""
-        if self.mgr is None or not isinstance(msg, dict) or msg.get("v") != P.VERSION:
-            self.counters["telemetry_rejected"] += 1
-            return 0
-        try:
-            blocks = P.ids(msg.get("blocks"), np.int64, self.cfg.server.max_batch_blocks, "blocks")
-            t = self.mgr.table
-            if blocks.size == 0 or np.any((blocks < 0) | (blocks >= t.max_blocks)):
-                raise ProtocolError(P.BAD_REQUEST, "bad blocks")
-            live = t.state[blocks] != BlockState.FREE
-            kind = msg.get("kind")
-            if kind == "attention":
-                mass = P.ids(msg.get("mass"), np.float32, self.cfg.server.max_batch_blocks, "mass")
-                if mass.size != blocks.size or not np.all(np.isfinite(mass)) or np.any(mass < 0):
-                    raise ProtocolError(P.BAD_REQUEST, "bad mass")
-                self.scores.report(blocks[live], mass[live])  # type: ignore[union-attr]
-                self._apply_weights(blocks[live])
-            elif kind == "segment":
-                tag = msg.get("tag")
-                if not isinstance(tag, str):
-                    raise ProtocolError(P.BAD_REQUEST, "bad tag")
-                self.scores.tag(blocks[live], tag)  # type: ignore[union-attr]
-                self._apply_weights(blocks[live])
-            elif kind == "access":
-                self.placement.log_access(blocks[live])  # type: ignore[union-attr]
-            else:
-                raise ProtocolError(P.BAD_REQUEST, "unknown kind")
-        except ProtocolError:
-            self.counters["telemetry_rejected"] += 1
-            return 0
-        n = int(live.sum())
-        self.counters["telemetry_block_updates"] += n
-        return n
-
-    def _apply_weights(self, blocks: np.ndarray) -> None:
-        w = self.scores.weight(blocks)  # type: ignore[union-attr]
-        self.mgr.table.importance[blocks] = self.scores.score(blocks)  # type: ignore[union-attr]
-        for pol in self.placement.policies.values():  # type: ignore[union-attr]
-            pol.set_weights(blocks, w)
+        return ingest(self, msg)
 
     # -- background ------------------------------------------------------------------------
     def background(self, budget_s: float = 0.002) -> bool:
