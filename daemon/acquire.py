@@ -26,8 +26,24 @@ HBM = int(Tier.HBM)
 MAX_IO_FAILURES = 3  # failed reads of one block before its acquire gives up with an error
 
 
+class Pending:
+    """A request answered later, when its condition holds (the server routes the reply)."""
+
+    reply_to: Any = None
+
+
 @dataclass
-class Waiter:
+class AllocWaiter(Pending):
+    """An alloc that waits for demotions to free HBM slots instead of bouncing the engine."""
+
+    session: EngineSession
+    args: Any
+    deadline: float
+    reply_to: Any = None
+
+
+@dataclass
+class Waiter(Pending):
     ticket: int
     session: EngineSession
     blocks: np.ndarray
@@ -172,4 +188,4 @@ class Prefetcher:
         return started
 
 
-__all__ = ["Waiter", "progress", "unpin_waiter", "promote_missing", "Prefetcher", "source_tiers"]
+__all__ = ["Pending", "AllocWaiter", "Waiter", "progress", "unpin_waiter", "promote_missing", "Prefetcher", "source_tiers"]

@@ -249,17 +249,12 @@ class TierClient:
         return np.asarray([self._lease_slot.pop(b) for b in blocks.tolist()], dtype=np.int64)
 
     def _alloc_retry(self, n: int, seq: Optional[int], pin: bool = False) -> dict:
-        end = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                r = self._call("alloc", {"n": int(n), "seq": seq, "pin": pin or None})
-                if seq is None and not pin:
-                    self._lease_slot.update(zip(_ids(r["blocks"]).tolist(), _ids(r["slots"]).tolist()))
-                return r
-            except RequestRejected as e:
-                if e.code != P.NO_SPACE or time.monotonic() > end:
-                    raise
-                time.sleep(0.002)  # demotions are in flight
+        """The daemon waits for room (up to our timeout) rather than bouncing us."""
+        r = self._call("alloc", {"n": int(n), "seq": seq, "pin": pin or None, "wait": True,
+                                 "timeout_s": self.timeout_s}, timeout_s=self.timeout_s + 5.0)
+        if seq is None and not pin:
+            self._lease_slot.update(zip(_ids(r["blocks"]).tolist(), _ids(r["slots"]).tolist()))
+        return r
 
     def seal(self, blocks: ArrayLike, keys: ArrayLike, nbytes: Optional[int] = None,
              seq: Optional[int] = None) -> np.ndarray:

@@ -76,6 +76,9 @@ class AllocArgs(_Args):
     seq: Optional[StrictInt] = None
     pin: StrictBool = False
     """Return the blocks pinned (the engine releases them after writing)."""
+    wait: StrictBool = False
+    """No room yet: wait (up to ``timeout_s``) for demotions instead of answering no_space."""
+    timeout_s: Optional[Union[StrictFloat, StrictInt]] = Field(default=None, ge=0, le=3600)
 
 
 class SealArgs(_Args):

@@ -25,7 +25,7 @@ import msgpack
 import zmq
 
 from . import protocol as P
-from .acquire import Waiter
+from .acquire import Pending
 from .config import ConfigError, KvtierConfig, reload_hot
 from .events import encode_batch, seq_frame
 from .metrics import Exporter
@@ -125,7 +125,7 @@ class Server:
         svc = self.service
         last_tick = 0.0
         while not self.stop_requested:
-            busy = bool(svc.waiters) or (svc.mgr is not None and bool(
+            busy = bool(svc.waiters or svc.alloc_waiters) or (svc.mgr is not None and bool(
                 svc.mgr._pending or svc.placement.backlog or len(svc.prefetcher)))
             if self.rpc.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # a request is waiting: skip the poller
                 ready = {self.rpc: zmq.POLLIN}
@@ -155,6 +155,8 @@ class Server:
             svc.background()
             for w, result in svc.advance_waiters():
                 self._reply_later(w, result)
+            for aw, result in svc.advance_allocs():
+                self._reply_later(aw, result)
             svc.maintain()
         except Exception:  # a bug must be loud but must not take the node's KV cache down
             log.exception("background work failed")
@@ -190,7 +192,7 @@ class Server:
                 result = snapshot(svc) | {"metrics_port": self.exporter.port if self.exporter else None}
             else:
                 result = svc.handle(req, args)
-            if isinstance(result, Waiter):
+            if isinstance(result, Pending):
                 result.reply_to = (envelope, rid)
                 return
             reply = P.ok(rid, result)
@@ -206,7 +208,7 @@ class Server:
             reply = P.error(rid, P.INTERNAL, f"{type(e).__name__}: {e}")
         self.rpc.send_multipart([*envelope, reply])
 
-    def _reply_later(self, w: Waiter, result: Any) -> None:
+    def _reply_later(self, w: Pending, result: Any) -> None:
         if w.reply_to is None:
             return
         envelope, rid = w.reply_to

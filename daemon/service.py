@@ -27,7 +27,7 @@ from kvtier.tiers.pools import attach_shm, release_shm, round_up
 from kvtier.tiers.types import BlockState, Tier
 
 from . import protocol as P
-from .acquire import Prefetcher, Waiter, progress, source_tiers, unpin_waiter, unservable
+from .acquire import AllocWaiter, Prefetcher, Waiter, progress, source_tiers, unpin_waiter, unservable
 from .config import KvtierConfig
 from .events import EventCollector
 from .placement import Placement
@@ -63,6 +63,7 @@ class Service:
         self.prefetcher: Optional[Prefetcher] = None
         self.engines: dict[str, EngineSession] = {}
         self.waiters: dict[int, Waiter] = {}
+        self.alloc_waiters: list[AllocWaiter] = []
         self.tickets = itertools.count(1)
         self.counters: Counter[str] = Counter()
         self.block_tokens = 16
@@ -263,16 +264,31 @@ class Service:
         return gone
 
     # -- block lifecycle -------------------------------------------------------------
-    def op_alloc(self, session: EngineSession, args: Any) -> dict:
+    def op_alloc(self, session: EngineSession, args: Any) -> Any:
         mgr = self._need_mgr()
         if args.n > self.cfg.server.max_batch_blocks:
             raise ProtocolError(P.TOO_LARGE, f"alloc of {args.n} exceeds {self.cfg.server.max_batch_blocks}")
+        if args.n > mgr.table.slots_per_tier[HBM]:
+            raise ProtocolError(P.NO_SPACE, f"{args.n} blocks can never fit {mgr.table.slots_per_tier[HBM]} HBM slots")
+        result = self._try_alloc(session, args)
+        if result is not None:
+            return result
+        if not args.wait:
+            raise ProtocolError(P.NO_SPACE, f"no room for {args.n} blocks in HBM yet; demotions are in flight, retry")
+        timeout = args.timeout_s if args.timeout_s is not None else self.cfg.server.acquire_timeout_s
+        w = AllocWaiter(session, args, self.clock() + timeout)
+        self.alloc_waiters.append(w)
+        return w
+
+    def _try_alloc(self, session: EngineSession, args: Any) -> Optional[dict]:
+        mgr = self.mgr
+        assert mgr is not None
         blocks = mgr.alloc(args.n)
         if blocks is None:
             self.placement.make_room(HBM, args.n, urgent=True)  # type: ignore[union-attr]
             blocks = mgr.alloc(args.n)
         if blocks is None:
-            raise ProtocolError(P.NO_SPACE, f"no room for {args.n} blocks in HBM yet; demotions are in flight, retry")
+            return None
         mgr.table.nbytes[blocks] = mgr.block_bytes  # the engine writes the slot directly: all of it is payload
         session.add_refs(blocks, args.seq)
         if args.pin:  # the engine writes them next: keep them in HBM until it releases them
@@ -282,6 +298,25 @@ class Service:
                                                             and len(session.seqs[args.seq]) > blocks.size))
         self.counters["allocs"] += int(blocks.size)
         return {"blocks": P.id_bytes(blocks), "slots": P.id_bytes(mgr.table.slot[HBM, blocks])}
+
+    def advance_allocs(self) -> list[tuple[AllocWaiter, Any]]:
+        """Retry waiting allocs in arrival order: (waiter, result or ProtocolError) for each finished."""
+        out: list[tuple[AllocWaiter, Any]] = []
+        now = self.clock()
+        keep = []
+        for w in self.alloc_waiters:
+            if w.session.engine_id not in self.engines:
+                continue  # its engine was reclaimed: nobody to answer
+            result = self._try_alloc(w.session, w.args)
+            if result is not None:
+                out.append((w, result))
+            elif now > w.deadline:
+                self.counters["alloc_timeouts"] += 1
+                out.append((w, ProtocolError(P.NO_SPACE, f"no room for {w.args.n} blocks in HBM before the deadline")))
+            else:
+                keep.append(w)
+        self.alloc_waiters = keep
+        return out
 
     def op_seal(self, session: EngineSession, args: Any) -> dict:
         mgr = self._need_mgr()

@@ -293,3 +293,25 @@ def test_async_acquire_reports_layers_as_they_land(tmp_path):
         c.close()
     finally:
         assert d.stop() == 0
+
+
+def test_alloc_waits_for_demotions_instead_of_bouncing(tmp_path):
+    d = DaemonProcess(tmp_path, "tiers.hbm_bytes=65536", "tiers.dram_bytes=65536", "tiers.nvme_bytes=0",
+                      "tiers.high_watermark=1.0", "tiers.low_watermark=1.0")  # no background demotion
+    try:
+        with d.client(engine_id="full", heartbeat_s=None) as c:
+            c.register(block_bytes=4096)
+            first, _ = c.alloc(16, seq=1, pin=True)  # HBM is now full
+            c.seal(first, np.arange(1, 17))
+            c.release(blocks=first)
+            more, _ = c.alloc(4, seq=2, pin=True)  # needs write-backs first: the daemon waits, then answers
+            s = c.stats()
+            assert more.size == 4 and s["service"].get("rpc_errors", 0) == 0
+            assert s["paths"]["hbm->dram"]["moves"] >= 4
+            c.release(blocks=more)
+            with pytest.raises(RequestRejected) as e:  # more than HBM holds: a clear no
+                c.alloc(17, seq=3)
+            assert e.value.code == P.NO_SPACE
+            c.check()
+    finally:
+        assert d.stop() == 0
