@@ -131,7 +131,8 @@ class Placement:
         now = self.clock()
         out: list[int] = []
         held: list[int] = []
-        while len(out) < n and pol.size > 0:
+        give_up = 4 * n + 64  # a tier full of pinned blocks must not turn this into an O(N) scan
+        while len(out) < n and pol.size > 0 and len(held) < give_up:
             v = pol.evict(now)
             self.tracked[tier, v] = False
             (held if t.pins[v] or t.busy[v] or (not urgent and self.protect_until[v] > now) else out).append(v)
