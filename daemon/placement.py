@@ -216,8 +216,10 @@ class Placement:
         have = t.free_slot_count(NVME)
         lst = t.evictable[NVME]
         b = int(lst.next[lst.capacity]) if lst.length() else -1
-        while have < n and b >= 0 and b < lst.capacity:
+        budget = 4 * n + 64  # live blocks at the head are skipped, but never more than this many per call
+        while have < n and b >= 0 and b < lst.capacity and budget > 0:
             nxt = int(lst.next[b])
+            budget -= 1
             if t.refcount[b] == 0 and t.pins[b] == 0 and t.state[b] == BlockState.SEALED:
                 if t.copies[b] == (1 << NVME):
                     mgr.drop(b)
