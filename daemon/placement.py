@@ -227,6 +227,8 @@ class Placement:
                     mgr.drop_copy(b, NVME)
                 self.dropped += 1
                 have += 1
+            else:  # live or pinned: rotate it behind, so the next scan starts on fresh candidates
+                lst.move_to_back(b)
             b = nxt
         return have
 
