@@ -153,6 +153,7 @@ class Prefetcher:
         self._last: Optional[float] = None
         self.hinted = 0
         self.started = 0
+        self.speculated = 0
 
     def hint(self, blocks: np.ndarray, deadline: float) -> None:
         if blocks.size:
@@ -162,12 +163,16 @@ class Prefetcher:
     def __len__(self) -> int:
         return len(self._heap)
 
-    def run(self, mgr: TierManager, placement: Placement, now: float) -> int:
-        """Promote hinted blocks, earliest deadline first, as the budget allows."""
+    def refill(self, now: float) -> None:
+        """Bank bandwidth budget for the time passed (at most 50 ms worth)."""
         if self._last is not None:
-            burst = self.budget_bytes_per_s * 0.05  # at most 50 ms of budget banked
+            burst = self.budget_bytes_per_s * 0.05
             self._tokens = min(burst, self._tokens + (now - self._last) * self.budget_bytes_per_s)
         self._last = now
+
+    def run(self, mgr: TierManager, placement: Placement, now: float) -> int:
+        """Promote hinted blocks, earliest deadline first, as the budget allows."""
+        self.refill(now)
         started = 0
         t = mgr.table
         while self._heap:
@@ -188,4 +193,33 @@ class Prefetcher:
         return started
 
 
-__all__ = ["Pending", "AllocWaiter", "Waiter", "progress", "unpin_waiter", "promote_missing", "Prefetcher", "source_tiers"]
+def speculate(pf: "Prefetcher", mgr: TierManager, placement: Placement, high_watermark: float,
+              now: float) -> int:
+    """Fill idle HBM with the most valuable DRAM blocks (predicted reuse, no hint).
+
+    Runs only when nothing is hinted and HBM sits below its high watermark: the
+    slots would otherwise hold nothing, so a wrong guess costs only the copy, and
+    the copy is bounded by the same bandwidth budget as hinted prefetch."""
+    t = mgr.table
+    dram = placement.policies.get(int(Tier.DRAM))
+    slots = t.slots_per_tier[HBM]
+    room = int(high_watermark * slots) - t.used_slot_count(HBM)
+    if dram is None or room <= 0 or len(pf):
+        return 0
+    pf.refill(now)
+    k = min(room, int(pf._tokens // pf.block_bytes), 64)
+    if k <= 0:
+        return 0
+    cand = dram.best(2 * k)
+    if cand.size == 0:
+        return 0
+    ok = (t.busy[cand] == 0) & ((t.copies[cand] & 1) == 0) & ~mgr.corrupt[cand] & ((t.copies[cand] >> 1) & 1 == 1)
+    cand = cand[ok][:k]
+    if cand.size == 0 or mgr.promote(cand, Tier.HBM) is None:
+        return 0
+    pf._tokens -= cand.size * pf.block_bytes
+    pf.speculated += int(cand.size)
+    return int(cand.size)
+
+
+__all__ = ["speculate", "Pending", "AllocWaiter", "Waiter", "progress", "unpin_waiter", "promote_missing", "Prefetcher", "source_tiers"]

@@ -115,6 +115,8 @@ class PolicyConfig(_Section):
     """kvtier: one missed block in this many is admitted regardless, so every class keeps producing evidence."""
     prefetch_budget_bytes_per_s: float = Field(default=8e9, gt=0)
     """Bandwidth the prefetcher may spend on hinted and predicted promotions."""
+    speculate: bool = True
+    """With nothing hinted and HBM below its high watermark, promote the most valuable DRAM blocks."""
 
     @field_validator("name")
     @classmethod
@@ -129,7 +131,7 @@ class PolicyConfig(_Section):
 
     def params(self) -> dict[str, Any]:
         """Keyword arguments for the policy constructor."""
-        return self.model_dump(exclude={"name", "prefetch_budget_bytes_per_s"})
+        return self.model_dump(exclude={"name", "prefetch_budget_bytes_per_s", "speculate"})
 
 
 class ScoringConfig(_Section):

@@ -27,7 +27,7 @@ from kvtier.tiers.pools import attach_shm, release_shm, round_up
 from kvtier.tiers.types import BlockState, Tier
 
 from . import protocol as P
-from .acquire import AllocWaiter, Prefetcher, Waiter, progress, source_tiers, unpin_waiter, unservable
+from .acquire import AllocWaiter, Prefetcher, Waiter, speculate, progress, source_tiers, unpin_waiter, unservable
 from .config import KvtierConfig
 from .events import EventCollector
 from .placement import Placement
@@ -553,6 +553,8 @@ class Service:
         self.placement.maintain(tc.high_watermark, tc.low_watermark)  # type: ignore[union-attr]
         if len(self.prefetcher):  # type: ignore[arg-type]
             self.prefetcher.run(self.mgr, self.placement, self.clock())  # type: ignore[union-attr,arg-type]
+        elif self.cfg.policy.speculate:
+            speculate(self.prefetcher, self.mgr, self.placement, tc.high_watermark, self.clock())  # type: ignore[arg-type]
 
     def apply_hot(self, cfg: KvtierConfig, changed: list[str]) -> None:
         """Take a reloaded config's hot sections (policy params, scoring, predictor)."""

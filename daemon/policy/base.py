@@ -44,6 +44,10 @@ class Policy:
         """Forget a resident block dropped by the mechanism (not a victim)."""
         raise NotImplementedError
 
+    def best(self, k: int) -> "np.ndarray":
+        """Up to ``k`` residents worth the most (speculative promotion); none by default."""
+        return np.zeros(0, dtype=np.int64)
+
     def set_weights(self, blocks: "np.ndarray", weights: "np.ndarray") -> None:
         """Importance weights from the daemon's scoring (policies that use them override)."""
 

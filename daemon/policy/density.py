@@ -172,6 +172,16 @@ class HitDensityPolicy(Policy):
         self._unlink(v)
         return v
 
+    def best(self, k: int) -> np.ndarray:
+        """Up to ``k`` of ``4k`` sampled residents with the highest density (for speculation)."""
+        if self.size == 0 or k <= 0:
+            return np.zeros(0, dtype=np.int64)
+        cand = np.unique(self.slots[self.rng.integers(0, self.size, size=min(4 * k, 4 * self.size))])
+        ages = self.clock - self.ts[cand]
+        buckets = np.minimum((ages * self._inv_g).astype(np.int64), self.A - 1)
+        d = self._flat.take(self.klass[cand] * self.A + buckets) * self.weight[cand]
+        return cand[np.argsort(-d, kind="stable")[:k]]
+
     def set_weights(self, blocks: np.ndarray, weights: np.ndarray) -> None:
         self.weight[blocks] = weights
         self._weighted = True

@@ -78,3 +78,36 @@ def test_failed_ops_change_nothing(svc):
             call(svc, op, **args)
         after = (svc.mgr.table.refcount, svc.mgr.table.pins, svc.mgr.table.state)
         assert all(np.array_equal(x, y) for x, y in zip(snap, after)), op
+
+
+def test_idle_hbm_is_filled_from_dram_by_value(tmp_path):
+    now = [100.0]
+    cfg = load_config(environ={}, overrides=[
+        "tiers.hbm_bytes=32768", "tiers.dram_bytes=32768", "tiers.nvme_bytes=0",
+        f'server.runtime_dir="{tmp_path}/run"', "metrics.enabled=false"])
+    svc = Service(cfg, clock=lambda: now[0])
+    try:
+        call(svc, "register", pid=0, block_bytes=4096)
+        blocks = ids(call(svc, "alloc", n=8, seq=1, pin=True)["blocks"])  # HBM (8 slots) full
+        call(svc, "seal", blocks=P.id_bytes(blocks), keys=P.id_bytes(list(range(1, 9)), np.uint64))
+        call(svc, "release", blocks=P.id_bytes(blocks))
+        svc.mgr.demote(blocks[:6], "hbm", "dram")
+        svc.mgr.wait(timeout=10)
+        svc.background()
+        t = svc.mgr.table
+        assert t.used_slot_count(0) == 2
+        svc.maintain()  # first call only starts the bandwidth clock
+        now[0] += 1.0
+        svc.maintain()
+        svc.mgr.wait(timeout=10)
+        svc.background()
+        assert svc.prefetcher.speculated == 5  # up to the high watermark: int(0.95 * 8) - 2
+        assert t.used_slot_count(0) == 7 and all(t.copies[b] & 0b10 for b in blocks[:6])
+        call(svc, "hint", blocks=P.id_bytes(blocks[:1]), deadline_s=1.0)
+        now[0] += 1.0
+        before = svc.prefetcher.speculated
+        svc.maintain()  # something is hinted: no speculation while hints wait
+        assert svc.prefetcher.speculated == before
+        assert call(svc, "check") == {"ok": True}
+    finally:
+        svc.close()
