@@ -115,19 +115,8 @@ class Service:
         if getattr(args, "seqs", None):
             parts.append(session.seq_blocks(args.seqs))
         if len(parts) > 1:
-            blocks = np.unique(np.concatenate(parts))  # several sources may overlap: sorted union
-        else:
-            blocks = parts[0]  # one source: keep the caller's order, so replies line up with it
-            srt = np.sort(blocks)
-            if srt.size > 1 and bool((srt[1:] == srt[:-1]).any()):
-                raise ProtocolError(P.INVALID, "a block is named twice in one request")
-        t = mgr.table
-        bad = (blocks < 0) | (blocks >= t.max_blocks)
-        if not bad.any():
-            bad = t.state[blocks] == BlockState.FREE
-        if bad.any():
-            raise ProtocolError(P.INVALID, f"unknown block {int(blocks[np.argmax(bad)])}")
-        return blocks
+            return mgr._check_blocks(np.unique(np.concatenate(parts)))  # overlapping sources: sorted union
+        return mgr._check_blocks(parts[0])  # one source: the caller's order, so replies line up with it
 
     # -- engines -----------------------------------------------------------------
     def op_ping(self, session: Optional[EngineSession], args: Any) -> dict:

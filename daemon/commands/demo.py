@@ -36,8 +36,9 @@ def options_from(args: argparse.Namespace):
         raise ValueError("--gen-tokens must be >= 2 (decode speed is measured over steps after the first)")
     if not 0 < args.budget <= 1:
         raise ValueError("--budget must be in (0, 1]")
-    return DemoOptions(args.model, args.sessions, args.turns, args.system_tokens, args.user_tokens, args.gen_tokens,
-                       args.budget, 16, args.seed, not args.no_hints, args.policy)
+    return DemoOptions(sessions=args.sessions, turns=args.turns, system_tokens=args.system_tokens,
+                       user_tokens=args.user_tokens, gen_tokens=args.gen_tokens, seed=args.seed, model=args.model,
+                       budget=args.budget, hints=not args.no_hints, policy=args.policy)
 
 
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:

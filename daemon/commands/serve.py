@@ -56,14 +56,21 @@ def _client(runtime_dir: "str | None"):
     return TierClient(runtime_dir=runtime_dir, engine_id="kvtier-cli", heartbeat_s=None, timeout_s=10.0)
 
 
-def cmd_stats(args: argparse.Namespace) -> int:
+def _ask(runtime_dir: "str | None", op: str, failure: str) -> "dict | None":
+    """One call to a live daemon; None (after a message) when it fails."""
     from kvtier.daemon.client import KvtierError
 
     try:
-        with _client(args.runtime_dir) as c:
-            s = c.stats()
+        with _client(runtime_dir) as c:
+            return getattr(c, op)()
     except KvtierError as e:
-        print(f"kvtier: {e}", file=sys.stderr)
+        print(f"kvtier: {failure}{e}", file=sys.stderr)
+        return None
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    s = _ask(args.runtime_dir, "stats", "")
+    if s is None:
         return 1
     if args.json:
         print(json.dumps(s, indent=2, sort_keys=True, default=str))
@@ -101,13 +108,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_reload(args: argparse.Namespace) -> int:
-    from kvtier.daemon.client import KvtierError
-
-    try:
-        with _client(args.runtime_dir) as c:
-            r = c.reload()
-    except KvtierError as e:
-        print(f"kvtier: reload rejected, the daemon keeps its config: {e}", file=sys.stderr)
+    r = _ask(args.runtime_dir, "reload", "reload rejected, the daemon keeps its config: ")
+    if r is None:
         return 1
     print(f"reloaded: {', '.join(r.get('changed') or []) or 'no changes'}")
     for note in r.get("notes", []):

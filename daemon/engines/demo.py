@@ -12,7 +12,7 @@ import math
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -25,16 +25,12 @@ from .workload import Comparison, ReferenceRunner, TieredRunner, Workload, build
 
 
 @dataclass
-class DemoOptions:
+class DemoOptions(Workload):
+    """The workload plus how the demo runs it (``vocab`` is taken from the model)."""
+
     model: str = "tiny"
-    sessions: int = 12
-    turns: int = 3
-    system_tokens: int = 64
-    user_tokens: int = 32
-    gen_tokens: int = 16
     budget: float = 0.25
     block_tokens: int = 16
-    seed: int = 0
     hints: bool = True
     policy: str = "kvtier"
     workdir: Optional[str] = None
@@ -68,8 +64,7 @@ def run_demo(opts: DemoOptions, progress: Callable[[int, int, str], None] = lamb
     daemon = DaemonProcess(root, f"tiers.hbm_bytes={plan['hbm_blocks'] * stride}", f"tiers.dram_bytes={dram}",
                            f"tiers.nvme_bytes={plan['nvme_blocks'] * stride}", f'policy.name="{opts.policy}"',
                            f'tiers.io_backend="{opts.io_backend}"', env=env)
-    wl = Workload(opts.sessions, opts.turns, opts.system_tokens, opts.user_tokens, opts.gen_tokens, opts.seed,
-                  model.config.vocab_size)
+    wl = Workload(**{f.name: getattr(opts, f.name) for f in fields(Workload)} | {"vocab": model.config.vocab_size})
     cmp = Comparison()
     ref_s = tier_s = 0.0
     decode_tokens = 0
