@@ -115,8 +115,10 @@ class TierManager:
             bad = t.state[arr] == BlockState.FREE
         if bad.any():
             raise ValueError(f"unknown block {int(arr[np.argmax(bad)])}")
-        if np.unique(arr).size != arr.size:
-            raise ValueError("a block is named twice in one request")
+        if arr.size > 1:
+            srt = np.sort(arr)  # cheaper than np.unique on the acquire/release hot path
+            if bool((srt[1:] == srt[:-1]).any()):
+                raise ValueError("a block is named twice in one request")
         return arr
 
     # -- lifecycle ---------------------------------------------------------
