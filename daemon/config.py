@@ -73,7 +73,7 @@ class TiersConfig(_Section):
     io_threads: int = Field(default=8, ge=1, le=256)
     """POSIX backend thread-pool size (the NVMe queue depth it can reach)."""
     mover_workers: int = Field(default=2, ge=1, le=64)
-    """Mover threads executing transfers."""
+    """Mover threads executing NVMe transfers (HBM <-> DRAM copies have one thread of their own)."""
     dram_numa_node: Optional[int] = Field(default=None, ge=0)
     """Bind the DRAM pool to this NUMA node (a CXL expander shows up as one)."""
     high_watermark: float = Field(default=0.95, gt=0, le=1)

@@ -196,10 +196,8 @@ class BlockTable:
             lst = self.evictable[t]
             want = idle & ((copies >> t) & 1 == 1)
             have = lst.owner[blocks] == 0
-            for b in blocks[want & ~have].tolist():
-                lst.push_back(b)
-            for b in blocks[~want & have].tolist():
-                lst.remove(b)
+            lst.remove_many(blocks[~want & have])
+            lst.extend_back(blocks[want & ~have])
 
     def assign_slots(self, blocks: np.ndarray, tier: int) -> Optional[np.ndarray]:
         """Batch ``assign_slot``; None (and no change) if too few are free."""

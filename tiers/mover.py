@@ -1,8 +1,9 @@
 """Asynchronous batched block transfers between tiers.
 
 Modelled on SGLang's cache controller: the metadata owner submits immutable
-``Transfer`` descriptors (batched slot index arrays) to a bounded queue;
-worker threads execute them and post a ``Completion`` with a per-block
+``Transfer`` descriptors (batched slot index arrays) to bounded queues, one
+per lane (memory copies; NVMe I/O), so a promotion never waits behind a disk
+batch; worker threads execute them and post a ``Completion`` with a per-block
 success mask. Workers never touch block metadata; the owner applies
 completions when it polls. Every NVMe read is verified against the block's
 recorded checksum before the completion says it succeeded.
@@ -85,16 +86,28 @@ class Mover:
     def __init__(self, hbm: HbmPool, dram: DramPool, nvme: Optional[NvmeStore],
                  workers: int = 2, queue_depth: int = 64) -> None:
         self.hbm, self.dram, self.nvme = hbm, dram, nvme
-        self._todo: "queue.Queue[Optional[Transfer]]" = queue.Queue(maxsize=queue_depth)
+        # two lanes, each with its own queue and threads: memory copies (HBM <-> DRAM)
+        # never wait behind a long NVMe batch (a promotion an engine is stalled on
+        # must not queue behind a demotion to disk), and one copy thread suffices
+        # because a large copy already spreads over torch's intra-op threads (on a
+        # GPU, over the copy engine); two copy threads only fight for the same cores
+        self._lanes: dict[str, "queue.Queue[Optional[Transfer]]"] = {
+            lane: queue.Queue(maxsize=queue_depth) for lane in ("copy", "io")}
         self._done: "queue.Queue[Completion]" = queue.Queue()
         self._in_flight = 0
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._stream = torch.cuda.Stream() if hbm.is_cuda else None
-        self._threads = [threading.Thread(target=self._run, name=f"kvtier-mover-{i}", daemon=True)
-                         for i in range(max(1, workers))]
+        counts = {"copy": 1, "io": max(1, workers)}
+        self._threads = [threading.Thread(target=self._run, args=(self._lanes[lane],),
+                                          name=f"kvtier-mover-{lane}-{i}", daemon=True)
+                         for lane, k in counts.items() for i in range(k)]
         for t in self._threads:
             t.start()
+
+    @staticmethod
+    def lane(src: Tier, dst: Tier) -> str:
+        return "io" if Tier.NVME in (src, dst) else "copy"
 
     # -- owner side --------------------------------------------------------
     def submit(self, t: Transfer, block: bool = True, timeout: Optional[float] = None) -> bool:
@@ -104,7 +117,7 @@ class Mover:
         with self._lock:
             self._in_flight += 1
         try:
-            self._todo.put(t, block=block, timeout=timeout)
+            self._lanes[self.lane(t.src, t.dst)].put(t, block=block, timeout=timeout)
         except queue.Full:
             with self._lock:
                 self._in_flight -= 1
@@ -141,15 +154,15 @@ class Mover:
 
     def close(self) -> None:
         self.drain()
-        for _ in self._threads:
-            self._todo.put(None)
+        for t in self._threads:
+            self._lanes["io" if "-io-" in t.name else "copy"].put(None)
         for t in self._threads:
             t.join()
 
     # -- worker side -------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, todo: "queue.Queue[Optional[Transfer]]") -> None:
         while True:
-            t = self._todo.get()
+            t = todo.get()
             if t is None:
                 return
             ok = np.zeros(t.blocks.size, dtype=bool)
@@ -177,16 +190,15 @@ class Mover:
 
     def _copy_rows(self, dst: torch.Tensor, dst_idx: np.ndarray, src: torch.Tensor, src_idx: np.ndarray) -> None:
         if self._stream is None:
-            d = dst.numpy()
-            s = src.numpy()
-            # coalesce runs where both sides are consecutive slots: one large
-            # copy per run instead of one call per block
+            # coalesce runs where both sides are consecutive slots: one large copy
+            # per run instead of one call per block. torch's copy splits a large run
+            # over its intra-op threads, where a numpy copy uses one core
             brk = np.flatnonzero((np.diff(dst_idx) != 1) | (np.diff(src_idx) != 1)) + 1
             starts = np.concatenate(([0], brk)).tolist()
             ends = np.concatenate((brk, [dst_idx.size])).tolist()
             for a, e in zip(starts, ends):
                 di, si = int(dst_idx[a]), int(src_idx[a])
-                np.copyto(d[di: di + e - a], s[si: si + e - a])
+                dst[di: di + e - a].copy_(src[si: si + e - a])
             return
         with torch.cuda.stream(self._stream):
             di = torch.as_tensor(dst_idx, device=dst.device)

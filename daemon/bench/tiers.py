@@ -15,14 +15,13 @@ import os
 import statistics
 import tempfile
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
 from kvtier.tiers.aligned import aligned_empty
 from kvtier.tiers.block_table import BlockTable
 from kvtier.tiers.manager import TierManager
-from kvtier.tiers.pools import DramPool
 from kvtier.tiers.types import Tier
 
 MiB = 1 << 20
@@ -31,11 +30,13 @@ MiB = 1 << 20
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-kib", type=int, nargs="+", default=[256, 2048], help="block sizes in KiB")
     p.add_argument("--total-mib", type=int, default=256, help="bytes moved per measurement")
-    p.add_argument("--reps", type=int, default=5, help="repetitions, raw and kvtier alternating (median is reported)")
+    p.add_argument("--reps", type=int, default=6, help="repetitions; raw and kvtier run back to back, each first in every other rep (median per-rep ratio)")
     p.add_argument("--nvme-dir", default=None, help="directory on the NVMe device (default: a temp dir)")
     p.add_argument("--io-backend", default="auto", help="auto | posix | kvikio")
     p.add_argument("--io-threads", type=int, default=8)
-    p.add_argument("--batch", type=int, default=64, help="blocks per transfer descriptor")
+    p.add_argument("--batch-mib", type=int, default=64,
+                   help="bytes per transfer descriptor, in MiB (the daemon demotes a watermark's worth of "
+                        "blocks in one descriptor; 64 MiB = 256 blocks of 256 KiB or 32 of 2 MiB)")
     p.add_argument("--metadata-blocks", type=int, default=1_000_000)
 
 
@@ -46,20 +47,21 @@ def _batches(arr: np.ndarray, size: int) -> list[np.ndarray]:
 class _RawODirect:
     """The baseline disk path: a sequential pwrite/preadv loop on one O_DIRECT file.
 
-    ``shm``: the buffers are POSIX shared memory, as the DRAM tier's slots are. The
-    kernel moves O_DIRECT data to and from shmem pages ~30% slower than anonymous
-    pages on this kind of VM, a cost of the memory, not of kvtier; both baselines are
-    reported and the ratios use the one with the tier's memory."""
+    ``buf`` is the memory the I/O goes to and from. The ratios use the DRAM tier's
+    own slot memory (read into only while no block holds a DRAM copy): how fast the
+    kernel moves O_DIRECT data to and from a buffer varies by ~2x on this kind of VM
+    with the buffer's history, so a baseline on other memory measures the memory,
+    not kvtier. One buffer per block, like the tier's slots: a single cache-hot
+    buffer would flatter the baseline. Anonymous memory is reported beside it."""
 
-    def __init__(self, directory: str, block: int, n: int, shm: bool = False) -> None:
-        self.path = os.path.join(directory, f"raw-odirect{'-shm' if shm else ''}.bin")
+    def __init__(self, directory: str, name: str, block: int, n: int, buf: Optional[np.ndarray] = None) -> None:
+        self.path = os.path.join(directory, f"raw-odirect-{name}.bin")
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600)
         os.posix_fallocate(self.fd, 0, block * n)
-        # one buffer per block, like the tier's slots: a single cache-hot buffer would
-        # flatter the baseline with a memory footprint no real tier has
-        self.pool = DramPool(n, block) if shm else None
-        self.buf = self.pool.host_view_all() if self.pool is not None else aligned_empty(block * n)
-        self.buf[:] = 7
+        if buf is None:
+            buf = aligned_empty(block * n)
+            buf[:] = 7
+        self.buf = buf
         self.block, self.n = block, n
 
     def write(self) -> None:
@@ -76,18 +78,19 @@ class _RawODirect:
         os.close(self.fd)
         os.unlink(self.path)
         self.buf = None  # type: ignore[assignment]
-        if self.pool is not None:
-            self.pool.close()
 
 
 def interleaved_figures(directory: str, block: int, n: int, reps: int, args: argparse.Namespace) -> dict[str, float]:
     """Raw baselines and mover paths measured alternately, rep by rep, so a noisy
     machine's drift hits both sides of every ratio alike."""
+    per_batch = max(1, args.batch_mib * MiB // block)
     m = TierManager(block, n, n, n, nvme_dir=os.path.join(directory, f"slabs-{block}"),
                     io_backend=args.io_backend, io_threads=args.io_threads, recover=False,
-                    queue_depth=max(8, n // args.batch + 1))
-    raw = _RawODirect(directory, block, n)
-    raw_shm = _RawODirect(directory, block, n, shm=True)
+                    queue_depth=max(8, n // per_batch + 1))
+    if m.dram.block_bytes != block or m.dram.host_view_all().nbytes < block * n:
+        raise RuntimeError("the DRAM pool's slots are not one contiguous run of blocks")
+    raw = _RawODirect(directory, "anon", block, n)
+    raw_tier = _RawODirect(directory, "tier", block, n, m.dram.host_view_all()[: block * n])
     src = np.random.default_rng(0).integers(0, 255, block * n, dtype=np.uint8)
     dst = np.empty_like(src)
     try:
@@ -99,7 +102,7 @@ def interleaved_figures(directory: str, block: int, n: int, reps: int, args: arg
             m.seal(b, 1000 + i)
 
         def run(move: Callable[[np.ndarray], object]) -> None:
-            for batch in _batches(blocks, args.batch):
+            for batch in _batches(blocks, per_batch):
                 move(batch)
             m.wait()
             if m.last_errors:
@@ -107,37 +110,64 @@ def interleaved_figures(directory: str, block: int, n: int, reps: int, args: arg
 
         def drop(tier: Tier) -> None:
             for b in blocks.tolist():
-                m.drop_copy(b, tier)
+                if m.table.has_copy(b, int(tier)):
+                    m.drop_copy(b, tier)
 
-        steps: list[tuple[str, Callable[[], None]]] = [  # blocks start each rep in HBM only
-            ("memcpy", lambda: np.copyto(dst, src)),
-            ("hbm_to_dram", lambda: run(lambda b: m.demote(b, Tier.HBM, Tier.DRAM))),  # -> DRAM only
-            ("dram_to_hbm", lambda: run(lambda b: m.promote(b, Tier.HBM))),  # -> HBM + DRAM
-            ("", lambda: drop(Tier.HBM)),  # -> DRAM only
-            ("raw_odirect_write", raw.write),
-            ("raw_odirect_write_shm", raw_shm.write),
-            ("dram_to_nvme", lambda: run(lambda b: m.demote(b, Tier.DRAM, Tier.NVME))),  # -> NVMe only
-            ("raw_odirect_read", raw.read),
-            ("raw_odirect_read_shm", raw_shm.read),
-            ("nvme_to_dram", lambda: run(lambda b: m.promote(b, Tier.DRAM))),  # -> DRAM + NVMe
-            ("", lambda: (drop(Tier.NVME), run(lambda b: m.promote(b, Tier.HBM)), drop(Tier.DRAM))),
-        ]
-        times: dict[str, list[float]] = {name: [] for name, _ in steps if name}
+        def reset() -> None:  # back to HBM only, wherever the blocks are
+            run(lambda b: m.promote(b, Tier.HBM))
+            drop(Tier.DRAM)
+            drop(Tier.NVME)
+
+        # blocks start each rep in HBM only. Each ratio's raw and kvtier steps run back
+        # to back, and which of the two goes first alternates by rep: a virtual disk's
+        # host-side cache fills during a burst of writes and throttles whatever comes
+        # next, so a fixed order would charge that to one side. The raw read lands in
+        # the DRAM slots, so it runs only while no block has a DRAM copy.
+        def pair(rep: int, raw_step: tuple, ours: tuple) -> list:
+            return [raw_step, ours] if rep % 2 == 0 else [ours, raw_step]
+
+        raw_read = ("raw_odirect_read_tier", raw_tier.read)
+        nvme_read = ("nvme_to_dram", lambda: run(lambda b: m.promote(b, Tier.DRAM)))  # -> DRAM + NVMe
+
+        def steps(rep: int) -> list[tuple[str, Callable[[], None]]]:
+            reads = [raw_read, nvme_read] if rep % 2 == 0 else [nvme_read, ("", lambda: drop(Tier.DRAM)), raw_read]
+            return [
+                *pair(rep, ("memcpy", lambda: np.copyto(dst, src)),
+                      ("hbm_to_dram", lambda: run(lambda b: m.demote(b, Tier.HBM, Tier.DRAM)))),  # -> DRAM only
+                ("dram_to_hbm", lambda: run(lambda b: m.promote(b, Tier.HBM))),  # -> HBM + DRAM
+                ("", lambda: drop(Tier.HBM)),  # -> DRAM only
+                *pair(rep, ("raw_odirect_write_tier", raw_tier.write),
+                      ("dram_to_nvme", lambda: run(lambda b: m.demote(b, Tier.DRAM, Tier.NVME)))),  # -> NVMe only
+                *reads,
+                ("raw_odirect_write", raw.write),  # anonymous-memory baselines: reported, not in ratios
+                ("raw_odirect_read", raw.read),
+                ("", reset),
+            ]
+
+        times: dict[str, list[float]] = {name: [] for name, _ in steps(0) if name}
         for rep in range(reps + 1):  # rep 0 is a warm-up: page faults and caches are not what we measure
-            for name, fn in steps:
+            for name, fn in steps(rep):
                 t0 = time.perf_counter()
                 fn()
                 if name and rep:
                     times[name].append(time.perf_counter() - t0)
         total = block * n
         res: dict[str, float] = {f"{k}_gbps": total / statistics.median(v) / 1e9 for k, v in times.items()}
+        # each ratio is the median of per-rep ratios: a rep's raw and kvtier steps ran
+        # back to back, so they saw the same machine
+        per_rep = lambda ours, raw_: statistics.median(r / o for o, r in zip(times[ours], times[raw_]))
+        res["ratios"] = {  # type: ignore[assignment]
+            "dram_copy": min(per_rep("hbm_to_dram", "memcpy"), per_rep("dram_to_hbm", "memcpy")),
+            "nvme_write": per_rep("dram_to_nvme", "raw_odirect_write_tier"),
+            "nvme_read": per_rep("nvme_to_dram", "raw_odirect_read_tier"),
+        }
         res["nvme_direct_io"] = bool(m.nvme.direct) if m.nvme else False
         res["io_backend"] = m.backend.name
         m.check_invariants()
         return res
     finally:
         raw.close()
-        raw_shm.close()
+        raw_tier.close()
         m.close()
 
 
@@ -165,16 +195,7 @@ def run(args: argparse.Namespace) -> dict:
             total = block * n
             with console.status(f"block {kib} KiB: raw baselines and kvtier mover, interleaved"):
                 mv = interleaved_figures(directory, block, n, args.reps, args)
-            memcpy, raw_w, raw_r = mv.pop("memcpy_gbps"), mv["raw_odirect_write_shm_gbps"], mv["raw_odirect_read_shm_gbps"]
-            sizes[f"{kib}KiB"] = {
-                "block_bytes": block, "blocks": n, "memcpy_gbps": memcpy,
-                **mv,
-                "ratios": {
-                    "dram_copy": min(mv["hbm_to_dram_gbps"], mv["dram_to_hbm_gbps"]) / memcpy,
-                    "nvme_write": mv["dram_to_nvme_gbps"] / raw_w,
-                    "nvme_read": mv["nvme_to_dram_gbps"] / raw_r,
-                },
-            }
+            sizes[f"{kib}KiB"] = {"block_bytes": block, "blocks": n, **mv}
         meta = metadata_bytes_per_block(args.metadata_blocks)
     finally:
         if tmp is not None:
@@ -188,14 +209,14 @@ def run(args: argparse.Namespace) -> dict:
         "sizes": sizes, "ok": all(ratios[k] >= v for k, v in targets.items()) and meta <= 256,
     }
     table = Table(title="kvtier bench tiers: GB/s, ratios = kvtier / raw (same run; raw = memcpy, O_DIRECT pwrite/preadv)")
-    for col in ("block", "memcpy", "hbm→dram", "dram→hbm", "raw w shm", "dram→nvme", "raw r shm", "nvme→dram",
+    for col in ("block", "memcpy", "hbm→dram", "dram→hbm", "raw w tier", "dram→nvme", "raw r tier", "nvme→dram",
                 "dram_copy", "nvme_w", "nvme_r"):
         table.add_column(col, justify="right")
     for name, s in sizes.items():
         r = s["ratios"]
         table.add_row(name, f"{s['memcpy_gbps']:.2f}", f"{s['hbm_to_dram_gbps']:.2f}", f"{s['dram_to_hbm_gbps']:.2f}",
-                      f"{s['raw_odirect_write_shm_gbps']:.2f}", f"{s['dram_to_nvme_gbps']:.2f}",
-                      f"{s['raw_odirect_read_shm_gbps']:.2f}", f"{s['nvme_to_dram_gbps']:.2f}",
+                      f"{s['raw_odirect_write_tier_gbps']:.2f}", f"{s['dram_to_nvme_gbps']:.2f}",
+                      f"{s['raw_odirect_read_tier_gbps']:.2f}", f"{s['nvme_to_dram_gbps']:.2f}",
                       f"{r['dram_copy']:.2f}", f"{r['nvme_write']:.2f}", f"{r['nvme_read']:.2f}")
     Console().print(table)
     Console().print(f"metadata: {meta:.1f} B/block at {args.metadata_blocks:,} blocks (target ≤ 256); "

@@ -78,3 +78,39 @@ def test_check_detects_corruption():
     ls.next[1] = 3  # skip element 2
     with pytest.raises(RuntimeError):
         ls.check()
+
+
+def test_remove_many_equals_one_by_one_removal():
+    """Batch unlinking across several lists, including long runs of adjacent
+    elements (the pointer-doubling path) and whole lists, against a reference."""
+    rng = np.random.default_rng(11)
+    n, k = 300, 3
+    for trial in range(200):
+        ls = IndexLists(n, n_lists=k)
+        ref: list[list[int]] = [[] for _ in range(k)]
+        for e in rng.permutation(n)[: int(rng.integers(0, n))].tolist():
+            lst = int(rng.integers(0, k))
+            ls.push_back(e, lst)
+            ref[lst].append(e)
+        linked = [e for r in ref for e in r]
+        if trial % 3 == 0 and ref[0]:  # a contiguous run, maybe the whole list
+            a = int(rng.integers(0, len(ref[0])))
+            gone = ref[0][a: a + int(rng.integers(1, len(ref[0]) + 1))]
+        else:
+            gone = rng.permutation(linked)[: int(rng.integers(0, len(linked) + 1))].tolist() if linked else []
+        ls.remove_many(np.array(gone, dtype=np.int64))
+        drop = set(gone)
+        for i in range(k):
+            assert ls.to_array(i).tolist() == [e for e in ref[i] if e not in drop]
+        assert np.all(ls.owner[gone] == NIL) if gone else True
+        ls.check()
+
+
+def test_remove_many_rejects_unlinked_or_repeated_and_keeps_state():
+    ls = IndexLists(20)
+    ls.extend_back(np.arange(10))
+    for bad in ([1, 2, 3, 4, 5, 15], [1, 2, 3, 4, 5, 5]):
+        with pytest.raises(ValueError):
+            ls.remove_many(np.array(bad))
+        assert ls.to_array().tolist() == list(range(10))
+    ls.check()
