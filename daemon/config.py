@@ -113,6 +113,8 @@ class PolicyConfig(_Section):
     """kvtier: decay of the hit/eviction tables per recomputation (adapts to drift)."""
     explore_every: int = Field(default=16, ge=1)
     """kvtier: one missed block in this many is admitted regardless, so every class keeps producing evidence."""
+    shrink_events: float = Field(default=30.0, gt=0)
+    """kvtier: events a (class, age) cell needs before its own density outweighs the pooled one."""
     prefetch_budget_bytes_per_s: float = Field(default=8e9, gt=0)
     """Bandwidth the prefetcher may spend on hinted and predicted promotions."""
     speculate: bool = True

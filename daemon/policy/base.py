@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+NEVER = np.iinfo(np.int64).max // 2  # ``next_use`` of an access whose block is never used again
+
 
 class Policy:
     """Hooks called by the cache mechanism for every access.

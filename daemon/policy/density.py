@@ -45,7 +45,8 @@ class HitDensityPolicy(Policy):
                  epoch_s: float = 1.0, forgetting: float = 0.99999, prior_window_epochs: float = 2048.0,
                  prior_refit_every: int = 2000, prior_shrink: float = 50.0, horizon_init_epochs: float = 64.0,
                  horizon_smoothing: float = 0.01, calibration_bins: int = 10,
-                 calibration_window: Optional[int] = None, calibration_sample: int = 8, **_: object) -> None:
+                 calibration_window: Optional[int] = None, calibration_sample: int = 8,
+                 shrink_events: float = 30.0, **_: object) -> None:
         super().__init__(capacity, max_blocks)
         if samples < 1 or age_buckets < 4 or not 0 < table_decay <= 1 or explore_every < 1:
             raise ValueError("samples >= 1, age_buckets >= 4, 0 < table_decay <= 1 and explore_every >= 1 required")
@@ -64,7 +65,7 @@ class HitDensityPolicy(Policy):
         self.reconfigure_every = int(reconfigure_every)
         self.table_decay = float(table_decay)
         self.rng = np.random.default_rng(seed)
-        self._pool = self.rng.integers(0, 1 << 62, size=self.samples * 4096)
+        self._pool = self.rng.integers(0, capacity, size=self.samples * 4096)  # positions in a full cache
         self._pool_at = 0
         self.hits = np.zeros((N_CLASSES, self.A))
         self.evictions = np.zeros((N_CLASSES, self.A))
@@ -77,10 +78,12 @@ class HitDensityPolicy(Policy):
         self.clock = 0
         self.ts = np.zeros(max_blocks, dtype=np.int64)
         self.klass = np.zeros(max_blocks, dtype=np.int32)
+        self.klass_row = np.zeros(max_blocks, dtype=np.int64)  # klass * A: the row offset in the flat table
         self.accesses = np.zeros(max_blocks, dtype=np.int32)
         self.slots = np.zeros(capacity, dtype=np.int64)  # dense resident list
         self.where = np.full(max_blocks, -1, dtype=np.int64)
         self.admission = admission
+        self.shrink_events = float(shrink_events)
         self.explore_every = int(explore_every)
         self.bypassed = 0
         self._victim = -1
@@ -102,7 +105,9 @@ class HitDensityPolicy(Policy):
         self._prev_klass = int(self.klass[b])  # the class it held while resident (for the hit table)
         n = int(self.accesses[b]) + 1
         self.accesses[b] = n
-        self.klass[b] = cls * N_STAGES + min(n, N_STAGES) - 1
+        k = cls * N_STAGES + min(n, N_STAGES) - 1
+        self.klass[b] = k
+        self.klass_row[b] = k * self.A
         p = self.pred
         if p is not None and not ((b * 0x9E3779B1) >> 7) % p.sample_every:  # its sample, checked inline
             p.observe(b, now, cls)
@@ -121,17 +126,17 @@ class HitDensityPolicy(Policy):
     def _find_victim(self) -> tuple[int, int, float]:
         if self.size <= self.samples:  # a small cache: every resident is a candidate
             cand = self.slots[: self.size]
-        else:  # random draws come from a pre-drawn pool: rng calls cost more than the lookup
+        else:  # random positions come from a pre-drawn pool: rng calls cost more than the lookup
             if self._pool_at + self.samples > self._pool.size:
-                self._pool = self.rng.integers(0, 1 << 62, size=self._pool.size)
+                self._pool = self.rng.integers(0, self.capacity, size=self._pool.size)
                 self._pool_at = 0
             r = self._pool[self._pool_at: self._pool_at + self.samples]
             self._pool_at += self.samples
-            cand = self.slots[r % self.size]
+            cand = self.slots[r if self.size == self.capacity else r % self.size]
         ages = self.clock - self.ts[cand]
         buckets = (ages * self._inv_g).astype(np.int64)
         np.minimum(buckets, self.A - 1, out=buckets)
-        idx = self.klass[cand] * self.A
+        idx = self.klass_row[cand]
         idx += buckets
         d = self._flat.take(idx)
         if self._weighted:
@@ -179,7 +184,7 @@ class HitDensityPolicy(Policy):
         cand = np.unique(self.slots[self.rng.integers(0, self.size, size=min(4 * k, 4 * self.size))])
         ages = self.clock - self.ts[cand]
         buckets = np.minimum((ages * self._inv_g).astype(np.int64), self.A - 1)
-        d = self._flat.take(self.klass[cand] * self.A + buckets) * self.weight[cand]
+        d = self._flat.take(self.klass_row[cand] + buckets) * self.weight[cand]
         return cand[np.argsort(-d, kind="stable")[:k]]
 
     def set_weights(self, blocks: np.ndarray, weights: np.ndarray) -> None:
@@ -207,11 +212,12 @@ class HitDensityPolicy(Policy):
         life_above = np.cumsum(events_above[:, ::-1], axis=1)[:, ::-1]
         with np.errstate(invalid="ignore", divide="ignore"):
             dens = np.where(life_above > 0, hits_above / life_above, 0.0)
-        # classes with little evidence borrow the pooled density (by age)
+        # cells with little evidence borrow the pooled density at their age: the victim is
+        # the minimum over noisy estimates, and unshrunk sparse cells would win it too often
         pooled_h = hits_above.sum(0)
         pooled_l = life_above.sum(0)
         pooled = np.where(pooled_l > 0, pooled_h / np.maximum(pooled_l, 1e-12), 0.0)
-        weight = events_above[:, :1] / (events_above[:, :1] + 100.0)
+        weight = events_above / (events_above + self.shrink_events)  # per cell: rare ages borrow too
         self.density = weight * dens + (1 - weight) * pooled[None, :]
         self._flat = self.density.reshape(-1)
         if self._evict_n:

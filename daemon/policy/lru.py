@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvtier.tiers.intrusive import IndexLists
 
 from . import register_policy
-from .base import Policy
+from .base import NEVER, Policy
 
 
 @register_policy("lru")
@@ -29,3 +29,18 @@ class LRUPolicy(Policy):
     def remove(self, b: int) -> None:
         self.order.remove(b)
         self.size -= 1
+
+
+@register_policy("lru-oracle-admit")
+class OracleAdmissionLRUPolicy(LRUPolicy):
+    """LRU that admits a missed block only if it will ever be read again (offline).
+
+    A replay-only reference: how much of the LRU -> Belady gap perfect admission
+    alone would close, with eviction order left to recency. On the Mooncake
+    conversation trace it is the bound for any policy whose gain comes from
+    admission (three quarters of blocks there are never reused)."""
+
+    offline = True
+
+    def admit(self, b: int, now: float, cls: int, next_use: int) -> bool:
+        return next_use < NEVER

@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from kvtier.daemon.policy.base import NEVER
 from kvtier.predictor.classes import block_class
 
 FORMATS = {
@@ -47,7 +48,7 @@ class Trace:
     def next_use(self) -> np.ndarray:
         """Index of each access's next access to the same block (big if none)."""
         n = self.block.size
-        nxt = np.full(n, np.iinfo(np.int64).max // 2, dtype=np.int64)
+        nxt = np.full(n, NEVER, dtype=np.int64)
         order = np.lexsort((np.arange(n), self.block))
         same = self.block[order[1:]] == self.block[order[:-1]]
         nxt[order[:-1][same]] = order[1:][same]

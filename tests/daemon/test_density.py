@@ -35,6 +35,7 @@ def test_learned_density_ranks_hit_classes_above_evicted_ones():
         pol.observe(b, float(b), 0)
         pol.insert(b, float(b), 0, -1)
         pol.klass[b] = k
+        pol.klass_row[b] = k * pol.A
     assert pol.evict(4.0) == 1  # the only block of the never-hit class, though not the oldest
 
 
@@ -68,3 +69,17 @@ def test_random_traces_keep_the_resident_set_consistent():
 def test_bad_parameters_are_rejected():
     with pytest.raises(ValueError):
         make_policy("kvtier", 4, 16, samples=0)
+
+
+def test_sparse_cells_are_shrunk_towards_the_pooled_density():
+    """One eviction is no evidence that a class is worthless: a cell with few events
+    keeps most of the pooled density at its age, while a well-observed cell keeps its own.
+    (Victims are the minimum over noisy estimates; unshrunk sparse cells would win it.)"""
+    pol = _learned(make_policy("kvtier", 4, 16, track_calibration=False, shrink_events=30.0), good=1, bad=2)
+    pol.evictions[3, 10] = 1  # class 3: a single eviction, no hits
+    pol._reconfigure()
+    pooled = pol.density[0, 10]  # class 0 has no events at all: exactly the pooled density
+    assert pooled > 0
+    assert pol.density[3, 10] == pytest.approx(pooled * 30 / 31)  # mostly pooled
+    assert pol.density[2, 10] < 0.1 * pooled  # 600 evictions: its own (near-zero) density
+    assert pol.density[2, 10] < pol.density[3, 10] < pol.density[1, 10]

@@ -43,6 +43,10 @@ def test_exact_eviction_orders():
     assert _evictions("belady", seq, 3) == [2, 1, 0]
     # S3-FIFO: 0 is hit while in the small queue, so it is promoted, not evicted
     assert _evictions("s3fifo", seq, 3) == [1, 2, 3, 4]
+    # oracle admission: 3 and 4 (never read again) stay out, so 0, 1, 2 are all kept
+    assert _evictions("lru-oracle-admit", seq, 3) == []
+    # ... and recency decides among the blocks it does admit
+    assert _evictions("lru-oracle-admit", [0, 1, 2, 0, 1, 2], 2) == [0]  # 0 goes; its last read is a miss
 
 
 def _opt_hits(seq: list[int], cap: int) -> int:
