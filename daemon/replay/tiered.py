@@ -1,10 +1,11 @@
 """Multi-tier replay: HBM and DRAM caches stacked over an NVMe tier that keeps everything.
 
 The same policy objects rank each upper tier. A block found in HBM is an HBM
-hit; found in DRAM, it is promoted to HBM (a DRAM hit); otherwise, if it was
-ever written, NVMe serves it; else it is a miss (computed). HBM victims are
-offered to DRAM, whose policy may decline them (admission), in which case
-they remain only on NVMe. Estimated stall = bytes promoted per tier / that
+hit; found in DRAM, it is a DRAM hit and moves up if HBM's policy admits it
+(tiers are exclusive), else it stays in DRAM; otherwise, if it was ever
+written, NVMe serves it; else it is a miss (computed). HBM victims, and
+blocks HBM's policy declines, are offered to DRAM, whose policy may decline
+them too (admission), in which case they remain only on NVMe. Estimated stall = bytes promoted per tier / that
 tier's bandwidth, the time an engine would wait if nothing were prefetched.
 """
 
@@ -30,6 +31,15 @@ class TierSpec:
     nvme_bytes_per_s: float = 5e9
 
 
+def _offer(dram: Any, b: int, now: float, c: int, where: np.ndarray) -> None:
+    """Place ``b`` in DRAM if its policy admits it (else it lives on NVMe only)."""
+    if dram.admit(b, now, c, -1):
+        if dram.size >= dram.capacity:
+            where[dram.evict(now)] = 0
+        dram.insert(b, now, c, -1)
+        where[b] = 2
+
+
 def simulate_tiers(policy: str, spec: TierSpec, trace: Trace, params: Optional[dict[str, Any]] = None,
                    progress: Optional[Callable[[int], None]] = None, chunk: int = 20000) -> dict[str, Any]:
     params = params or {}
@@ -51,25 +61,23 @@ def simulate_tiers(policy: str, spec: TierSpec, trace: Trace, params: Optional[d
             continue
         if w == 2:
             counts["dram"] += 1
-            dram.remove(b)
-            where[b] = 0
+            dram.on_hit(b, now, c, -1)  # DRAM's policy learns from its own hits
         elif written[b]:
             counts["nvme"] += 1
         else:
             counts["miss"] += 1
             written[b] = True
-        if not hbm.admit(b, now, c, -1):
-            continue  # served from below without taking an HBM slot
-        if hbm.size >= hbm.capacity:
-            v = hbm.evict(now)
-            where[v] = 0
-            if dram.admit(v, now, c, -1):
-                if dram.size >= dram.capacity:
-                    where[dram.evict(now)] = 0
-                dram.insert(v, now, c, -1)
-                where[v] = 2
-        hbm.insert(b, now, c, -1)
-        where[b] = 1
+        if hbm.admit(b, now, c, -1):  # promote (tiers are exclusive: the DRAM copy goes)
+            if w == 2:
+                dram.remove(b)
+            if hbm.size >= hbm.capacity:
+                v = hbm.evict(now)
+                where[v] = 0
+                _offer(dram, v, now, c, where)  # the HBM victim may go one tier down
+            hbm.insert(b, now, c, -1)
+            where[b] = 1
+        elif w != 2:  # not worth HBM: maybe worth DRAM, rather than NVMe only
+            _offer(dram, b, now, c, where)
         if progress is not None and i % chunk == chunk - 1:
             progress(chunk)
     if progress is not None:
