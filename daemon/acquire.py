@@ -144,7 +144,7 @@ def unpin_waiter(w: Waiter, mgr: TierManager) -> None:
 class Prefetcher:
     """Hinted blocks by deadline, promoted within a bytes-per-second budget."""
 
-    def __init__(self, budget_bytes_per_s: float, block_bytes: int) -> None:
+    def __init__(self, budget_bytes_per_s: float, block_bytes: int, max_blocks: int) -> None:
         self.budget_bytes_per_s = float(budget_bytes_per_s)
         self.block_bytes = block_bytes
         self._heap: list[tuple[float, int, np.ndarray]] = []
@@ -153,7 +153,49 @@ class Prefetcher:
         self._last: Optional[float] = None
         self.hinted = 0
         self.started = 0
+        # speculative promotions are judged by what became of them: acquired while
+        # still in HBM (used), or gone from HBM first (wasted: a copy for nothing)
         self.speculated = 0
+        self.speculative_used = 0
+        self.speculative_wasted = 0
+        self._spec = np.zeros(max_blocks, dtype=np.uint8)  # 1: promotion started, 2: in HBM
+        self._spec_live = 0  # blocks with a state above: the acquire path checks nothing when 0
+
+    def mark_speculative(self, blocks: np.ndarray) -> None:
+        fresh = blocks[self._spec[blocks] == 0]
+        self._spec[fresh] = 1
+        self._spec_live += int(fresh.size)
+        self.speculated += int(blocks.size)
+
+    def unmark(self, blocks: np.ndarray) -> None:
+        """A speculative promotion that did not start."""
+        marked = blocks[self._spec[blocks] != 0]
+        self._spec[marked] = 0
+        self._spec_live -= int(marked.size)
+        self.speculated -= int(blocks.size)
+
+    def note_acquired(self, blocks: np.ndarray) -> None:
+        """An acquire served these blocks: speculative ones in HBM were worth their copy."""
+        if not self._spec_live:
+            return
+        used = blocks[self._spec[blocks] == 2]
+        if used.size:
+            self._spec[used] = 0
+            self._spec_live -= int(used.size)
+            self.speculative_used += int(used.size)
+
+    def on_event(self, kind: str, b: int, tier: int) -> None:
+        """Manager copy events: a speculative block landing in, or leaving, HBM."""
+        state = self._spec[b]
+        if not state:
+            return
+        if kind == "stored" and tier == HBM:
+            self._spec[b] = 2
+        elif kind == "removed" and tier in (HBM, -1):
+            self._spec[b] = 0
+            self._spec_live -= 1
+            if state == 2:
+                self.speculative_wasted += 1
 
     def hint(self, blocks: np.ndarray, deadline: float) -> None:
         if blocks.size:
@@ -215,10 +257,13 @@ def speculate(pf: "Prefetcher", mgr: TierManager, placement: Placement, high_wat
         return 0
     ok = (t.busy[cand] == 0) & ((t.copies[cand] & 1) == 0) & ~mgr.corrupt[cand] & ((t.copies[cand] >> 1) & 1 == 1)
     cand = cand[ok][:k]
-    if cand.size == 0 or mgr.promote(cand, Tier.HBM) is None:
+    if cand.size == 0:
+        return 0
+    pf.mark_speculative(cand)  # before the copy starts: its "stored" event may come at any poll
+    if mgr.promote(cand, Tier.HBM) is None:
+        pf.unmark(cand)
         return 0
     pf._tokens -= cand.size * pf.block_bytes
-    pf.speculated += int(cand.size)
     return int(cand.size)
 
 

@@ -117,8 +117,9 @@ class PolicyConfig(_Section):
     """kvtier: events a (class, age) cell needs before its own density outweighs the pooled one."""
     prefetch_budget_bytes_per_s: float = Field(default=8e9, gt=0)
     """Bandwidth the prefetcher may spend on hinted and predicted promotions."""
-    speculate: bool = True
-    """With nothing hinted and HBM below its high watermark, promote the most valuable DRAM blocks."""
+    speculate: bool = False
+    """With nothing hinted and HBM below its high watermark, promote the most valuable DRAM blocks
+    (off by default: on the demo workload 2 of 98 such promotions were read before they left HBM)."""
 
     @field_validator("name")
     @classmethod

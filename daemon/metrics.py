@@ -54,6 +54,15 @@ class SnapshotCollector(Collector):
         yield _counter("kvtier_acquires", "Acquire requests", svc.get("acquires", 0))
         yield _counter("kvtier_acquires_on_time", "Acquires that found every block resident", svc.get("acquires_on_time", 0))
         yield _gauge("kvtier_prefetch_on_time_ratio", "Acquires on time / acquires", s.get("prefetch_on_time_ratio", 1.0))
+        pf = s.get("prefetch", {})
+        yield _counter("kvtier_prefetch_hinted_blocks", "Blocks named by schedule hints", pf.get("hinted", 0))
+        yield _counter("kvtier_prefetch_started_blocks", "Hinted promotions started", pf.get("started", 0))
+        spec = CounterMetricFamily("kvtier_speculative_promotions", "Unhinted promotions into idle HBM by outcome "
+                                   "(used: acquired while in HBM; wasted: left HBM first)", labels=["outcome"])
+        spec.add_metric(["started"], pf.get("speculated", 0))
+        spec.add_metric(["used"], pf.get("speculative_used", 0))
+        spec.add_metric(["wasted"], pf.get("speculative_wasted", 0))
+        yield spec
         yield _counter("kvtier_telemetry_block_updates", "Telemetry block updates ingested",
                        svc.get("telemetry_block_updates", 0))
         yield _counter("kvtier_telemetry_rejected", "Telemetry messages rejected", svc.get("telemetry_rejected", 0))

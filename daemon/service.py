@@ -170,7 +170,8 @@ class Service:
         sc = self.cfg.scoring
         self.scores = ImportanceScores(self.mgr.table.max_blocks, **sc.model_dump())
         self.events = EventCollector(self.mgr, self.block_tokens)
-        self.prefetcher = Prefetcher(pc.prefetch_budget_bytes_per_s, args.block_bytes)
+        self.prefetcher = Prefetcher(pc.prefetch_budget_bytes_per_s, args.block_bytes, self.mgr.table.max_blocks)
+        self.mgr.listeners.append(self.prefetcher.on_event)
 
     def _open_cuda_ipc(self, args: Any, stride: int) -> tuple[torch.Tensor, int]:
         if not torch.cuda.is_available():
@@ -394,6 +395,7 @@ class Service:
             session.pins[blocks] += 1
             self.stall_counts[0] += 1  # no stall: the cheapest bucket, no search
             self.placement.log_access(blocks)  # type: ignore[union-attr]
+            self.prefetcher.note_acquired(blocks)  # type: ignore[union-attr]
             return {"done": True, "ticket": 0, "blocks": P.id_bytes(blocks), "slots": P.id_bytes(slots)}
         broken = unservable(blocks[~resident], mgr)
         if broken is not None:
@@ -416,6 +418,7 @@ class Service:
         self.stall_counts[bisect.bisect_left(STALL_BUCKETS, stall)] += 1
         self.stall_sum += stall
         self.placement.log_access(w.blocks)  # type: ignore[union-attr]
+        self.prefetcher.note_acquired(w.blocks)  # type: ignore[union-attr]
         return {"done": True, "ticket": w.ticket, "blocks": P.id_bytes(w.blocks), "slots": P.id_bytes(w.slots)}
 
     def op_acquire_poll(self, session: EngineSession, args: Any) -> dict:

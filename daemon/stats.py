@@ -60,9 +60,10 @@ def snapshot(svc: Service) -> dict[str, Any]:
                 calib = tracker.summary()
             break
     out["calibration"] = calib
-    out["prefetch"] = {"hinted": svc.prefetcher.hinted if svc.prefetcher else 0,
-                       "started": svc.prefetcher.started if svc.prefetcher else 0,
-                       "queued": len(svc.prefetcher) if svc.prefetcher else 0}
+    pf = svc.prefetcher
+    out["prefetch"] = {"hinted": pf.hinted, "started": pf.started, "queued": len(pf),
+                       "speculated": pf.speculated, "speculative_used": pf.speculative_used,
+                       "speculative_wasted": pf.speculative_wasted} if pf is not None else {}
     out["importance_mean"] = float(np.mean(t.importance[used])) if used.any() else 0.0
     if svc.scores is not None:  # live blocks per segment tag (untagged: "")
         counts = np.bincount(svc.scores.segment[used], minlength=len(svc.scores.segment_names))

@@ -90,6 +90,10 @@ def print_summary(r: dict) -> None:
     s.add_row("ratio tiered / untiered", f"{r['ratio']:.2f}")
     s.add_row("prefetch on-time (acquires finding all blocks in HBM)", f"{r['prefetch_on_time']:.3f} of {r['acquires']}")
     s.add_row("acquire stall", f"{r['stall_s']:.3f} s")
+    pf = r.get("prefetch", {})
+    if pf.get("speculated"):
+        s.add_row("speculative promotions: used / wasted / started",
+                  f"{pf['speculative_used']} / {pf['speculative_wasted']} / {pf['speculated']}")
     s.add_row("turns / steps compared", f"{r['turns_checked']} / {r['steps_checked']}")
     con.print(s)
     verdict = "[bold green]PASS: tokens and logits bit-identical (torch.equal) in every turn[/]" if r["bit_exact"] \

@@ -104,6 +104,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
     con.print(f"blocks: {s.get('blocks', {})}  acquires: {svc.get('acquires', 0)}  "
               f"on-time: {s.get('prefetch_on_time_ratio', 1.0):.3f}  stall: {s.get('acquire_stall_s_total', 0):.3f} s  "
               f"calibration: {s.get('calibration') or '-'}")
+    pf = s.get("prefetch", {})
+    if pf:
+        con.print(f"prefetch: hinted {pf['hinted']}  started {pf['started']}  queued {pf['queued']}  "
+                  f"speculative used/wasted/started {pf['speculative_used']}/{pf['speculative_wasted']}/{pf['speculated']}")
     return 0
 
 

@@ -83,7 +83,7 @@ def test_failed_ops_change_nothing(svc):
 def test_idle_hbm_is_filled_from_dram_by_value(tmp_path):
     now = [100.0]
     cfg = load_config(environ={}, overrides=[
-        "tiers.hbm_bytes=32768", "tiers.dram_bytes=32768", "tiers.nvme_bytes=0",
+        "tiers.hbm_bytes=32768", "tiers.dram_bytes=32768", "tiers.nvme_bytes=0", "policy.speculate=true",
         f'server.runtime_dir="{tmp_path}/run"', "metrics.enabled=false"])
     svc = Service(cfg, clock=lambda: now[0])
     try:
@@ -103,6 +103,17 @@ def test_idle_hbm_is_filled_from_dram_by_value(tmp_path):
         svc.background()
         assert svc.prefetcher.speculated == 5  # up to the high watermark: int(0.95 * 8) - 2
         assert t.used_slot_count(0) == 7 and all(t.copies[b] & 0b10 for b in blocks[:6])
+        pf = svc.prefetcher
+        spec = [b for b in blocks[:6] if t.copies[b] & 1]
+        assert len(spec) == 5 and pf.speculative_used == pf.speculative_wasted == 0
+        call(svc, "acquire", blocks=P.id_bytes(spec[:2]))  # read while in HBM: worth the copy
+        call(svc, "release", blocks=P.id_bytes(spec[:2]))
+        call(svc, "acquire", blocks=P.id_bytes(spec[:1]))  # counted once
+        call(svc, "release", blocks=P.id_bytes(spec[:1]))
+        svc.mgr.drop_copy(spec[2], "hbm")  # left HBM unread: a copy for nothing
+        assert (pf.speculative_used, pf.speculative_wasted) == (2, 1)
+        stats = call(svc, "stats")["prefetch"]
+        assert (stats["speculated"], stats["speculative_used"], stats["speculative_wasted"]) == (5, 2, 1)
         call(svc, "hint", blocks=P.id_bytes(blocks[:1]), deadline_s=1.0)
         now[0] += 1.0
         before = svc.prefetcher.speculated
