@@ -158,7 +158,7 @@ class Service:
             args.block_bytes, hbm_slots, dram_slots, nvme_slots, nvme_dir=tc.nvme_dir if nvme_slots else None,
             max_blocks=tc.max_blocks or max(1, total), io_backend=tc.io_backend, io_threads=tc.io_threads,
             mover_workers=tc.mover_workers, hbm_tensor=hbm_tensor, dram_numa_node=tc.dram_numa_node,
-            clock=self.clock)
+            recover_payloads=tc.recovery_verify == "payload", clock=self.clock)
         self.block_tokens = args.block_tokens
         layers = args.layout.get("layers", 1)
         self.layers = layers if isinstance(layers, int) and layers > 0 and args.block_bytes % layers == 0 else 1

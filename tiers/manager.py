@@ -65,6 +65,7 @@ class TierManager:
         hbm_device: Optional[str] = None,
         dram_numa_node: Optional[int] = None,
         recover: bool = True,
+        recover_payloads: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if nvme_slots and not nvme_dir:
@@ -90,7 +91,7 @@ class TierManager:
         self.discarded = 0
         if self.nvme is not None and recover:
             try:
-                self._recover()
+                self._recover(recover_payloads)
             except BaseException:
                 self.close()  # no leaked shared memory, threads or file handles
                 raise
@@ -462,9 +463,9 @@ class TierManager:
         return bytes(buf[:length])
 
     # -- persistence ---------------------------------------------------------
-    def _recover(self) -> None:
+    def _recover(self, verify_payload: bool) -> None:
         assert self.nvme is not None
-        found, self.discarded = self.nvme.recover()
+        found, self.discarded = self.nvme.recover(verify_payload=verify_payload)
         t = self.table
         for r in found:
             b = t.new_block()

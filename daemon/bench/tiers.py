@@ -171,6 +171,23 @@ def interleaved_figures(directory: str, block: int, n: int, reps: int, args: arg
         m.close()
 
 
+def recovery_figures(directory: str, block: int, n: int, args: argparse.Namespace) -> dict[str, float]:
+    """Restart cost on the slabs the run left behind: a full scan (every payload read
+    and checksummed) against a header-only scan (``tiers.recovery_verify``)."""
+    out: dict[str, float] = {}
+    for mode, verify in (("payload", True), ("header", False)):
+        m = TierManager(block, 1, 1, n, nvme_dir=os.path.join(directory, f"slabs-{block}"),
+                        io_backend=args.io_backend, io_threads=args.io_threads, recover=False)
+        try:
+            t0 = time.perf_counter()
+            found, _ = m.nvme.recover(verify_payload=verify)  # type: ignore[union-attr]
+            out[f"recovery_{mode}_s"] = time.perf_counter() - t0
+            out[f"recovery_{mode}_blocks"] = len(found)
+        finally:
+            m.close()
+    return out
+
+
 def metadata_bytes_per_block(n: int) -> float:
     """Worst case: every tier has as many slots as there are blocks."""
     return BlockTable(n, (n, n, n)).metadata_nbytes() / n
@@ -195,6 +212,7 @@ def run(args: argparse.Namespace) -> dict:
             total = block * n
             with console.status(f"block {kib} KiB: raw baselines and kvtier mover, interleaved"):
                 mv = interleaved_figures(directory, block, n, args.reps, args)
+                mv.update(recovery_figures(directory, block, n, args))
             sizes[f"{kib}KiB"] = {"block_bytes": block, "blocks": n, **mv}
         meta = metadata_bytes_per_block(args.metadata_blocks)
     finally:
