@@ -21,7 +21,7 @@ import numpy as np
 
 from kvtier.daemon.policy import make_policy
 from kvtier.daemon.policy.base import Policy
-from kvtier.predictor.classes import block_class
+from kvtier.predictor.classes import N_STAGES, block_class
 from kvtier.tiers.manager import TierManager
 from kvtier.tiers.types import BlockState, Tier
 
@@ -47,6 +47,7 @@ class Placement:
         self.protect_until = np.zeros(n)  # hinted blocks: not victims before their acquire is due
         self.dropped = 0
         self.demoted = 0
+        self.declined = 0  # blocks a lower tier's policy did not find worth a slot
         mgr.listeners.append(self._on_event)
 
     # -- membership ------------------------------------------------------------
@@ -59,7 +60,9 @@ class Placement:
                 continue
             if kind == "stored" and not self.tracked[t, b]:
                 cls = int(self.feature_class[b])
-                pol.observe(b, now, cls)
+                acc = getattr(pol, "accesses", None)
+                if acc is None or not acc[b]:  # a block this policy has never seen: its first access
+                    pol.observe(b, now, cls)
                 pol.insert(b, now, cls, -1)
                 self.tracked[t, b] = True
             elif kind == "removed" and self.tracked[t, b]:
@@ -114,9 +117,9 @@ class Placement:
             if t.state[b] == BlockState.FREE:
                 continue
             cls = int(self.feature_class[b])
-            for tier, pol in self.policies.items():
+            for tier, pol in self.policies.items():  # every policy sees every access, as in replay:
+                pol.observe(b, now, cls)  # a block's history follows it from tier to tier
                 if self.tracked[tier, b]:
-                    pol.observe(b, now, cls)
                     pol.on_hit(b, now, cls, -1)
         return n
 
@@ -187,29 +190,55 @@ class Placement:
 
     def _write_back(self, tier: int, blocks: list[int]) -> tuple[int, list[int]]:
         """Demote blocks one tier down (or further), dropping cached ones that fit
-        nowhere. Returns (slots freed or on their way, blocks that must stay)."""
+        nowhere. Returns (slots freed or on their way, blocks that must stay).
+
+        A tier with a policy admits only blocks its policy finds worth a slot; the
+        others go further down (or, if cached and nothing is below, are dropped):
+        a block not worth DRAM must not push out DRAM blocks that are."""
         mgr, t = self.mgr, self.mgr.table
         started = 0
-        for dst in range(tier + 1, len(Tier)):
-            if t.slots_per_tier[dst] == 0 or (dst == NVME and mgr.nvme is None):
-                continue
-            todo = blocks[started:]
-            if not todo:
+        pending = list(blocks)
+        lowers = [d for d in range(tier + 1, len(Tier))
+                  if t.slots_per_tier[d] and not (d == NVME and mgr.nvme is None)]
+        for i, dst in enumerate(lowers):
+            if not pending:
                 break
-            self.make_room(dst, len(todo))
-            k = min(len(todo), t.free_slot_count(dst))
-            if k and mgr.demote(todo[:k], tier, dst, keep_source=False) is not None:
+            declined: list[int] = []
+            if dst in self.policies:
+                pending, declined = self._admitted(tier, dst, pending, can_skip=i + 1 < len(lowers))
+            self.make_room(dst, len(pending))
+            k = min(len(pending), t.free_slot_count(dst))
+            if k and mgr.demote(pending[:k], tier, dst, keep_source=False) is not None:
                 started += k
                 self.demoted += k
+                pending = pending[k:]
+            pending += declined
         stuck = []
-        for b in blocks[started:]:
+        for b in pending:
             if t.refcount[b] == 0 and t.state[b] == BlockState.SEALED:
-                mgr.drop(b)  # nowhere below has room: a cached block may simply go
+                mgr.drop(b)  # nowhere below has room (or is worth it): a cached block may simply go
                 self.dropped += 1
                 started += 1
             else:
                 stuck.append(b)
         return started, stuck
+
+    def _admitted(self, tier: int, dst: int, blocks: list[int], can_skip: bool) -> tuple[list[int], list[int]]:
+        """Split ``blocks`` into those ``dst``'s policy admits and those it declines.
+
+        A declined block may only skip ``dst`` if it has somewhere else to go: a
+        tier further down, or (cached and sealed) being dropped."""
+        arr = np.asarray(blocks, dtype=np.int64)
+        t = self.mgr.table
+        src = self.policies.get(tier)
+        acc = getattr(src, "accesses", None)
+        stage = np.minimum(acc[arr], N_STAGES) if acc is not None else np.ones(arr.size, np.int64)
+        classes = self.feature_class[arr].astype(np.int64) * N_STAGES + np.maximum(stage, 1) - 1
+        ok = self.policies[dst].admit_many(arr, classes)
+        if not can_skip:
+            ok |= (t.refcount[arr] > 0) | (t.state[arr] != BlockState.SEALED)
+        self.declined += int((~ok).sum())
+        return arr[ok].tolist(), arr[~ok].tolist()
 
     def _drop_cached_nvme(self, n: int) -> int:
         mgr, t = self.mgr, self.mgr.table
@@ -233,7 +262,8 @@ class Placement:
         return have
 
     def stats(self) -> dict:
-        out = {"dropped": self.dropped, "demoted": self.demoted, "access_backlog": self._log_n}
+        out = {"dropped": self.dropped, "demoted": self.demoted, "declined": self.declined,
+               "access_backlog": self._log_n}
         for tier, pol in self.policies.items():
             s = pol.stats()
             out[Tier(tier).name.lower()] = {k: v for k, v in s.items() if not isinstance(v, list)}

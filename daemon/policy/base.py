@@ -46,6 +46,12 @@ class Policy:
         """Forget a resident block dropped by the mechanism (not a victim)."""
         raise NotImplementedError
 
+    def admit_many(self, blocks: "np.ndarray", classes: "np.ndarray") -> "np.ndarray":
+        """Which of these blocks (prior classes ``classes``, as ``observe`` would set
+        them) are worth a slot here, against this tier's current victims? All by
+        default; policies with an admission rule override. No state changes."""
+        return np.ones(blocks.size, dtype=bool)
+
     def best(self, k: int) -> "np.ndarray":
         """Up to ``k`` residents worth the most (speculative promotion); none by default."""
         return np.zeros(0, dtype=np.int64)

@@ -162,6 +162,22 @@ class HitDensityPolicy(Policy):
         self.bypassed += 1
         return False
 
+    def admit_many(self, blocks: np.ndarray, classes: np.ndarray) -> np.ndarray:
+        """Vectorised ``admit`` for blocks offered from the tier above: a block is worth
+        a slot if its density at age 0 is at least the lowest of a fresh sample of
+        residents (what the next eviction would take). Below capacity everything is;
+        one block in ``explore_every`` always is. Leaves no cached victim behind."""
+        ok = np.ones(blocks.size, dtype=bool)
+        if not self.admission or self.size < self.samples or blocks.size == 0:
+            return ok
+        cand = self.slots[self.rng.integers(0, self.size, size=self.samples)]
+        ages = self.clock - self.ts[cand]
+        buckets = np.minimum((ages * self._inv_g).astype(np.int64), self.A - 1)
+        floor = float((self._flat.take(self.klass_row[cand] + buckets) * self.weight[cand]).min())
+        ok = self._flat.take(classes.astype(np.int64) * self.A) * self.weight[blocks] >= floor
+        ok |= (blocks * 0x9E3779B1) % self.explore_every == 0
+        return ok
+
     def evict(self, now: float) -> int:
         if self._victim >= 0:
             v, bucket = self._victim, self._victim_bucket

@@ -122,3 +122,43 @@ def test_idle_hbm_is_filled_from_dram_by_value(tmp_path):
         assert call(svc, "check") == {"ok": True}
     finally:
         svc.close()
+
+
+def test_write_back_sends_blocks_dram_declines_to_nvme(tmp_path):
+    """DRAM admits an HBM victim only if its policy finds it worth a slot: a block of
+    a class DRAM has learned is never reused goes straight to NVMe, and the DRAM
+    blocks worth their slots stay."""
+    from kvtier.predictor.classes import N_STAGES
+
+    cfg = load_config(environ={}, overrides=[
+        "tiers.hbm_bytes=16384", "tiers.dram_bytes=16384", "tiers.nvme_bytes=65536",
+        f'tiers.nvme_dir="{tmp_path}/nvme"', "policy.samples=2", "policy.explore_every=1000000",
+        f'server.runtime_dir="{tmp_path}/run"', "metrics.enabled=false"])
+    svc = Service(cfg)
+    try:
+        call(svc, "register", pid=0, block_bytes=4096)
+        blocks = ids(call(svc, "alloc", n=4, seq=1, pin=True)["blocks"])
+        call(svc, "seal", blocks=P.id_bytes(blocks), keys=P.id_bytes(list(range(1, 5)), np.uint64))
+        call(svc, "release", blocks=P.id_bytes(blocks))
+        call(svc, "free", blocks=P.id_bytes(blocks))  # cached now: free to skip DRAM
+        pl, t = svc.placement, svc.mgr.table
+        dram = pl.policies[1]
+        dram.hits[0, 1] = 500  # class 0 (first access of feature class 0) is read again...
+        dram.evictions[0, 1] = 100
+        dram.evictions[1 * N_STAGES, 1] = 600  # ...feature class 1 never is
+        dram._reconfigure()
+        pl.feature_class[blocks[:2]] = 0
+        pl.feature_class[blocks[2:]] = 1
+        started, stuck = pl._write_back(0, blocks[:2])  # worth DRAM: admitted
+        svc.mgr.wait(timeout=10)
+        assert started == 2 and not stuck and all(t.has_copy(b, 1) for b in blocks[:2])
+        started, stuck = pl._write_back(0, blocks[2:])
+        svc.mgr.wait(timeout=10)
+        assert started == 2 and not stuck and pl.declined == 2
+        assert all(t.has_copy(b, 2) and not t.has_copy(b, 1) for b in blocks[2:])  # straight to NVMe
+        assert all(t.has_copy(b, 1) for b in blocks[:2])  # nothing worth its slot was pushed out
+        svc.mgr.wait(timeout=10)
+        svc.background()
+        assert call(svc, "check") == {"ok": True}
+    finally:
+        svc.close()
