@@ -10,7 +10,6 @@ where HBM is).
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import os
 import time
@@ -27,17 +26,16 @@ from kvtier.tiers.pools import attach_shm, release_shm, round_up
 from kvtier.tiers.types import BlockState, Tier
 
 from . import protocol as P
-from .acquire import AllocWaiter, Prefetcher, Waiter, speculate, progress, source_tiers, unpin_waiter, unservable
+from .acquire import AllocWaiter, Prefetcher, Waiter, speculate
 from .config import KvtierConfig
 from .events import EventCollector
 from .placement import Placement
 from .protocol import ProtocolError
+from .residency import STALL_BUCKETS, ResidencyOps
 from .session import EngineSession
 from .telemetry import ingest
 
 HBM = int(Tier.HBM)
-STALL_BUCKETS = (1e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)  # seconds
-HIT_COUNTERS = tuple(f"hits_{t.name.lower()}" for t in Tier)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -52,7 +50,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-class Service:
+class Service(ResidencyOps):
     def __init__(self, cfg: KvtierConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.clock = clock
@@ -374,127 +372,6 @@ class Service:
         session.forget_blocks(set(blocks.tolist()))
         self.counters["frees"] += int(blocks.size)
         return {"freed": int(blocks.size)}
-
-    # -- residency ---------------------------------------------------------------------
-    def op_acquire(self, session: EngineSession, args: Any) -> Any:
-        mgr = self._need_mgr()
-        blocks = self._blocks(session, args)
-        t = mgr.table
-        if blocks.size > t.slots_per_tier[HBM]:
-            raise ProtocolError(P.NO_SPACE, f"{blocks.size} blocks can never fit {t.slots_per_tier[HBM]} HBM slots")
-        now = self.clock()
-        copies = t.copies[blocks]
-        resident = ((copies & 1) == 1) & (t.busy[blocks] == 0)  # HBM is bit 0
-        c = self.counters
-        c["acquires"] += 1
-        c["acquire_blocks"] += int(blocks.size)
-        if resident.all():  # the hot path: no waiter, one vectorised pin
-            c["acquires_on_time"] += 1
-            c["hits_hbm"] += int(blocks.size)
-            slots = mgr.pin_many(blocks, checked=True)
-            session.pins[blocks] += 1
-            self.stall_counts[0] += 1  # no stall: the cheapest bucket, no search
-            self.placement.log_access(blocks)  # type: ignore[union-attr]
-            self.prefetcher.note_acquired(blocks)  # type: ignore[union-attr]
-            return {"done": True, "ticket": 0, "blocks": P.id_bytes(blocks), "slots": P.id_bytes(slots)}
-        broken = unservable(blocks[~resident], mgr)
-        if broken is not None:
-            raise ProtocolError(*broken)
-        src = np.where(resident, HBM, source_tiers(copies, HBM))
-        for name, n in zip(HIT_COUNTERS, np.bincount(src[src >= 0], minlength=len(Tier)).tolist()):
-            c[name] += n
-        timeout = args.timeout_s if args.timeout_s is not None else self.cfg.server.acquire_timeout_s
-        w = Waiter(next(self.tickets), session, blocks, now + timeout, now, args.wait)
-        progress(w, mgr, self.placement, self.layers)  # type: ignore[arg-type]
-        self.waiters[w.ticket] = w
-        if not args.wait:
-            return self._pending_reply(w)
-        return w
-
-    def _finish(self, w: Waiter) -> dict:
-        self.waiters.pop(w.ticket, None)
-        stall = self.clock() - w.started
-        self.counters["stall_ns"] += int(stall * 1e9)
-        self.stall_counts[bisect.bisect_left(STALL_BUCKETS, stall)] += 1
-        self.stall_sum += stall
-        self.placement.log_access(w.blocks)  # type: ignore[union-attr]
-        self.prefetcher.note_acquired(w.blocks)  # type: ignore[union-attr]
-        return {"done": True, "ticket": w.ticket, "blocks": P.id_bytes(w.blocks), "slots": P.id_bytes(w.slots)}
-
-    def op_acquire_poll(self, session: EngineSession, args: Any) -> dict:
-        w = self.waiters.get(args.ticket)
-        if w is None or w.session is not session or w.blocking:
-            raise ProtocolError(P.INVALID, f"unknown acquire ticket {args.ticket}")
-        progress(w, self.mgr, self.placement, self.layers)  # type: ignore[arg-type]
-        if w.done:
-            return self._finish(w)
-        broken = unservable(w.blocks[~w.pinned], self.mgr)  # type: ignore[arg-type]
-        if broken is not None:
-            unpin_waiter(w, self.mgr)  # type: ignore[arg-type]
-            self.waiters.pop(w.ticket, None)
-            raise ProtocolError(*broken)
-        if self.clock() > w.deadline:
-            unpin_waiter(w, self.mgr)  # type: ignore[arg-type]
-            self.waiters.pop(w.ticket, None)
-            raise ProtocolError(P.TIMEOUT, f"acquire {w.ticket} missed its deadline")
-        return self._pending_reply(w)
-
-    def _pending_reply(self, w: Waiter) -> dict:
-        """Per block of a waiting acquire: pinned, layers landed so far, and its HBM slot
-        (reserved already for blocks in flight, so layer l may be read once it landed)."""
-        t = self.mgr.table  # type: ignore[union-attr]
-        layers = self.mgr.parts_ready(w.blocks, self.layers)  # type: ignore[union-attr]
-        slots = np.where(w.pinned, w.slots, np.where(layers > 0, t.slot[HBM, w.blocks], -1))
-        return {"done": False, "ticket": w.ticket, "ready": w.pinned.tobytes(), "layers": self.layers,
-                "layers_ready": P.id_bytes(layers), "slots": P.id_bytes(slots)}
-
-    def advance_waiters(self) -> list[tuple[Waiter, Any]]:
-        """Progress blocking acquires: (waiter, result dict or ProtocolError) for each finished."""
-        out: list[tuple[Waiter, Any]] = []
-        now = self.clock()
-        for w in list(self.waiters.values()):
-            if not w.blocking:  # pin what landed now, before background work could move it
-                if now > w.deadline + 60:  # abandoned non-blocking ticket
-                    unpin_waiter(w, self.mgr)  # type: ignore[arg-type]
-                    self.waiters.pop(w.ticket, None)
-                elif not w.done:
-                    progress(w, self.mgr, self.placement, self.layers)  # type: ignore[arg-type]
-                continue
-            progress(w, self.mgr, self.placement, self.layers)  # type: ignore[arg-type]
-            broken = None if w.done else unservable(w.blocks[~w.pinned], self.mgr)  # type: ignore[arg-type]
-            if w.done:
-                out.append((w, self._finish(w)))
-            elif broken is not None:
-                unpin_waiter(w, self.mgr)  # type: ignore[arg-type]
-                self.waiters.pop(w.ticket, None)
-                self.counters["acquire_failures"] += 1
-                out.append((w, ProtocolError(*broken)))
-            elif now > w.deadline:
-                unpin_waiter(w, self.mgr)  # type: ignore[arg-type]
-                self.waiters.pop(w.ticket, None)
-                self.counters["acquire_timeouts"] += 1
-                out.append((w, ProtocolError(P.TIMEOUT, f"acquire of {w.blocks.size} blocks missed its deadline")))
-        return out
-
-    def op_release(self, session: EngineSession, args: Any) -> dict:
-        mgr = self._need_mgr()
-        blocks = self._blocks(session, args, allow_keys=False)
-        unheld = session.pins[blocks] <= 0
-        if unheld.any():
-            b = int(blocks[np.argmax(unheld)])
-            raise ProtocolError(P.INVALID, f"block {b} is not pinned by engine {session.engine_id!r}")
-        mgr.unpin_many(blocks, checked=True)
-        session.pins[blocks] -= 1
-        return {"released": int(blocks.size)}
-
-    def op_hint(self, session: EngineSession, args: Any) -> dict:
-        self._need_mgr()
-        blocks = self._blocks(session, args)
-        due = self.clock() + float(args.deadline_s)
-        self.prefetcher.hint(blocks, due)  # type: ignore[union-attr]
-        # protect through the deadline plus a grace period, then they compete like any block
-        self.placement.protect(blocks, due + max(1.0, float(args.deadline_s)))  # type: ignore[union-attr]
-        return {"hinted": int(blocks.size)}
 
     def op_check(self, session: Optional[EngineSession], args: Any) -> dict:
         """Verify every metadata invariant (tests, `kvtier stats --check`)."""
