@@ -99,10 +99,10 @@ class Mover:
         self._idle = threading.Condition(self._lock)
         self._stream = torch.cuda.Stream() if hbm.is_cuda else None
         counts = {"copy": 1, "io": max(1, workers)}
-        self._threads = [threading.Thread(target=self._run, args=(self._lanes[lane],),
-                                          name=f"kvtier-mover-{lane}-{i}", daemon=True)
+        self._threads = [(lane, threading.Thread(target=self._run, args=(self._lanes[lane],),
+                                                 name=f"kvtier-mover-{lane}-{i}", daemon=True))
                          for lane, k in counts.items() for i in range(k)]
-        for t in self._threads:
+        for _, t in self._threads:
             t.start()
 
     @staticmethod
@@ -154,9 +154,9 @@ class Mover:
 
     def close(self) -> None:
         self.drain()
-        for t in self._threads:
-            self._lanes["io" if "-io-" in t.name else "copy"].put(None)
-        for t in self._threads:
+        for lane, _ in self._threads:
+            self._lanes[lane].put(None)
+        for _, t in self._threads:
             t.join()
 
     # -- worker side -------------------------------------------------------
