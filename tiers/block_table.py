@@ -219,8 +219,7 @@ class BlockTable:
             raise ValueError(f"a block has no {Tier(tier).name} slot")
         self.copies[blocks] &= np.uint8(~(1 << tier) & 0xFF)
         ev = self.evictable[tier]
-        for b in blocks[ev.owner[blocks] == 0].tolist():
-            ev.remove(b)
+        ev.remove_many(blocks[ev.owner[blocks] == 0])
         self.slot_owner[tier][slots] = NIL
         self.slot[tier, blocks] = NIL
         self.free_slots[tier].extend_back(slots.astype(np.int64))
