@@ -167,13 +167,6 @@ class Prefetcher:
         self._spec_live += int(fresh.size)
         self.speculated += int(blocks.size)
 
-    def unmark(self, blocks: np.ndarray) -> None:
-        """A speculative promotion that did not start."""
-        marked = blocks[self._spec[blocks] != 0]
-        self._spec[marked] = 0
-        self._spec_live -= int(marked.size)
-        self.speculated -= int(blocks.size)
-
     def note_acquired(self, blocks: np.ndarray) -> None:
         """An acquire served these blocks: speculative ones in HBM were worth their copy."""
         if not self._spec_live:
@@ -257,12 +250,9 @@ def speculate(pf: "Prefetcher", mgr: TierManager, placement: Placement, high_wat
         return 0
     ok = (t.busy[cand] == 0) & ((t.copies[cand] & 1) == 0) & ~mgr.corrupt[cand] & ((t.copies[cand] >> 1) & 1 == 1)
     cand = cand[ok][:k]
-    if cand.size == 0:
+    if cand.size == 0 or mgr.promote(cand, Tier.HBM) is None:
         return 0
-    pf.mark_speculative(cand)  # before the copy starts: its "stored" event may come at any poll
-    if mgr.promote(cand, Tier.HBM) is None:
-        pf.unmark(cand)
-        return 0
+    pf.mark_speculative(cand)  # its "stored" event comes at a later poll of the owner loop
     pf._tokens -= cand.size * pf.block_bytes
     return int(cand.size)
 

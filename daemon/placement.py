@@ -21,7 +21,7 @@ import numpy as np
 
 from kvtier.daemon.policy import make_policy
 from kvtier.daemon.policy.base import Policy
-from kvtier.predictor.classes import N_STAGES, block_class
+from kvtier.predictor.classes import block_class
 from kvtier.tiers.manager import TierManager
 from kvtier.tiers.types import BlockState, Tier
 
@@ -60,20 +60,27 @@ class Placement:
                 continue
             if kind == "stored" and not self.tracked[t, b]:
                 cls = int(self.feature_class[b])
-                acc = getattr(pol, "accesses", None)
-                if acc is None or not acc[b]:  # a block this policy has never seen: its first access
+                if not pol.seen(b):  # e.g. recovered from NVMe: its access is still in the log
                     pol.observe(b, now, cls)
                 pol.insert(b, now, cls, -1)
                 self.tracked[t, b] = True
             elif kind == "removed" and self.tracked[t, b]:
                 pol.remove(b)
                 self.tracked[t, b] = False
+        if kind == "removed" and tier < 0:  # the block is gone: its id may be reused
+            for pol in self.policies.values():
+                pol.forget(b)
+            self.logged_epoch[b] = -1
+            self.protect_until[b] = 0.0
 
     def on_alloc(self, blocks: np.ndarray, continues: bool) -> None:
         """New open blocks land in HBM; their class comes from what the engine told us."""
         cls = block_class(True, continues, int(blocks.size))
         self.feature_class[blocks] = cls
+        now = self.clock()
         for b in blocks.tolist():
+            for pol in self.policies.values():  # its first access, seen by every policy as in replay
+                pol.observe(b, now, cls)
             self._on_event("stored", b, HBM)
 
     def on_seal(self, b: int, continues: bool, span: int) -> None:
@@ -205,7 +212,7 @@ class Placement:
                 break
             declined: list[int] = []
             if dst in self.policies:
-                pending, declined = self._admitted(tier, dst, pending, can_skip=i + 1 < len(lowers))
+                pending, declined = self._admitted(dst, pending, can_skip=i + 1 < len(lowers))
             self.make_room(dst, len(pending))
             k = min(len(pending), t.free_slot_count(dst))
             if k and mgr.demote(pending[:k], tier, dst, keep_source=False) is not None:
@@ -223,18 +230,14 @@ class Placement:
                 stuck.append(b)
         return started, stuck
 
-    def _admitted(self, tier: int, dst: int, blocks: list[int], can_skip: bool) -> tuple[list[int], list[int]]:
+    def _admitted(self, dst: int, blocks: list[int], can_skip: bool) -> tuple[list[int], list[int]]:
         """Split ``blocks`` into those ``dst``'s policy admits and those it declines.
 
         A declined block may only skip ``dst`` if it has somewhere else to go: a
         tier further down, or (cached and sealed) being dropped."""
         arr = np.asarray(blocks, dtype=np.int64)
         t = self.mgr.table
-        src = self.policies.get(tier)
-        acc = getattr(src, "accesses", None)
-        stage = np.minimum(acc[arr], N_STAGES) if acc is not None else np.ones(arr.size, np.int64)
-        classes = self.feature_class[arr].astype(np.int64) * N_STAGES + np.maximum(stage, 1) - 1
-        ok = self.policies[dst].admit_many(arr, classes)
+        ok = self.policies[dst].admit_many(arr, self.feature_class[arr])
         if not can_skip:
             ok |= (t.refcount[arr] > 0) | (t.state[arr] != BlockState.SEALED)
         self.declined += int((~ok).sum())

@@ -32,17 +32,21 @@ class KeyIndex:
     def _home(self, key: int) -> int:
         return ((key * _MUL) & _M64) >> self.shift
 
-    def get(self, key: int, default: int = -1) -> int:
-        key = int(key) & _M64
+    def _find(self, key: int) -> int:
+        """Table position holding ``key`` (already masked to 64 bits), or -1."""
         i = self._home(key)
         keys, vals, mask = self.keys, self.vals, self.mask
         while True:
             v = int(vals[i])
             if v == _EMPTY:
-                return default
+                return -1
             if v >= 0 and int(keys[i]) == key:
-                return v
+                return i
             i = (i + 1) & mask
+
+    def get(self, key: int, default: int = -1) -> int:
+        i = self._find(int(key) & _M64)
+        return default if i < 0 else int(self.vals[i])
 
     def __contains__(self, key: int) -> bool:
         return self.get(key) >= 0
@@ -77,24 +81,20 @@ class KeyIndex:
 
     def pop(self, key: int) -> int:
         """Remove ``key``; returns its value, or -1 if absent."""
-        key = int(key) & _M64
-        i = self._home(key)
-        keys, vals, mask = self.keys, self.vals, self.mask
-        while True:
-            v = int(vals[i])
-            if v == _EMPTY:
-                return -1
-            if v >= 0 and int(keys[i]) == key:
-                vals[i] = _TOMB
-                self.size -= 1
-                # a tombstone followed by EMPTY can become EMPTY: keeps probe
-                # chains short under churn without rehashing.
-                j = i
-                while int(vals[(j + 1) & mask]) == _EMPTY and int(vals[j]) == _TOMB:
-                    vals[j] = _EMPTY
-                    j = (j - 1) & mask
-                return v
-            i = (i + 1) & mask
+        i = self._find(int(key) & _M64)
+        if i < 0:
+            return -1
+        vals, mask = self.vals, self.mask
+        v = int(vals[i])
+        vals[i] = _TOMB
+        self.size -= 1
+        # a tombstone followed by EMPTY can become EMPTY: keeps probe
+        # chains short under churn without rehashing.
+        j = i
+        while int(vals[(j + 1) & mask]) == _EMPTY and int(vals[j]) == _TOMB:
+            vals[j] = _EMPTY
+            j = (j - 1) & mask
+        return v
 
     def get_many(self, keys_in: np.ndarray) -> np.ndarray:
         """Vectorised lookup: block index per key, -1 where absent."""

@@ -137,14 +137,20 @@ class TierManager:
         t.refresh_evictable_many(out)
         return out
 
-    def write(self, b: int, data: "bytes | np.ndarray", offset: int = 0) -> None:
-        """Write payload bytes of an OPEN block resident in HBM."""
+    def _open_in_hbm(self, b: int, sealed_why: str) -> int:
+        """``b`` checked to be an OPEN block, resident in HBM and not moving (write, seal)."""
         b = self._check_block(b)
         t = self.table
         if t.state[b] != BlockState.OPEN:
-            raise ValueError(f"block {b} is sealed and immutable")
+            raise ValueError(f"block {b} {sealed_why}")
         if not t.has_copy(b, HBM) or t.busy[b]:
-            raise ValueError(f"block {b} is not resident in HBM")
+            raise ValueError(f"block {b} must be resident in HBM and idle")
+        return b
+
+    def write(self, b: int, data: "bytes | np.ndarray", offset: int = 0) -> None:
+        """Write payload bytes of an OPEN block resident in HBM."""
+        b = self._open_in_hbm(b, "is sealed and immutable")
+        t = self.table
         buf = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
         if offset < 0 or offset + buf.size > self.block_bytes:
             raise ValueError(f"write of {buf.size} bytes at {offset} overflows a {self.block_bytes}-byte block")
@@ -161,12 +167,8 @@ class TierManager:
         If ``key`` is already sealed elsewhere (a shared prefix), this block is
         released and the existing one gains a reference.
         """
-        b = self._check_block(b)
+        b = self._open_in_hbm(b, "is already sealed")
         t = self.table
-        if t.state[b] != BlockState.OPEN:
-            raise ValueError(f"block {b} is already sealed")
-        if not t.has_copy(b, HBM) or t.busy[b]:
-            raise ValueError(f"block {b} must be resident in HBM and idle to seal")
         length = int(nbytes) if nbytes is not None else int(t.nbytes[b])
         if not 0 <= length <= self.block_bytes:
             raise ValueError(f"nbytes {length} out of range")

@@ -47,10 +47,17 @@ class Policy:
         raise NotImplementedError
 
     def admit_many(self, blocks: "np.ndarray", classes: "np.ndarray") -> "np.ndarray":
-        """Which of these blocks (prior classes ``classes``, as ``observe`` would set
-        them) are worth a slot here, against this tier's current victims? All by
-        default; policies with an admission rule override. No state changes."""
+        """Which of these blocks (feature classes ``classes``, as ``observe`` gets them)
+        are worth a slot here, against this tier's current victims? All by default;
+        policies with an admission rule override. No state changes."""
         return np.ones(blocks.size, dtype=bool)
+
+    def forget(self, b: int) -> None:
+        """Block id ``b`` was released: the next block to take the id starts afresh."""
+
+    def seen(self, b: int) -> bool:
+        """Has ``observe`` recorded an access of ``b`` (policies without per-block history: yes)?"""
+        return True
 
     def best(self, k: int) -> "np.ndarray":
         """Up to ``k`` residents worth the most (speculative promotion); none by default."""

@@ -30,7 +30,7 @@ from typing import Optional
 
 import numpy as np
 
-from kvtier.predictor.classes import N_CLASSES, N_STAGES
+from kvtier.predictor.classes import N_CLASSES, N_STAGES, stage_class
 from kvtier.predictor.online import OnlineReusePredictor
 
 from . import register_policy
@@ -105,7 +105,7 @@ class HitDensityPolicy(Policy):
         self._prev_klass = int(self.klass[b])  # the class it held while resident (for the hit table)
         n = int(self.accesses[b]) + 1
         self.accesses[b] = n
-        k = cls * N_STAGES + min(n, N_STAGES) - 1
+        k = cls * N_STAGES + min(n, N_STAGES) - 1  # stage_class, inlined: the per-access path
         self.klass[b] = k
         self.klass_row[b] = k * self.A
         p = self.pred
@@ -123,6 +123,15 @@ class HitDensityPolicy(Policy):
         self.size += 1
         self.ts[b] = self.clock
 
+    def _densities(self, cand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Current density (importance-weighted) and age bucket of resident blocks ``cand``."""
+        buckets = ((self.clock - self.ts[cand]) * self._inv_g).astype(np.int64)
+        np.minimum(buckets, self.A - 1, out=buckets)
+        d = self._flat.take(self.klass_row[cand] + buckets)
+        if self._weighted:
+            d *= self.weight[cand]
+        return d, buckets
+
     def _find_victim(self) -> tuple[int, int, float]:
         if self.size <= self.samples:  # a small cache: every resident is a candidate
             cand = self.slots[: self.size]
@@ -133,14 +142,7 @@ class HitDensityPolicy(Policy):
             r = self._pool[self._pool_at: self._pool_at + self.samples]
             self._pool_at += self.samples
             cand = self.slots[r if self.size == self.capacity else r % self.size]
-        ages = self.clock - self.ts[cand]
-        buckets = (ages * self._inv_g).astype(np.int64)
-        np.minimum(buckets, self.A - 1, out=buckets)
-        idx = self.klass_row[cand]
-        idx += buckets
-        d = self._flat.take(idx)
-        if self._weighted:
-            d *= self.weight[cand]
+        d, buckets = self._densities(cand)
         i = int(d.argmin())
         return int(cand[i]), int(buckets[i]), float(d[i])
 
@@ -164,19 +166,24 @@ class HitDensityPolicy(Policy):
 
     def admit_many(self, blocks: np.ndarray, classes: np.ndarray) -> np.ndarray:
         """Vectorised ``admit`` for blocks offered from the tier above: a block is worth
-        a slot if its density at age 0 is at least the lowest of a fresh sample of
-        residents (what the next eviction would take). Below capacity everything is;
-        one block in ``explore_every`` always is. Leaves no cached victim behind."""
+        a slot if its density at age 0 (its feature class at its access stage) is at
+        least the lowest of a fresh sample of residents, what the next eviction would
+        take. Below ``samples`` residents everything is; one block in ``explore_every``
+        always is. No state changes (no cached victim is left behind)."""
         ok = np.ones(blocks.size, dtype=bool)
         if not self.admission or self.size < self.samples or blocks.size == 0:
             return ok
-        cand = self.slots[self.rng.integers(0, self.size, size=self.samples)]
-        ages = self.clock - self.ts[cand]
-        buckets = np.minimum((ages * self._inv_g).astype(np.int64), self.A - 1)
-        floor = float((self._flat.take(self.klass_row[cand] + buckets) * self.weight[cand]).min())
-        ok = self._flat.take(classes.astype(np.int64) * self.A) * self.weight[blocks] >= floor
+        floor = float(self._densities(self.slots[self.rng.integers(0, self.size, size=self.samples)])[0].min())
+        rows = stage_class(classes.astype(np.int64), self.accesses[blocks]) * self.A
+        ok = self._flat.take(rows) * self.weight[blocks] >= floor
         ok |= (blocks * 0x9E3779B1) % self.explore_every == 0
         return ok
+
+    def forget(self, b: int) -> None:
+        self.accesses[b] = 0
+
+    def seen(self, b: int) -> bool:
+        return bool(self.accesses[b])
 
     def evict(self, now: float) -> int:
         if self._victim >= 0:
@@ -198,9 +205,7 @@ class HitDensityPolicy(Policy):
         if self.size == 0 or k <= 0:
             return np.zeros(0, dtype=np.int64)
         cand = np.unique(self.slots[self.rng.integers(0, self.size, size=min(4 * k, 4 * self.size))])
-        ages = self.clock - self.ts[cand]
-        buckets = np.minimum((ages * self._inv_g).astype(np.int64), self.A - 1)
-        d = self._flat.take(self.klass_row[cand] + buckets) * self.weight[cand]
+        d, _ = self._densities(cand)
         return cand[np.argsort(-d, kind="stable")[:k]]
 
     def set_weights(self, blocks: np.ndarray, weights: np.ndarray) -> None:
