@@ -14,6 +14,11 @@ def test_bench_tiers_writes_ratios(tmp_path):
     r = json.loads(out.read_text())
     assert set(r["ratios"]) == {"dram_copy", "nvme_write", "nvme_read"}
     assert all(v > 0 for v in r["ratios"].values()) and r["metadata_bytes_per_block"] <= 256
+    size = r["sizes"]["64KiB"]
+    assert size["dram_copy_vs_torch_copy"] > 0 and size["memcpy_tier_gbps"] > 0
+    samples = size["samples_s"]  # copies: --copy-rounds (3) a repetition; the rest once
+    assert len(samples["hbm_to_dram"]) == len(samples["memcpy_tier"]) == 3
+    assert len(samples["dram_to_nvme"]) == len(samples["raw_odirect_write_tier"]) == 1
 
 
 def test_bench_rpc_writes_the_issue_fields(tmp_path):

@@ -1,3 +1,6 @@
+import threading
+
+import numpy as np
 import pytest
 
 from kvtier.tiers.io_backends import PosixBackend
@@ -98,4 +101,50 @@ def test_promotion_does_not_wait_behind_a_slow_disk(nvme_dir):
             assert m.read(b) == pattern(i, BB).tobytes()
         m.check_invariants()
     finally:
+        m.close()
+
+
+def test_queued_copies_merge_and_each_descriptor_completes(nvme_dir):
+    """Copies queued behind a busy copy lane run as one pass; a layer-wise promotion
+    between them is never merged and keeps its place; every descriptor still gets
+    its own completion with exactly its blocks, and every byte lands where it should."""
+    m = TierManager(BB, 16, 16, 8, nvme_dir=nvme_dir)
+    entered, release = threading.Event(), threading.Event()
+    calls: list[int] = []
+    real_copy = m.mover._copy_rows
+
+    def held_copy(dst, dst_idx, src, src_idx):  # holds the first copy until the queue is full
+        calls.append(int(dst_idx.size))
+        if len(calls) == 1:
+            entered.set()
+            assert release.wait(10)
+        real_copy(dst, dst_idx, src, src_idx)
+
+    try:
+        blocks = m.alloc(12)
+        for i, b in enumerate(blocks.tolist()):
+            m.write(b, pattern(i, BB))
+            m.seal(b, 200 + i)
+        m.demote(blocks[10:], "hbm", "dram"); m.wait()  # for the layer-wise promotion
+        m.mover._copy_rows = held_copy  # type: ignore[method-assign]
+        held = m.demote(blocks[:2], "hbm", "dram")
+        assert entered.wait(10)
+        queued = [m.demote(blocks[2:4], "hbm", "dram"), m.demote(blocks[4:6], "hbm", "dram"),
+                  m.promote(blocks[10:], "hbm", chunks=2),
+                  m.demote(blocks[6:8], "hbm", "dram"), m.demote(blocks[8:10], "hbm", "dram")]
+        release.set()
+        done = m.wait(timeout=10)
+        # held (2), merged (2+2), layered promotion in two parts (2, 2), merged (2+2)
+        assert calls == [2, 4, 2, 2, 4]
+        assert [c.tid for c in done] == [held, *queued]
+        expect = [blocks[:2], blocks[2:4], blocks[4:6], blocks[10:], blocks[6:8], blocks[8:10]]
+        for c, want in zip(done, expect):
+            assert np.array_equal(c.blocks, want) and c.ok.all() and c.nbytes == 2 * BB
+        assert all(m.table.copies[b] == 1 << Tier.DRAM for b in blocks[:10].tolist())
+        assert all(m.table.copies[b] == (1 << Tier.HBM) | (1 << Tier.DRAM) for b in blocks[10:].tolist())
+        for i, b in enumerate(blocks.tolist()):
+            assert m.read(b) == pattern(i, BB).tobytes()
+        m.check_invariants()
+    finally:
+        release.set()
         m.close()
