@@ -17,12 +17,11 @@ from typing import Any, Optional
 import numpy as np
 
 from kvtier.tiers.manager import TierManager
-from kvtier.tiers.types import Tier
+from kvtier.tiers.types import HBM, Tier
 
 from .placement import Placement
 from .session import EngineSession
 
-HBM = int(Tier.HBM)
 MAX_IO_FAILURES = 3  # failed reads of one block before its acquire gives up with an error
 
 

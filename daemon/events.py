@@ -17,7 +17,7 @@ from typing import Optional
 import msgpack
 
 from kvtier.tiers.manager import TierManager
-from kvtier.tiers.types import BlockState, Tier
+from kvtier.tiers.types import SEALED, Tier
 
 MEDIUM = {int(Tier.HBM): "GPU", int(Tier.DRAM): "CPU", int(Tier.NVME): "DISK"}
 
@@ -38,7 +38,7 @@ class EventCollector:
 
     def on_event(self, kind: str, b: int, tier: int) -> None:
         t = self.mgr.table
-        if t.state[b] != BlockState.SEALED:
+        if t.state[b] != SEALED:
             return
         key = _signed(int(t.key[b]))
         if kind == "stored":

@@ -23,9 +23,8 @@ from kvtier.daemon.policy import make_policy
 from kvtier.daemon.policy.base import Policy
 from kvtier.predictor.classes import block_class
 from kvtier.tiers.manager import TierManager
-from kvtier.tiers.types import BlockState, Tier
+from kvtier.tiers.types import DRAM, FREE, HBM, NVME, SEALED, Tier
 
-HBM, DRAM, NVME = int(Tier.HBM), int(Tier.DRAM), int(Tier.NVME)
 
 
 class Placement:
@@ -121,7 +120,7 @@ class Placement:
         now = self.clock()
         t = self.mgr.table
         for b in batch:
-            if t.state[b] == BlockState.FREE:
+            if t.state[b] == FREE:
                 continue
             cls = int(self.feature_class[b])
             for tier, pol in self.policies.items():  # every policy sees every access, as in replay:
@@ -176,7 +175,7 @@ class Placement:
         clean, dirty = [], []
         lower_mask = np.uint8(~((1 << (tier + 1)) - 1) & 0xFF)
         for v in victims:
-            sealed_below = t.state[v] == BlockState.SEALED and (t.copies[v] & lower_mask)
+            sealed_below = t.state[v] == SEALED and (t.copies[v] & lower_mask)
             (clean if sealed_below else dirty).append(v)
         for v in clean:
             mgr.drop_copy(v, tier)  # listener untracks (already untracked)
@@ -222,7 +221,7 @@ class Placement:
             pending += declined
         stuck = []
         for b in pending:
-            if t.refcount[b] == 0 and t.state[b] == BlockState.SEALED:
+            if t.refcount[b] == 0 and t.state[b] == SEALED:
                 mgr.drop(b)  # nowhere below has room (or is worth it): a cached block may simply go
                 self.dropped += 1
                 started += 1
@@ -239,7 +238,7 @@ class Placement:
         t = self.mgr.table
         ok = self.policies[dst].admit_many(arr, self.feature_class[arr])
         if not can_skip:
-            ok |= (t.refcount[arr] > 0) | (t.state[arr] != BlockState.SEALED)
+            ok |= (t.refcount[arr] > 0) | (t.state[arr] != SEALED)
         self.declined += int((~ok).sum())
         return arr[ok].tolist(), arr[~ok].tolist()
 
@@ -252,7 +251,7 @@ class Placement:
         while have < n and b >= 0 and b < lst.capacity and budget > 0:
             nxt = int(lst.next[b])
             budget -= 1
-            if t.refcount[b] == 0 and t.pins[b] == 0 and t.state[b] == BlockState.SEALED:
+            if t.refcount[b] == 0 and t.pins[b] == 0 and t.state[b] == SEALED:
                 if t.copies[b] == (1 << NVME):
                     mgr.drop(b)
                 else:

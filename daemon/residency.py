@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import numpy as np
 
 from kvtier.tiers.manager import TierManager
-from kvtier.tiers.types import Tier
+from kvtier.tiers.types import HBM, Tier
 
 from . import protocol as P
 from .acquire import Prefetcher, Waiter, progress, source_tiers, unpin_waiter, unservable
@@ -26,7 +26,6 @@ from .session import EngineSession
 if TYPE_CHECKING:
     from .config import KvtierConfig
 
-HBM = int(Tier.HBM)
 STALL_BUCKETS = (1e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)  # seconds
 HIT_COUNTERS = tuple(f"hits_{t.name.lower()}" for t in Tier)
 

@@ -23,7 +23,7 @@ import torch
 from kvtier.scoring.importance import ImportanceScores
 from kvtier.tiers.manager import TierManager
 from kvtier.tiers.pools import attach_shm, release_shm, round_up
-from kvtier.tiers.types import BlockState, Tier
+from kvtier.tiers.types import FREE, HBM, OPEN, Tier
 
 from . import protocol as P
 from .acquire import AllocWaiter, Prefetcher, Waiter, speculate
@@ -35,7 +35,6 @@ from .residency import STALL_BUCKETS, ResidencyOps
 from .session import EngineSession
 from .telemetry import ingest
 
-HBM = int(Tier.HBM)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -320,7 +319,7 @@ class Service(ResidencyOps):
         for b in blocks.tolist():  # validate all before sealing any
             if session.refs.get(b, 0) <= 0:
                 raise ProtocolError(P.INVALID, f"block {b} is not held by engine {session.engine_id!r}")
-            if t.state[b] != BlockState.OPEN:
+            if t.state[b] != OPEN:
                 raise ProtocolError(P.INVALID, f"block {b} is already sealed")
             if not t.has_copy(b, HBM) or t.busy[b]:
                 raise ProtocolError(P.INVALID, f"block {b} must be resident in HBM and idle to seal")
@@ -391,7 +390,7 @@ class Service(ResidencyOps):
         """Drop every cached (unreferenced, idle) block: AllBlocksCleared."""
         mgr = self._need_mgr()
         t = mgr.table
-        cached = np.flatnonzero((t.state != BlockState.FREE) & (t.refcount == 0) & (t.pins == 0) & (t.busy == 0))
+        cached = np.flatnonzero((t.state != FREE) & (t.refcount == 0) & (t.pins == 0) & (t.busy == 0))
         for b in cached.tolist():
             mgr.drop(b)
         self.events.all_cleared()  # type: ignore[union-attr]

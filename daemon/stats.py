@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.tiers.types import BlockState
+from kvtier.tiers.types import FREE
 
 from .service import STALL_BUCKETS, Service
 
@@ -34,7 +34,7 @@ def snapshot(svc: Service) -> dict[str, Any]:
         out["tiers"] = []
         return out
     t = mgr.table
-    used = t.state != BlockState.FREE
+    used = t.state != FREE
     out["tiers"] = mgr.tier_usage()
     for row in out["tiers"]:
         row["hits"] = c[f"hits_{row['tier']}"]

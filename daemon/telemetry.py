@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvtier.tiers.types import BlockState
+from kvtier.tiers.types import FREE
 
 from . import protocol as P
 from .protocol import ProtocolError
@@ -30,7 +30,7 @@ def ingest(svc: "Service", msg: Any) -> int:
         t = svc.mgr.table
         if blocks.size == 0 or np.any((blocks < 0) | (blocks >= t.max_blocks)):
             raise ProtocolError(P.BAD_REQUEST, "bad blocks")
-        live = t.state[blocks] != BlockState.FREE
+        live = t.state[blocks] != FREE
         kind = msg.get("kind")
         if kind == "attention":
             mass = P.ids(msg.get("mass"), np.float32, svc.cfg.server.max_batch_blocks, "mass")

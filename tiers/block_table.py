@@ -18,7 +18,7 @@ import numpy as np
 
 from .intrusive import NIL, IndexLists
 from .key_index import KeyIndex
-from .types import N_TIERS, BlockState, Tier
+from .types import FREE, N_TIERS, OPEN, SEALED, Tier
 
 
 class BlockTable:
@@ -76,7 +76,7 @@ class BlockTable:
         return self.slots_per_tier[tier] - self.free_slots[tier].length()
 
     def has_copy(self, b: int, tier: int) -> bool:
-        return bool(self.copies[b] >> tier & 1)
+        return bool(int(self.copies[b]) >> int(tier) & 1)
 
     def home_tier(self, b: int) -> int:
         """Fastest tier holding a valid copy, or -1."""
@@ -94,7 +94,7 @@ class BlockTable:
         return self.keys.get(key)
 
     def is_valid_block(self, b: int) -> bool:
-        return 0 <= b < self.max_blocks and self.state[b] != BlockState.FREE
+        return 0 <= b < self.max_blocks and self.state[b] != FREE
 
     # -- block lifecycle -------------------------------------------------
     def new_block(self) -> int:
@@ -102,7 +102,7 @@ class BlockTable:
         b = self.free_blocks.pop_front()
         if b == NIL:
             return NIL
-        self.state[b] = BlockState.OPEN
+        self.state[b] = OPEN
         self.refcount[b] = 1
         self.pins[b] = 0
         self.busy[b] = 0
@@ -120,7 +120,7 @@ class BlockTable:
     def seal(self, b: int, key: int, checksum: int) -> None:
         self.key[b] = np.uint64(int(key) & ((1 << 64) - 1))
         self.checksum[b] = np.uint64(checksum)
-        self.state[b] = BlockState.SEALED
+        self.state[b] = SEALED
         self.keys.insert(int(self.key[b]), b)
 
     def release_block(self, b: int) -> None:
@@ -128,9 +128,9 @@ class BlockTable:
         for t in range(N_TIERS):
             if self.slot[t, b] != NIL:
                 self.release_slot(b, t)
-        if self.state[b] == BlockState.SEALED:
+        if self.state[b] == SEALED:
             self.keys.pop(int(self.key[b]))
-        self.state[b] = BlockState.FREE
+        self.state[b] = FREE
         self.refcount[b] = 0
         self.pins[b] = 0
         self.busy[b] = 0
@@ -177,7 +177,7 @@ class BlockTable:
     def should_be_evictable(self, b: int, tier: int) -> bool:
         # pins do not matter: pin/unpin is the RPC hot path and must not touch the
         # lists; victim selection skips pinned blocks with an O(1) check instead
-        return bool(self.copies[b] >> tier & 1 and self.busy[b] == 0)
+        return bool(int(self.copies[b]) >> int(tier) & 1 and self.busy[b] == 0)
 
     def refresh_evictable(self, b: int) -> None:
         for t in range(N_TIERS):
@@ -237,7 +237,7 @@ class BlockTable:
     def check_invariants(self) -> None:
         """Raise RuntimeError on any broken cross-structure invariant."""
         self.free_blocks.check()
-        in_use = self.state != BlockState.FREE
+        in_use = self.state != FREE
         free_ids = self.free_blocks.to_array()
         if np.any(in_use[free_ids]):
             raise RuntimeError("a block on the free list is in use")
@@ -247,7 +247,7 @@ class BlockTable:
             raise RuntimeError("negative refcount or pin count")
         if np.any(self.pins[~in_use] != 0) or np.any(self.copies[~in_use] != 0):
             raise RuntimeError("a FREE block holds pins or copies")
-        if np.any((self.state == BlockState.OPEN) & (self.refcount == 0) & (self.busy == 0)):
+        if np.any((self.state == OPEN) & (self.refcount == 0) & (self.busy == 0)):
             raise RuntimeError("an OPEN block has refcount 0 (would be unreachable)")
         for t in range(N_TIERS):
             self.free_slots[t].check()
@@ -274,7 +274,7 @@ class BlockTable:
             if np.any(ev != want):
                 bad = int(np.flatnonzero(ev != want)[0])
                 raise RuntimeError(f"{Tier(t).name}: eviction list membership wrong for block {bad}")
-        sealed = np.flatnonzero(self.state == BlockState.SEALED)
+        sealed = np.flatnonzero(self.state == SEALED)
         if len(self.keys) != sealed.size:
             raise RuntimeError("key index size differs from the number of sealed blocks")
         if sealed.size and np.any(self.keys.get_many(self.key[sealed]) != sealed):

@@ -32,9 +32,8 @@ from .io_backends import IOBackend, select_backend
 from .mover import Completion, Mover, Transfer
 from .nvme import NvmeStore
 from .pools import DramPool, HbmPool
-from .types import BlockState, CorruptBlockError, Tier, TierError, parse_tier
+from .types import DRAM, FREE, HBM, NVME, OPEN, SEALED, CorruptBlockError, Tier, TierError, parse_tier
 
-HBM, DRAM, NVME = int(Tier.HBM), int(Tier.DRAM), int(Tier.NVME)  # plain ints for hot paths
 EventListener = Callable[[str, int, int], None]  # (kind, block, tier)
 
 
@@ -113,7 +112,7 @@ class TierManager:
         t = self.table
         bad = (arr < 0) | (arr >= t.max_blocks)
         if not bad.any():
-            bad = t.state[arr] == BlockState.FREE
+            bad = t.state[arr] == FREE
         if bad.any():
             raise ValueError(f"unknown block {int(arr[np.argmax(bad)])}")
         if arr.size > 1:
@@ -141,7 +140,7 @@ class TierManager:
         """``b`` checked to be an OPEN block, resident in HBM and not moving (write, seal)."""
         b = self._check_block(b)
         t = self.table
-        if t.state[b] != BlockState.OPEN:
+        if t.state[b] != OPEN:
             raise ValueError(f"block {b} {sealed_why}")
         if not t.has_copy(b, HBM) or t.busy[b]:
             raise ValueError(f"block {b} must be resident in HBM and idle")
@@ -211,7 +210,7 @@ class TierManager:
         if t.pins[b] and not allow_pinned:
             raise ValueError(f"block {b} is pinned; release it before freeing")
         t.refcount[b] -= 1
-        if t.refcount[b] == 0 and t.state[b] == BlockState.OPEN and not t.busy[b] and not t.pins[b]:
+        if t.refcount[b] == 0 and t.state[b] == OPEN and not t.busy[b] and not t.pins[b]:
             self._emit("removed", b, -1)
             t.release_block(b)
 
@@ -231,7 +230,7 @@ class TierManager:
         t = self.table
         if not t.has_copy(b, tier):
             raise ValueError(f"block {b} has no copy in {tier.name}")
-        if t.state[b] != BlockState.SEALED or bin(int(t.copies[b])).count("1") < 2:
+        if t.state[b] != SEALED or bin(int(t.copies[b])).count("1") < 2:
             raise ValueError(f"block {b}: its only copy cannot be dropped")
         if t.busy[b] or (tier == Tier.HBM and t.pins[b]):
             raise ValueError(f"block {b} is pinned or moving")
@@ -273,7 +272,7 @@ class TierManager:
     def _reap(self, arr: np.ndarray) -> None:
         """Release OPEN blocks whose last reference went while they were pinned."""
         t = self.table
-        dead = arr[(t.pins[arr] == 0) & (t.refcount[arr] == 0) & (t.state[arr] == BlockState.OPEN) & (t.busy[arr] == 0)]
+        dead = arr[(t.pins[arr] == 0) & (t.refcount[arr] == 0) & (t.state[arr] == OPEN) & (t.busy[arr] == 0)]
         for b in dead.tolist():
             self._emit("removed", b, -1)
             t.release_block(b)
@@ -331,7 +330,7 @@ class TierManager:
         for mask, why in problems:
             if np.any(mask):
                 raise ValueError(f"block {int(arr[np.argmax(mask)])} {why}")
-        sealed = t.state[arr] == BlockState.SEALED
+        sealed = t.state[arr] == SEALED
         keep = keep_source & sealed  # open blocks always move (one copy)
         need_io = (copies >> d) & 1 == 0
         io = arr[need_io]
@@ -390,7 +389,7 @@ class TierManager:
             if p.src == Tier.NVME and "failed its checksum" in msg:
                 self._quarantine(b)
         self.counters[f"errors_{path}"] += int(bad.size)
-        orphans = (t.refcount[blocks] == 0) & (t.state[blocks] == BlockState.OPEN) & (t.busy[blocks] == 0)
+        orphans = (t.refcount[blocks] == 0) & (t.state[blocks] == OPEN) & (t.busy[blocks] == 0)
         for b in blocks[orphans].tolist():
             self._emit("removed", b, -1)
             t.release_block(b)  # freed by its sequence while moving
@@ -460,7 +459,7 @@ class TierManager:
         assert self.nvme is not None
         buf = aligned_empty(self.nvme.data_stride)
         self.nvme.read(slot, buf).result()
-        if t.state[b] == BlockState.SEALED and block_checksum(buf, length) != int(t.checksum[b]):
+        if t.state[b] == SEALED and block_checksum(buf, length) != int(t.checksum[b]):
             raise CorruptBlockError(f"block {b}: NVMe slot {slot} failed its checksum")
         return bytes(buf[:length])
 
