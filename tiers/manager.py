@@ -100,6 +100,11 @@ class TierManager:
         for fn in self.listeners:
             fn(kind, b, tier)
 
+    def _emit_many(self, kind: str, blocks: np.ndarray, tier: int) -> None:
+        if self.listeners:
+            for b in blocks.tolist():
+                self._emit(kind, b, tier)
+
     # -- validation helpers ---------------------------------------------------
     def _check_block(self, b: int) -> int:
         b = int(b)
@@ -337,9 +342,8 @@ class TierManager:
         if t.free_slot_count(d) < io.size:
             return None
         clean = arr[~need_io & ~keep]  # dst copy already valid: just drop the source
-        for b in clean.tolist():
-            t.release_slot(b, s)
-            self._emit("removed", b, s)
+        t.release_slots(clean, s)
+        self._emit_many("removed", clean, s)
         self.counters[f"clean_{src.name.lower()}->{dst.name.lower()}"] += int((~need_io).sum())
         if io.size == 0:
             return 0
@@ -376,11 +380,8 @@ class TierManager:
             t.checksum[good] = c.checksums[c.ok]
         drop_src = good[~p.keep_source[c.ok]]
         t.release_slots(drop_src, s)
-        if self.listeners:
-            for b in good.tolist():
-                self._emit("stored", b, d)
-            for b in drop_src.tolist():
-                self._emit("removed", b, s)
+        self._emit_many("stored", good, d)
+        self._emit_many("removed", drop_src, s)
         t.release_slots(bad, d)  # reserved, never valid: the source copy stays
         for b in bad.tolist():
             msg = c.errors.get(b, "transfer failed")
