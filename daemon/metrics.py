@@ -50,6 +50,10 @@ class SnapshotCollector(Collector):
         for kind, n in s.get("blocks", {}).items():
             blocks.add_metric([kind], n)
         yield blocks
+        direct = s.get("io", {}).get("nvme_direct_io")
+        if direct is not None:
+            yield _gauge("kvtier_nvme_direct_io", "1 while the NVMe tier does O_DIRECT I/O, 0 once it fell back "
+                         "to buffered I/O (the page cache then holds NVMe-tier data)", float(direct))
         svc = s.get("service", {})
         yield _counter("kvtier_acquires", "Acquire requests", svc.get("acquires", 0))
         yield _counter("kvtier_acquires_on_time", "Acquires that found every block resident", svc.get("acquires_on_time", 0))

@@ -41,6 +41,8 @@ def snapshot(svc: Service) -> dict[str, Any]:
     out["blocks"] = {"live": int((used & (t.refcount > 0)).sum()), "cached": int((used & (t.refcount == 0)).sum()),
                      "pinned": int((t.pins > 0).sum()), "max": t.max_blocks}
     out["block_bytes"] = mgr.block_bytes
+    out["io"] = {"backend": mgr.backend.name,  # direct: False once the filesystem refused O_DIRECT
+                 "nvme_direct_io": bool(mgr.nvme.direct) if mgr.nvme is not None else None}
     paths: dict[str, dict[str, float]] = {}
     for name, v in mgr.counters.items():
         for kind in ("moves", "bytes", "errors", "clean", "busy_ns"):

@@ -2,8 +2,10 @@
 
 * ``posix``: a thread pool issuing ``os.pwritev``/``os.preadv`` on a file
   opened with O_DIRECT (the pool gives queue depth; the calls drop the GIL).
-  Where the filesystem refuses O_DIRECT (tmpfs, some overlay mounts) it falls
-  back to buffered I/O and says so in ``direct``.
+  Where the filesystem refuses O_DIRECT, at open (tmpfs on older kernels,
+  some overlay mounts) or at the first transfer (some FUSE and network
+  filesystems), it falls back to buffered I/O, logs a warning once per file
+  and says so in ``direct``.
 * ``kvikio``: NVIDIA kvikio ``CuFile`` (GPUDirect Storage, or kvikio's compat
   mode); reads and writes host or device buffers. Needs ``libcuda.so.1``.
 
@@ -16,7 +18,9 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Protocol, Sequence
 
@@ -25,6 +29,7 @@ import numpy as np
 from .types import TierError
 
 Buffer = Any  # numpy uint8 array (host) or torch CUDA tensor (kvikio only)
+log = logging.getLogger("kvtier.io")
 
 
 class IOBackend(Protocol):
@@ -45,12 +50,44 @@ def _nbytes(buf: Buffer) -> int:
 
 
 class PosixHandle:
-    __slots__ = ("fd", "path", "direct")
+    """An open slab file. ``fd`` and ``direct`` are read as one tuple, so a thread
+    never pairs a new descriptor with a stale flag while another falls back."""
+
+    __slots__ = ("path", "_io", "_retired", "_lock")
 
     def __init__(self, fd: int, path: str, direct: bool) -> None:
-        self.fd = fd
         self.path = path
-        self.direct = direct
+        self._io = (fd, direct)
+        self._retired: list[int] = []  # refused O_DIRECT descriptors: closed with the handle
+        self._lock = threading.Lock()
+
+    @property
+    def fd(self) -> int:
+        return self._io[0]
+
+    @property
+    def direct(self) -> bool:
+        return self._io[1]
+
+    def fall_back(self, refused_fd: int) -> int:
+        """The filesystem refused an O_DIRECT transfer on ``refused_fd``: reopen the
+        file buffered (once, whichever thread gets here first) and return the fd
+        to retry on. The old fd stays open, as other threads may be using it."""
+        with self._lock:
+            fd, direct = self._io
+            if direct and fd == refused_fd:
+                self._retired.append(fd)
+                fd = os.open(self.path, os.O_RDWR)
+                self._io = (fd, False)
+                log.warning("%s: the filesystem refused an O_DIRECT transfer; using buffered I/O "
+                            "(the page cache now holds NVMe-tier data)", self.path)
+            return fd
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in (self._io[0], *self._retired):
+                os.close(fd)
+            self._retired.clear()
 
 
 class PosixBackend:
@@ -73,6 +110,8 @@ class PosixBackend:
                 raise
             fd = os.open(path, flags, 0o600)
             direct = False
+            log.warning("%s: the filesystem refuses O_DIRECT; using buffered I/O "
+                        "(the page cache will hold NVMe-tier data)", path)
         try:
             if os.fstat(fd).st_size < size:
                 os.posix_fallocate(fd, 0, size)
@@ -91,13 +130,22 @@ class PosixBackend:
         return out
 
     @staticmethod
-    def _loop(op: Callable[[int, list[memoryview], int], int], fd: int,
+    def _loop(op: Callable[[int, list[memoryview], int], int], handle: PosixHandle,
               views: list[memoryview], offset: int, what: str) -> int:
-        """Repeat a vectored call until every byte moved (short I/O resumes)."""
+        """Repeat a vectored call until every byte moved (short I/O resumes). EINVAL
+        on an O_DIRECT descriptor means the filesystem refuses direct transfers:
+        fall back to buffered I/O and retry; on a buffered one it is an error."""
+        fd, direct = handle._io
         total = sum(v.nbytes for v in views)
         done = 0
         while done < total:
-            n = op(fd, views, offset + done)
+            try:
+                n = op(fd, views, offset + done)
+            except OSError as e:
+                if e.errno != errno.EINVAL or not direct:
+                    raise
+                fd, direct = handle.fall_back(fd), False
+                continue
             if n <= 0:
                 raise TierError(f"short {what}: {done} of {total} bytes at offset {offset}")
             done += n
@@ -111,17 +159,17 @@ class PosixBackend:
 
     def pwrite(self, handle: PosixHandle, buffers: Sequence[Buffer], offset: int) -> "Future[int]":
         views = self._views(buffers)
-        return self._pool.submit(self._loop, os.pwritev, handle.fd, views, offset, "write")
+        return self._pool.submit(self._loop, os.pwritev, handle, views, offset, "write")
 
     def pread(self, handle: PosixHandle, buffers: Sequence[Buffer], offset: int) -> "Future[int]":
         views = self._views(buffers)
-        return self._pool.submit(self._loop, os.preadv, handle.fd, views, offset, "read")
+        return self._pool.submit(self._loop, os.preadv, handle, views, offset, "read")
 
     def fsync(self, handle: PosixHandle) -> None:
         os.fsync(handle.fd)
 
     def close(self, handle: PosixHandle) -> None:
-        os.close(handle.fd)
+        handle.close()
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)

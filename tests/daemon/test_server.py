@@ -208,7 +208,8 @@ def test_telemetry_and_metrics(daemon):
         for _ in range(50):
             c.report_attention(blocks, np.linspace(1, 2, 8))
         wait_for(lambda: c.stats()["service"].get("telemetry_block_updates", 0) == 400)
-        port = c.stats()["metrics_port"]
+        stats = c.stats()
+        port = stats["metrics_port"]
         time.sleep(1.2)  # the snapshot is published once a second
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     fams = {f.name: f for f in text_string_to_metric_families(text)}
@@ -216,6 +217,8 @@ def test_telemetry_and_metrics(daemon):
     assert cap == {"hbm": 65536, "dram": 65536, "nvme": 262144}
     assert fams["kvtier_telemetry_block_updates"].samples[0].value == 400
     assert "kvtier_acquire_stall_seconds" in fams
+    assert stats["io"]["backend"] == "posix"
+    assert fams["kvtier_nvme_direct_io"].samples[0].value == float(stats["io"]["nvme_direct_io"])
     dash = json.loads((Path(__file__).parents[2] / "daemon" / "grafana" / "kvtier.json").read_text())
     import re
     used = set(re.findall(r"kvtier_[a-z_]+", json.dumps(dash)))

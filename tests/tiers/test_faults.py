@@ -1,3 +1,7 @@
+import errno
+import fcntl
+import logging
+import os
 import threading
 
 import numpy as np
@@ -147,4 +151,83 @@ def test_queued_copies_merge_and_each_descriptor_completes(nvme_dir):
         m.check_invariants()
     finally:
         release.set()
+        m.close()
+
+
+def _refuse_direct_io(monkeypatch, at: str) -> list[str]:
+    """Fault: a filesystem that refuses O_DIRECT, at open or at the first transfer
+    (EINVAL either way, as tmpfs on older kernels and some FUSE mounts do)."""
+    refused: list[str] = []
+    real_open, real_pwritev, real_preadv = os.open, os.pwritev, os.preadv
+
+    def is_direct(fd: int) -> bool:
+        return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+
+    def fake_open(path, flags, *a, **k):
+        if at == "open" and flags & os.O_DIRECT and str(path).endswith(".kvt"):
+            refused.append("open")
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a, **k)
+
+    def refusing(real):
+        def call(fd, *a):
+            if is_direct(fd):
+                refused.append("io")
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real(fd, *a)
+        return call
+
+    monkeypatch.setattr(os, "open", fake_open)
+    if at == "io":
+        monkeypatch.setattr(os, "pwritev", refusing(real_pwritev))
+        monkeypatch.setattr(os, "preadv", refusing(real_preadv))
+    return refused
+
+
+@pytest.mark.parametrize("at", ["open", "io"])
+def test_refused_o_direct_falls_back_to_buffered_io(nvme_dir, monkeypatch, caplog, at):
+    refused = _refuse_direct_io(monkeypatch, at)
+    m = TierManager(BB, 8, 8, 8, nvme_dir=nvme_dir, io_backend=PosixBackend(threads=4))
+    try:
+        blocks = m.alloc(6)
+        for i, b in enumerate(blocks.tolist()):
+            m.write(b, pattern(i, BB))
+            m.seal(b, 300 + i)
+        with caplog.at_level(logging.WARNING, logger="kvtier.io"):
+            m.demote(blocks, "hbm", "nvme"); m.wait()
+        assert not m.last_errors and refused and set(refused) == {at}
+        assert m.nvme is not None and not m.nvme.direct
+        warned = [r for r in caplog.records if "O_DIRECT" in r.getMessage()]
+        assert len(warned) == len(os.listdir(nvme_dir))  # once per slab file, not per transfer
+        m.promote(blocks, "dram"); m.wait()
+        assert not m.last_errors
+        for i, b in enumerate(blocks.tolist()):
+            assert m.table.copies[b] == (1 << Tier.DRAM) | (1 << Tier.NVME)
+            assert m.read(b) == pattern(i, BB).tobytes()
+        m.check_invariants()
+    finally:
+        m.close()
+
+
+def test_einval_on_a_buffered_file_is_an_error_not_a_retry(nvme_dir, monkeypatch):
+    """Only O_DIRECT refusals fall back; EINVAL on buffered I/O fails the transfer
+    and the block stays where it was."""
+    real_pwritev = os.pwritev
+
+    def always_einval(fd, *a):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    _refuse_direct_io(monkeypatch, "open")
+    m = TierManager(BB, 4, 4, 4, nvme_dir=nvme_dir, io_backend=PosixBackend(threads=2))
+    try:
+        b = int(m.alloc(1)[0])
+        m.write(b, pattern(5, BB))
+        m.seal(b, 5)
+        monkeypatch.setattr(os, "pwritev", always_einval)
+        m.demote([b], "hbm", "nvme"); m.wait()
+        assert "Invalid argument" in m.last_errors[b] and m.table.copies[b] == 1 << Tier.HBM
+        monkeypatch.setattr(os, "pwritev", real_pwritev)
+        assert m.read(b) == pattern(5, BB).tobytes()
+        m.check_invariants()
+    finally:
         m.close()
