@@ -80,6 +80,7 @@ def path(src: Tier, dst: Tier) -> Callable[[PathFn], PathFn]:
     return deco
 
 
+MAX_DIRECT_RUNS = 16  # GPU: up to this many runs go as direct copies; more, as one gather + scatter
 MAX_MERGED = 64  # descriptors one copy may merge: bounds how long a merged copy holds the lane
 
 
@@ -235,23 +236,36 @@ class Mover:
             self._stream.synchronize()
 
     def _copy_rows(self, dst: torch.Tensor, dst_idx: np.ndarray, src: torch.Tensor, src_idx: np.ndarray) -> None:
+        """Copy rows ``src[src_idx]`` to ``dst[dst_idx]``. Runs where both sides are
+        consecutive slots go as one large copy each: on CPU torch splits a large run
+        over its intra-op threads (a numpy copy uses one core); on a GPU a run is one
+        DMA straight between the device pool and the pinned host pool. Scattered
+        rows on a GPU go as one gather, one transfer and one scatter instead."""
+        runs = _runs(dst_idx, src_idx)
         if self._stream is None:
-            # coalesce runs where both sides are consecutive slots: one large copy
-            # per run instead of one call per block. torch's copy splits a large run
-            # over its intra-op threads, where a numpy copy uses one core
-            brk = np.flatnonzero((np.diff(dst_idx) != 1) | (np.diff(src_idx) != 1)) + 1
-            starts = np.concatenate(([0], brk)).tolist()
-            ends = np.concatenate((brk, [dst_idx.size])).tolist()
-            for a, e in zip(starts, ends):
-                di, si = int(dst_idx[a]), int(src_idx[a])
-                dst[di: di + e - a].copy_(src[si: si + e - a])
+            for di, si, k in runs:
+                dst[di: di + k].copy_(src[si: si + k])
             return
         with torch.cuda.stream(self._stream):
-            di = torch.as_tensor(dst_idx, device=dst.device)
-            si = torch.as_tensor(src_idx, device=src.device)
-            rows = src.index_select(0, si.to(src.device)).to(dst.device, non_blocking=True)
-            dst.index_copy_(0, di.to(dst.device), rows)
+            if len(runs) <= MAX_DIRECT_RUNS:
+                for di, si, k in runs:
+                    dst[di: di + k].copy_(src[si: si + k], non_blocking=True)
+            else:
+                di = torch.as_tensor(dst_idx, device=dst.device)
+                si = torch.as_tensor(src_idx, device=src.device)
+                rows = src.index_select(0, si).to(dst.device, non_blocking=True)
+                dst.index_copy_(0, di, rows)
         self._sync()
+
+
+def _runs(dst_idx: np.ndarray, src_idx: np.ndarray) -> list[tuple[int, int, int]]:
+    """(dst start, src start, length) of each run of rows consecutive on both sides."""
+    if dst_idx.size == 0:
+        return []
+    brk = np.flatnonzero((np.diff(dst_idx) != 1) | (np.diff(src_idx) != 1)) + 1
+    starts = np.concatenate(([0], brk))
+    ends = np.concatenate((brk, [dst_idx.size]))
+    return list(zip(dst_idx[starts].tolist(), src_idx[starts].tolist(), (ends - starts).tolist()))
 
 
 def _verify(t: Transfer, i: int, buf: np.ndarray, ok: np.ndarray, errors: dict) -> None:

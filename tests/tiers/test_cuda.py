@@ -35,6 +35,32 @@ def test_cuda_hbm_round_trip_through_every_tier(tmp_path):
         m.close()
 
 
+def test_cuda_copies_runs_and_scattered_rows(tmp_path):
+    """Both GPU copy shapes: consecutive slots as direct DMA runs, scattered
+    slots (more runs than MAX_DIRECT_RUNS) as gather + transfer + scatter."""
+    from kvtier.tiers.manager import TierManager
+    from kvtier.tiers.mover import MAX_DIRECT_RUNS
+
+    n = 4 * MAX_DIRECT_RUNS
+    m = TierManager(4096, n, n, 0, hbm_device="cuda")
+    try:
+        blocks = m.alloc(n)
+        data = [np.random.default_rng(50 + i).integers(0, 256, 4096, dtype=np.uint8) for i in range(n)]
+        for b, d in zip(blocks.tolist(), data):
+            m.write(b, d)
+            m.seal(b, 500 + b)
+        run, scattered = blocks[:MAX_DIRECT_RUNS], blocks[MAX_DIRECT_RUNS::2]  # 1 run; 24 runs of one slot
+        for group in (run, scattered):
+            m.demote(group, "hbm", "dram"); m.wait(30)
+            m.promote(group, "hbm"); m.wait(30)
+        assert not m.last_errors
+        for b, d in zip(blocks.tolist(), data):
+            assert m.read(b) == d.tobytes()
+        m.check_invariants()
+    finally:
+        m.close()
+
+
 def test_cuda_ipc_export_import_in_another_process():
     from kvtier.daemon.cuda_ipc import export_handle
 
