@@ -4,9 +4,11 @@ Modelled on SGLang's cache controller: the metadata owner submits immutable
 ``Transfer`` descriptors (batched slot index arrays) to bounded queues, one
 per lane (memory copies; NVMe I/O), so a promotion never waits behind a disk
 batch; worker threads execute them and post a ``Completion`` with a per-block
-success mask. Workers never touch block metadata; the owner applies
-completions when it polls. Every NVMe read is verified against the block's
-recorded checksum before the completion says it succeeded.
+success mask. Copies queued back to back on one path run as one pass (a
+watermark burst costs one copy, not one start-up per descriptor) and still
+complete descriptor by descriptor. Workers never touch block metadata; the
+owner applies completions when it polls. Every NVMe read is verified against
+the block's recorded checksum before the completion says it succeeded.
 """
 
 from __future__ import annotations
