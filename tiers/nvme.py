@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
+import torch
 
 from kvtier.kernels.checksum import block_checksum
 
@@ -117,8 +118,17 @@ class NvmeStore:
         f, local = divmod(int(slot), self.slots_per_file)
         return self._handles[f], local * self.slot_bytes
 
-    def _payload(self, data: np.ndarray) -> np.ndarray:
-        """The payload buffer padded to the stride, bounced if misaligned."""
+    def _payload(self, data: "np.ndarray | torch.Tensor") -> "np.ndarray | torch.Tensor":
+        """The payload buffer padded to the stride, bounced if misaligned. A device
+        tensor (GPUDirect through kvikio) goes as it is: it must fill the slot."""
+        if isinstance(data, torch.Tensor):
+            if not data.is_cuda:
+                data = data.numpy()
+            elif data.nbytes != self.data_stride or not data.is_contiguous():
+                raise ValueError(f"a device payload must be one contiguous {self.data_stride}-byte slot, "
+                                 f"got {data.nbytes} bytes")
+            else:
+                return data
         if data.nbytes == self.data_stride and is_aligned(data):
             return data
         if data.nbytes > self.data_stride:
@@ -128,7 +138,7 @@ class NvmeStore:
         bounce[data.nbytes :] = 0
         return bounce
 
-    def write(self, slot: int, data: np.ndarray, key: int, length: int,
+    def write(self, slot: int, data: "np.ndarray | torch.Tensor", key: int, length: int,
               checksum: int, sealed: bool) -> "Future[int]":
         """Write header + payload of one slot in one vectored I/O."""
         handle, off = self._locate(slot)

@@ -24,10 +24,12 @@ def test_cuda_hbm_round_trip_through_every_tier(tmp_path):
         for b, d in zip(blocks, data):
             m.write(int(b), d)
         keys = [m.seal(int(b), 100 + i) for i, b in enumerate(blocks)]
-        m.demote(keys, "hbm", "nvme")
+        m.demote(keys, "hbm", "nvme")  # sealed, so straight from device memory where kvikio runs
         m.wait(30)
+        assert not m.last_errors, m.last_errors
         m.promote(keys, "hbm")
         m.wait(30)
+        assert not m.last_errors, m.last_errors
         for b, d in zip(keys, data):
             assert m.read(b) == d.tobytes()
         m.check_invariants()

@@ -53,6 +53,19 @@ def test_unaligned_source_is_bounced(backend, nvme_dir):
     st.close()
 
 
+def test_host_tensor_payload(backend, nvme_dir):
+    """A host torch tensor (an HBM slot on a CPU-only node) writes like its bytes."""
+    import torch
+
+    st = NvmeStore(nvme_dir, 2, 8192, backend)
+    src = torch.from_numpy(pattern(4, 8192).copy())
+    st.write(0, src, key=4, length=8192, checksum=0, sealed=True).result()
+    out = aligned_empty(st.data_stride)
+    st.read(0, out).result()
+    assert np.array_equal(out, src.numpy())
+    st.close()
+
+
 def test_bad_arguments(backend, nvme_dir):
     st = NvmeStore(nvme_dir, 2, 4096, backend)
     with pytest.raises(ValueError):
