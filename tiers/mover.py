@@ -392,7 +392,11 @@ def _nvme_to_hbm(m: Mover, t: Transfer, ok: np.ndarray, errors: dict) -> None:
         return
 
     def finish(slot: int, host: np.ndarray) -> None:
-        m.hbm.tensor[slot].copy_(torch.from_numpy(host))
+        # on the mover's stream, which _sync() waits for: a copy from pageable memory
+        # can return before its DMA lands, and an engine may read the slot as soon as
+        # the completion says it is valid
+        with torch.cuda.stream(m._stream):
+            m.hbm.tensor[slot].copy_(torch.from_numpy(host), non_blocking=True)
 
     _read_nvme(m, t, ok, errors, lambda s: aligned_empty(m.hbm.slot_stride), finish)
     m._sync()
