@@ -188,7 +188,8 @@ def kvikio_status() -> tuple[bool, str]:
     try:
         import kvikio  # noqa: F401
     except Exception as e:  # ImportError, or a broken CUDA runtime import
-        return False, f"kvikio is not installed ({e.__class__.__name__}: {e}); pip install 'kvtier[gpu]'"
+        return False, (f"kvikio is not installed ({e.__class__.__name__}: {e}); "
+                       "pip install 'kvtier[gpu]' (CUDA 12) or 'kvtier[gpu-cu13]' (CUDA 13)")
     if not cuda_driver_present():
         return False, "kvikio needs libcuda.so.1 (no CUDA driver on this machine)"
     return True, "ok"
