@@ -198,11 +198,18 @@ class TierClient:
             args |= {"hbm_kind": "cuda_ipc", "hbm_handle": export_handle(hbm_tensor), "hbm_slots": int(hbm_slots)}
             self.hbm = hbm_tensor
         self.info = self._call("register", args)
+        slots, stride = self.info.get("hbm_slots", 0), self.info.get("slot_stride", 0)
         if self.hbm is None and self.info.get("hbm_kind") == "shm" and self.info.get("hbm_name"):
             self._shm = attach_shm(self.info["hbm_name"])
-            slots, stride = self.info["hbm_slots"], self.info["slot_stride"]
             self.hbm = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=slots * stride).view(slots, stride) \
                 if slots else torch.empty(0, stride, dtype=torch.uint8)
+        elif self.hbm is None and self.info.get("hbm_kind") == "cuda" and self.info.get("hbm_handle"):
+            from .cuda_ipc import import_handle  # the daemon's own device pool, mapped over CUDA IPC
+
+            try:
+                self.hbm = import_handle(self.info["hbm_handle"])[: slots * stride].view(slots, stride)
+            except Exception as e:
+                raise KvtierError(f"cannot map the daemon's CUDA HBM pool: {e}") from None
         # a lease holds HBM slots idle: keep it a small fraction of the pool
         self.lease_size = min(self.lease_size, int(self.info.get("hbm_slots", 0)) // 16)
         if self.heartbeat_s and self._hb_thread is None:

@@ -68,6 +68,7 @@ class Service(ResidencyOps):
         self.stall_counts = np.zeros(len(STALL_BUCKETS) + 1, dtype=np.int64)  # histogram (last: +Inf)
         self.stall_sum = 0.0
         self._hbm_shm: Optional[shared_memory.SharedMemory] = None
+        self._hbm_handle = b""  # CUDA IPC handle of a daemon-allocated device pool, for engines to map
         self.ops: dict[str, Callable[[EngineSession | None, Any], Any]] = {
             "ping": self.op_ping, "heartbeat": self.op_ping, "stats": self.op_stats, "register": self.op_register,
             "unregister": self.op_unregister, "alloc": self.op_alloc, "seal": self.op_seal, "ref": self.op_ref,
@@ -156,6 +157,10 @@ class Service(ResidencyOps):
             max_blocks=tc.max_blocks or max(1, total), io_backend=tc.io_backend, io_threads=tc.io_threads,
             mover_workers=tc.mover_workers, hbm_tensor=hbm_tensor, dram_numa_node=tc.dram_numa_node,
             recover_payloads=tc.recovery_verify == "payload", clock=self.clock)
+        if hbm_tensor is None and self.mgr.hbm.is_cuda:
+            from .cuda_ipc import export_handle
+
+            self._hbm_handle = export_handle(self.mgr.hbm.tensor)
         self.block_tokens = args.block_tokens
         layers = args.layout.get("layers", 1)
         self.layers = layers if isinstance(layers, int) and layers > 0 and args.block_bytes % layers == 0 else 1
@@ -188,8 +193,8 @@ class Service(ResidencyOps):
     def hbm_info(self) -> dict:
         mgr = self._need_mgr()
         return {"hbm_kind": "cuda" if mgr.hbm.is_cuda else "shm", "hbm_name": mgr.hbm.shm_name or "",
-                "hbm_slots": mgr.table.slots_per_tier[HBM], "slot_stride": mgr.hbm.slot_stride,
-                "block_bytes": mgr.block_bytes}
+                "hbm_handle": self._hbm_handle, "hbm_slots": mgr.table.slots_per_tier[HBM],
+                "slot_stride": mgr.hbm.slot_stride, "block_bytes": mgr.block_bytes}
 
     def op_register(self, engine_id: str, args: Any) -> dict:
         if not engine_id:

@@ -6,6 +6,7 @@ import sys
 import time
 
 import numpy as np
+import torch
 
 from kvtier.daemon.client import TierClient
 
@@ -28,8 +29,10 @@ def main(runtime_dir: str, salt: int, mode: str) -> int:
     for step in range(12):
         blocks, _ = c.alloc(2, seq=step)
         b, slots = c.acquire(blocks=blocks)
-        for blk, s in zip(b.tolist(), slots.tolist()):
-            c.slot_view(s).numpy()[:] = pattern(blk, salt, 4096)
+        for blk, s in zip(b.tolist(), slots.tolist()):  # host or device HBM alike
+            c.slot_view(s).copy_(torch.from_numpy(pattern(blk, salt, 4096)))
+        if c.hbm is not None and c.hbm.is_cuda:
+            torch.cuda.synchronize()  # the daemon reads these bytes when it seals them
         c.release(blocks=b)
         keys = rng.integers(1, 2**62, size=2, dtype=np.int64) | (salt << 56)
         canon = c.seal(b, keys, seq=step)
@@ -37,7 +40,7 @@ def main(runtime_dir: str, salt: int, mode: str) -> int:
         check = rng.choice(list(owned), size=min(3, len(owned)), replace=False)
         got, slots = c.acquire(blocks=check, timeout_s=20)
         for blk, s in zip(got.tolist(), slots.tolist()):
-            if not np.array_equal(c.slot_view(s).numpy(), pattern(owned[blk], salt, 4096)):
+            if not np.array_equal(c.slot_view(s).cpu().numpy(), pattern(owned[blk], salt, 4096)):
                 print(f"MISMATCH block {blk}", flush=True)
                 return 1
         c.release(blocks=got)

@@ -73,3 +73,30 @@ def test_cuda_ipc_export_import_in_another_process():
     out = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True, timeout=120)
     assert out.returncode == 0, out.stderr.decode()
     assert out.stdout.decode().split() == [str(int(t.sum())), "4096"]
+
+
+def test_engine_maps_a_daemon_allocated_cuda_pool(tmp_path):
+    """No region from the engine: the daemon allocates HBM on the GPU and the
+    engine maps it over CUDA IPC; bytes survive demotion under pressure and
+    promotion back (tests/daemon/client_worker.py checks every one)."""
+    from pathlib import Path
+
+    from kvtier.daemon.spawn import DaemonProcess
+
+    worker = Path(__file__).parents[1] / "daemon" / "client_worker.py"
+    d = DaemonProcess(tmp_path, "tiers.hbm_bytes=65536", "tiers.dram_bytes=65536", "tiers.nvme_bytes=262144",
+                      "server.heartbeat_timeout_s=5.0")
+    try:
+        p = subprocess.run([sys.executable, str(worker), str(d.runtime_dir), "1", "work"],
+                           capture_output=True, text=True, timeout=180)
+        assert p.returncode == 0 and "ok" in p.stdout, p.stdout + p.stderr
+        with d.client(heartbeat_s=None) as c:
+            c.register(block_bytes=4096)
+            assert c.info["hbm_kind"] == "cuda" and c.hbm is not None and c.hbm.is_cuda
+            assert tuple(c.hbm.shape) == (c.info["hbm_slots"], c.info["slot_stride"])
+            c.check()
+            s = c.stats()
+        assert s["paths"]["hbm->dram"]["moves"] > 0
+        assert s["service"]["hits_dram"] + s["service"]["hits_nvme"] > 0
+    finally:
+        assert d.stop() == 0, d.read_log()
