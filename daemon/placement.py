@@ -26,7 +26,6 @@ from kvtier.tiers.manager import TierManager
 from kvtier.tiers.types import DRAM, FREE, HBM, NVME, SEALED, Tier
 
 
-
 class Placement:
     def __init__(self, mgr: TierManager, policy_name: str, params: dict, clock: Callable[[], float]) -> None:
         self.mgr = mgr

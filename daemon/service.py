@@ -23,7 +23,7 @@ import torch
 from kvtier.scoring.importance import ImportanceScores
 from kvtier.tiers.manager import TierManager
 from kvtier.tiers.pools import attach_shm, release_shm, round_up
-from kvtier.tiers.types import FREE, HBM, OPEN, Tier
+from kvtier.tiers.types import FREE, HBM, OPEN
 
 from . import protocol as P
 from .acquire import AllocWaiter, Prefetcher, Waiter, speculate
@@ -34,7 +34,6 @@ from .protocol import ProtocolError
 from .residency import STALL_BUCKETS, ResidencyOps
 from .session import EngineSession
 from .telemetry import ingest
-
 
 
 def _pid_alive(pid: int) -> bool:
