@@ -71,6 +71,11 @@ class FaultyBackend:
             buf.reshape(-1)[17] ^= 0xFF  # a flipped bit on the way back
         return fut
 
+    def pread_many(self, handle: Any, reads: Sequence[tuple[Any, int]]) -> "Future[list[Any]]":
+        from .io_backends import gather
+
+        return gather([self.pread(handle, [buf], off) for buf, off in reads])  # faults hit single reads
+
     def fsync(self, handle: Any) -> None:
         self.inner.fsync(handle)
 

@@ -66,6 +66,23 @@ def test_host_tensor_payload(backend, nvme_dir):
     st.close()
 
 
+def test_pread_many_fails_reads_one_by_one(backend, nvme_dir):
+    """Batched small reads: each lands where asked; one past the end of the file
+    fails alone and the others still complete."""
+    st = NvmeStore(nvme_dir, 4, 4096, backend, slots_per_file=4)
+    for s in range(4):
+        st.write(s, pattern(s, 4096), key=s + 1, length=4096, checksum=0, sealed=True).result()
+    handle, _ = st._locate(0)
+    bufs = [aligned_empty(4096) for _ in range(5)]
+    offsets = [3 * st.slot_bytes + HEADER_BYTES, HEADER_BYTES, 10 * st.slot_bytes,
+               2 * st.slot_bytes + HEADER_BYTES, st.slot_bytes + HEADER_BYTES]
+    errors = backend.pread_many(handle, list(zip(bufs, offsets))).result()
+    assert [e is None for e in errors] == [True, True, False, True, True]
+    for buf, slot in zip([bufs[0], bufs[1], bufs[3], bufs[4]], [3, 0, 2, 1]):
+        assert np.array_equal(buf, pattern(slot, 4096))
+    st.close()
+
+
 def test_bad_arguments(backend, nvme_dir):
     st = NvmeStore(nvme_dir, 2, 4096, backend)
     with pytest.raises(ValueError):
