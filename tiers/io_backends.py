@@ -29,6 +29,7 @@ import numpy as np
 from .types import TierError
 
 Buffer = Any  # numpy uint8 array (host) or torch CUDA tensor (kvikio only)
+Failures = list[Optional[BaseException]]  # per read of a pread_many: its error, or None
 log = logging.getLogger("kvtier.io")
 
 
@@ -38,7 +39,7 @@ class IOBackend(Protocol):
     def open(self, path: str, size: int) -> Any: ...
     def pwrite(self, handle: Any, buffers: Sequence[Buffer], offset: int) -> "Future[int]": ...
     def pread(self, handle: Any, buffers: Sequence[Buffer], offset: int) -> "Future[int]": ...
-    def pread_many(self, handle: Any, reads: Sequence[tuple[Buffer, int]]) -> "Future[list[Optional[BaseException]]]": ...
+    def pread_many(self, handle: Any, reads: Sequence[tuple[Buffer, int]]) -> "Future[Failures]": ...
     def fsync(self, handle: Any) -> None: ...
     def close(self, handle: Any) -> None: ...
     def shutdown(self) -> None: ...
@@ -50,9 +51,9 @@ def _nbytes(buf: Buffer) -> int:
     return int(buf.numel() * buf.element_size())
 
 
-def gather(futs: Sequence["Future[Any]"]) -> "Future[list[Optional[BaseException]]]":
+def gather(futs: Sequence["Future[Any]"]) -> "Future[Failures]":
     """One future over many: done when all are, its result each one's exception or None."""
-    out: "Future[list[Optional[BaseException]]]" = Future()
+    out: "Future[Failures]" = Future()
     if not futs:
         out.set_result([])
         return out
@@ -187,13 +188,13 @@ class PosixBackend:
         views = self._views(buffers)
         return self._pool.submit(self._loop, os.preadv, handle, views, offset, "read")
 
-    def pread_many(self, handle: PosixHandle, reads: Sequence[tuple[Buffer, int]]) -> "Future[list[Optional[BaseException]]]":
+    def pread_many(self, handle: PosixHandle, reads: Sequence[tuple[Buffer, int]]) -> "Future[Failures]":
         """Many small reads (a restart's slot headers) as one pool task: a future per
         4 KiB read costs as much Python as the read itself. Each read fails alone."""
         jobs = [(self._views([buf]), off) for buf, off in reads]
 
-        def run() -> list[Optional[BaseException]]:
-            out: list[Optional[BaseException]] = []
+        def run() -> Failures:
+            out: Failures = []
             for views, off in jobs:
                 try:
                     self._loop(os.preadv, handle, views, off, "read")
@@ -308,7 +309,7 @@ class KvikioBackend:
     def pread(self, handle: KvikioHandle, buffers: Sequence[Buffer], offset: int) -> "Future[int]":
         return self._submit("pread", handle, buffers, offset)
 
-    def pread_many(self, handle: KvikioHandle, reads: Sequence[tuple[Buffer, int]]) -> "Future[list[Optional[BaseException]]]":
+    def pread_many(self, handle: KvikioHandle, reads: Sequence[tuple[Buffer, int]]) -> "Future[Failures]":
         return gather([self.pread(handle, [buf], off) for buf, off in reads])  # kvikio splits and queues them
 
     def fsync(self, handle: KvikioHandle) -> None:
