@@ -76,8 +76,9 @@ class TiersConfig(_Section):
     """Mover threads executing NVMe transfers (HBM <-> DRAM copies have one thread of their own)."""
     recovery_verify: Literal["payload", "header"] = "payload"
     """On start, "payload" reads and checksums every NVMe slot (a full read of the tier); "header"
-    reads the 4 KiB slot headers only, and payloads are verified when first read (as every NVMe
-    read is): the start of a TB-scale tier drops from minutes to seconds, and nothing corrupt is served."""
+    reads the 4 KiB slot headers only, or after a clean stop just the slot index it left, and
+    payloads are verified when first read (as every NVMe read is): the start of a TB-scale tier
+    drops from minutes to seconds, and nothing corrupt is served."""
     dram_numa_node: Optional[int] = Field(default=None, ge=0)
     """Bind the DRAM pool to this NUMA node (a CXL expander shows up as one)."""
     high_watermark: float = Field(default=0.95, gt=0, le=1)

@@ -11,6 +11,7 @@ where HBM is).
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from collections import Counter
@@ -34,6 +35,8 @@ from .protocol import ProtocolError
 from .residency import STALL_BUCKETS, ResidencyOps
 from .session import EngineSession
 from .telemetry import ingest
+
+log = logging.getLogger("kvtier.service")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -156,6 +159,9 @@ class Service(ResidencyOps):
             max_blocks=tc.max_blocks or max(1, total), io_backend=tc.io_backend, io_threads=tc.io_threads,
             mover_workers=tc.mover_workers, hbm_tensor=hbm_tensor, dram_numa_node=tc.dram_numa_node,
             recover_payloads=tc.recovery_verify == "payload", clock=self.clock)
+        if self.mgr.nvme is not None:
+            log.info("NVMe tier: %d cached blocks recovered (%s, %d slots discarded)", self.mgr.recovered,
+                     self.mgr.recovered_from or "nothing to recover", self.mgr.discarded)
         if hbm_tensor is None and self.mgr.hbm.is_cuda:
             from .cuda_ipc import export_handle
 

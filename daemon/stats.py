@@ -42,7 +42,9 @@ def snapshot(svc: Service) -> dict[str, Any]:
                      "pinned": int((t.pins > 0).sum()), "max": t.max_blocks}
     out["block_bytes"] = mgr.block_bytes
     out["io"] = {"backend": mgr.backend.name,  # direct: False once the filesystem refused O_DIRECT
-                 "nvme_direct_io": bool(mgr.nvme.direct) if mgr.nvme is not None else None}
+                 "nvme_direct_io": bool(mgr.nvme.direct) if mgr.nvme is not None else None,
+                 "recovered_blocks": mgr.recovered,  # cached blocks found on NVMe at start ...
+                 "recovered_from": mgr.recovered_from}  # ... from a clean stop's "index", or a "scan"
     paths: dict[str, dict[str, float]] = {}
     for name, v in mgr.counters.items():
         for kind in ("moves", "bytes", "errors", "clean", "busy_ns"):

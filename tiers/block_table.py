@@ -102,6 +102,11 @@ class BlockTable:
         b = self.free_blocks.pop_front()
         if b == NIL:
             return NIL
+        self._init_entries(b)
+        return b
+
+    def _init_entries(self, b: "int | np.ndarray") -> None:
+        """Fresh OPEN entries with refcount 1 (one id or an array of them)."""
         self.state[b] = OPEN
         self.refcount[b] = 1
         self.pins[b] = 0
@@ -115,7 +120,36 @@ class BlockTable:
         self.beta[b] = 0.0
         for col in self.extra.values():
             col[b] = 0
-        return b
+
+    def adopt_sealed(self, tier: int, slots: np.ndarray, keys: np.ndarray, lengths: np.ndarray,
+                     checksums: np.ndarray) -> np.ndarray:
+        """New cached (refcount 0) SEALED blocks whose one valid copy already sits in
+        ``slots`` of ``tier`` (a restart's NVMe contents), in one batch. All or
+        nothing: too few entries, a taken slot or an indexed key changes nothing."""
+        slots = np.asarray(slots, dtype=np.int64)
+        n = slots.size
+        keys = np.asarray(keys, dtype=np.uint64)
+        if n > len(self.free_blocks):
+            raise ValueError(f"{n} blocks to adopt, {len(self.free_blocks)} entries free")
+        if n and (np.any(self.slot_owner[tier][slots] != NIL) or np.unique(slots).size != n):
+            raise ValueError(f"a {Tier(tier).name} slot to adopt is taken or repeated")
+        if np.unique(keys).size != n or any(self.keys.get(int(k)) != NIL for k in keys.tolist()):
+            raise ValueError("a key to adopt is repeated or already indexed")
+        blocks = self.free_blocks.pop_front_n(n)
+        self._init_entries(blocks)
+        self.state[blocks] = SEALED
+        self.refcount[blocks] = 0
+        self.key[blocks] = keys
+        self.nbytes[blocks] = lengths
+        self.checksum[blocks] = checksums
+        self.free_slots[tier].remove_many(slots)
+        self.slot_owner[tier][slots] = blocks
+        self.slot[tier, blocks] = slots
+        self.copies[blocks] = np.uint8(1 << tier)
+        for k, b in zip(keys.tolist(), blocks.tolist()):
+            self.keys.insert(k, b)
+        self.refresh_evictable_many(blocks)
+        return blocks
 
     def seal(self, b: int, key: int, checksum: int) -> None:
         self.key[b] = np.uint64(int(key) & ((1 << 64) - 1))

@@ -15,6 +15,7 @@ OPEN block has exactly one valid copy; moving it is a write-back.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -32,9 +33,11 @@ from .io_backends import IOBackend, select_backend
 from .mover import Completion, Mover, Transfer
 from .nvme import NvmeStore
 from .pools import DramPool, HbmPool
+from .slot_index import ENTRY, take_index, write_index
 from .types import DRAM, FREE, HBM, NVME, OPEN, SEALED, CorruptBlockError, Tier, TierError, parse_tier
 
 EventListener = Callable[[str, int, int], None]  # (kind, block, tier)
+log = logging.getLogger("kvtier.tiers")
 
 
 @dataclass
@@ -88,12 +91,15 @@ class TierManager:
         self.inflight = self.table.add_column("inflight_tid", np.int64)  # transfer moving the block (0: none)
         self.recovered = 0
         self.discarded = 0
+        self.recovered_from = ""  # "index", "scan", or "" (nothing recovered)
+        self._index_on_close = False  # only a manager that came up whole describes the tier
         if self.nvme is not None and recover:
             try:
                 self._recover(recover_payloads)
             except BaseException:
                 self.close()  # no leaked shared memory, threads or file handles
                 raise
+        self._index_on_close = True
 
     # -- events ------------------------------------------------------------
     def _emit(self, kind: str, b: int, tier: int) -> None:
@@ -466,19 +472,29 @@ class TierManager:
 
     # -- persistence ---------------------------------------------------------
     def _recover(self, verify_payload: bool) -> None:
+        """Rebuild cached blocks from the NVMe tier: from the index a clean stop left
+        (header mode), else by scanning every slot. The index is taken (and deleted)
+        in both modes, so it never outlives this run."""
         assert self.nvme is not None
-        found, self.discarded = self.nvme.recover(verify_payload=verify_payload)
+        index = take_index(self.nvme)
+        if index is not None and not verify_payload:
+            self.recovered_from = "index"
+        else:
+            found, self.discarded = self.nvme.recover(verify_payload=verify_payload)
+            index = np.array([(r.slot, r.header.key, r.header.length, r.header.checksum) for r in found], dtype=ENTRY)
+            self.recovered_from = "scan"
+        if index.size > len(self.table.free_blocks):
+            raise TierError(f"max_blocks is too small for the recovered NVMe contents ({index.size} blocks)")
+        self.table.adopt_sealed(NVME, index["slot"], index["key"], index["length"], index["checksum"])
+        self.recovered = int(index.size)
+
+    def _nvme_index(self) -> np.ndarray:
+        """Every sealed block with a good NVMe copy, as slot index entries."""
         t = self.table
-        for r in found:
-            b = t.new_block()
-            if b == NIL:
-                raise TierError("max_blocks is too small for the recovered NVMe contents")
-            t.claim_slot(b, Tier.NVME, r.slot)
-            t.nbytes[b] = r.header.length
-            t.seal(b, r.header.key, r.header.checksum)
-            t.refcount[b] = 0
-            t.mark_valid(b, Tier.NVME)
-        self.recovered = len(found)
+        b = np.flatnonzero((t.state == SEALED) & ((t.copies >> NVME) & 1 == 1) & ~self.corrupt)
+        out = np.empty(b.size, dtype=ENTRY)
+        out["slot"], out["key"], out["length"], out["checksum"] = t.slot[NVME, b], t.key[b], t.nbytes[b], t.checksum[b]
+        return out
 
     def tier_usage(self) -> list[dict]:
         """Slots and bytes per tier (for stats and metrics)."""
@@ -499,6 +515,12 @@ class TierManager:
         self.mover.close()
         self.poll()
         if self.nvme is not None:
+            if self._index_on_close:  # a clean stop: the next start need not scan
+                try:
+                    self.nvme.sync()
+                    write_index(self.nvme, self._nvme_index())
+                except OSError as e:
+                    log.warning("no slot index written (%s): the next start scans the slot headers", e)
             self.nvme.close()
         self.backend.shutdown()
         self.hbm.close()

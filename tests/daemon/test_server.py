@@ -318,3 +318,45 @@ def test_alloc_waits_for_demotions_instead_of_bouncing(tmp_path):
             c.check()
     finally:
         assert d.stop() == 0
+
+
+def test_restart_serves_what_a_clean_stop_left_on_nvme(tmp_path):
+    """A clean stop leaves a slot index; the next daemon starts from it (no scan) and
+    serves the cached blocks found on NVMe, by key, with their bytes."""
+    from kvtier.tiers.slot_index import INDEX_FILE
+
+    tiers = ("tiers.hbm_bytes=65536", "tiers.dram_bytes=65536", "tiers.nvme_bytes=262144",
+             'tiers.recovery_verify="header"')
+    data = {i: ((np.arange(4096) * 13 + i * 7) % 251).astype(np.uint8) for i in range(40)}
+    keys = (np.arange(1, 41, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)).astype(np.int64)
+    d = DaemonProcess(tmp_path, *tiers)
+    try:
+        with d.client(engine_id="before", heartbeat_s=None) as c:
+            c.register(block_bytes=4096)
+            for i in range(40):  # more than HBM and DRAM hold: the oldest go down to NVMe
+                blocks, slots = c.alloc(1, seq=i, pin=True)
+                c.slot_view(int(slots[0])).numpy()[:] = data[i]
+                canon = c.seal(blocks, keys[i: i + 1], seq=i)
+                c.release(blocks=canon)
+                c.free(blocks=canon)
+            on_nvme = wait_for(lambda: next(r["used"] for r in c.stats()["tiers"] if r["tier"] == "nvme"))
+    finally:
+        assert d.stop() == 0, d.read_log()
+    assert (tmp_path / "nvme" / INDEX_FILE).exists()
+    d = DaemonProcess(tmp_path, *tiers)
+    try:
+        with d.client(engine_id="after", heartbeat_s=None) as c:
+            c.register(block_bytes=4096)
+            io = c.stats()["io"]
+            assert io["recovered_from"] == "index" and io["recovered_blocks"] >= on_nvme
+            got = c.ref(keys)
+            found = np.flatnonzero(got >= 0)
+            assert found.size == io["recovered_blocks"]
+            blocks, slots = c.acquire(blocks=got[found], timeout_s=20)
+            for i, b, s in zip(found.tolist(), blocks.tolist(), slots.tolist()):
+                assert b == got[i] and np.array_equal(c.slot_view(s).numpy(), data[i])
+            c.release(blocks=blocks)
+            c.check()
+        assert not (tmp_path / "nvme" / INDEX_FILE).exists()  # taken at start: a crash now means a scan
+    finally:
+        assert d.stop() == 0, d.read_log()

@@ -9,6 +9,7 @@ import pytest
 
 from kvtier.tiers.io_backends import PosixBackend
 from kvtier.tiers.manager import TierManager
+from kvtier.tiers.slot_index import INDEX_FILE
 from kvtier.tiers.types import BlockState, Tier
 
 from ..conftest import pattern
@@ -243,6 +244,7 @@ def test_unreadable_slot_at_restart_is_skipped_and_the_rest_recovered(nvme_dir):
         m.seal(b, 400 + i)
     m.demote(blocks, "hbm", "nvme"); m.wait()
     m.close()
+    os.unlink(os.path.join(nvme_dir, INDEX_FILE))  # as after a crash: the restart scans
     fb = FaultyBackend(PosixBackend(threads=2), fail_reads=1, mode="eio")
     m = TierManager(BB, 4, 4, 8, nvme_dir=nvme_dir, io_backend=fb, recover_payloads=False)
     try:

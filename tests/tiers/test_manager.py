@@ -169,3 +169,32 @@ def test_randomized_operations_keep_bytes_and_invariants(nvme_dir):
         assert m.counters["moves_dram->nvme"] > 0 and m.counters["moves_nvme->hbm"] + m.counters["moves_nvme->dram"] > 0
     finally:
         m.close()
+
+
+def test_adopt_sealed_is_all_or_nothing(manager):
+    """Batch adoption of NVMe contents (a restart): bad input changes no state;
+    good input gives cached sealed blocks, indexed, evictable, in their slots."""
+    m = manager
+    b = _new_sealed(m, 5)
+    m.demote([b], "hbm", "nvme"); m.wait()
+    taken = int(m.table.slot[Tier.NVME, b])
+    before = snapshot(m)
+    bad = [
+        ([taken, 3], [901, 902]),  # a slot another block owns
+        ([3, 3], [901, 902]),  # a slot twice
+        ([3, 4], [901, 901]),  # a key twice
+        ([3, 4], [5, 902]),  # a key already indexed
+        (list(range(m.table.max_blocks + 1)), list(range(1000, 1001 + m.table.max_blocks))),  # too many
+    ]
+    for slots, keys in bad:
+        with pytest.raises(ValueError):
+            m.table.adopt_sealed(Tier.NVME, np.array(slots), np.array(keys), np.full(len(slots), 7),
+                                 np.arange(len(slots)))
+        assert_same(before, snapshot(m))
+    got = m.table.adopt_sealed(Tier.NVME, np.array([3, 4]), np.array([901, 902]), np.array([7, 8]), np.array([1, 2]))
+    for blk, slot, key, n in zip(got.tolist(), (3, 4), (901, 902), (7, 8)):
+        assert m.table.state[blk] == BlockState.SEALED and m.table.refcount[blk] == 0
+        assert m.table.slot[Tier.NVME, blk] == slot and m.table.copies[blk] == 1 << Tier.NVME
+        assert m.lookup(key) == blk and m.table.nbytes[blk] == n
+        assert m.table.evictable[Tier.NVME].contains(blk)
+    m.check_invariants()
