@@ -99,6 +99,8 @@ class TierManager:
             except BaseException:
                 self.close()  # no leaked shared memory, threads or file handles
                 raise
+        elif self.nvme is not None:
+            take_index(self.nvme)  # these slabs will be overwritten: an old index must not outlive them
         self._index_on_close = True
 
     # -- events ------------------------------------------------------------

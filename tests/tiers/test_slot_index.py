@@ -109,3 +109,14 @@ def test_a_bad_or_unwanted_index_is_removed_and_the_start_scans(nvme_dir, damage
         m.check_invariants()
     finally:
         m.close()
+
+
+def test_a_start_that_ignores_the_disk_discards_the_index(nvme_dir):
+    """recover=False overwrites the slabs: a crash of that run must not leave the
+    old index to describe slots it rewrote."""
+    _fill(nvme_dir)
+    m = TierManager(BB, 8, 8, 16, nvme_dir=nvme_dir, io_backend="posix", recover=False)
+    try:
+        assert m.recovered == 0 and not os.path.exists(os.path.join(nvme_dir, INDEX_FILE))
+    finally:
+        m.close()
