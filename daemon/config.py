@@ -74,11 +74,12 @@ class TiersConfig(_Section):
     """POSIX backend thread-pool size (the NVMe queue depth it can reach)."""
     mover_workers: int = Field(default=2, ge=1, le=64)
     """Mover threads executing NVMe transfers (HBM <-> DRAM copies have one thread of their own)."""
-    recovery_verify: Literal["payload", "header"] = "payload"
-    """On start, "payload" reads and checksums every NVMe slot (a full read of the tier); "header"
-    reads the 4 KiB slot headers only, or after a clean stop just the slot index it left, and
-    payloads are verified when first read (as every NVMe read is): the start of a TB-scale tier
-    drops from minutes to seconds, and nothing corrupt is served."""
+    recovery_verify: Literal["payload", "header"] = "header"
+    """On start, "header" reads the slot index a clean stop left, or after a crash the 4 KiB slot
+    headers, and verifies each payload when it is first read (as every NVMe read is): a TB-scale
+    tier starts in seconds and nothing corrupt is served. "payload" also reads and checksums every
+    slot's payload before serving (a full read of the tier: minutes at that scale), so a torn
+    payload is dropped up front instead of on first read."""
     dram_numa_node: Optional[int] = Field(default=None, ge=0)
     """Bind the DRAM pool to this NUMA node (a CXL expander shows up as one)."""
     high_watermark: float = Field(default=0.95, gt=0, le=1)
