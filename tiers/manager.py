@@ -518,6 +518,7 @@ class TierManager:
         self.poll()
         if self.nvme is not None:
             if self._index_on_close:  # a clean stop: the next start need not scan
+                self._index_on_close = False
                 try:
                     self.nvme.sync()
                     write_index(self.nvme, self._nvme_index())
