@@ -133,7 +133,7 @@ class BlockTable:
             raise ValueError(f"{n} blocks to adopt, {len(self.free_blocks)} entries free")
         if n and (np.any(self.slot_owner[tier][slots] != NIL) or np.unique(slots).size != n):
             raise ValueError(f"a {Tier(tier).name} slot to adopt is taken or repeated")
-        if np.unique(keys).size != n or any(self.keys.get(int(k)) != NIL for k in keys.tolist()):
+        if np.unique(keys).size != n or (n and np.any(self.keys.get_many(keys) != NIL)):
             raise ValueError("a key to adopt is repeated or already indexed")
         blocks = self.free_blocks.pop_front_n(n)
         self._init_entries(blocks)
