@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 import tomllib
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Sequence
 
+from kvtier.protocol.runtime import default_data_dir, default_runtime_dir
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 ENV_PREFIX = "KVTIER_"
@@ -25,23 +25,6 @@ HOT_SECTIONS = ("policy", "scoring", "predictor")  # reloadable without restart
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
-
-
-def _user_dir(env: str, fallback: str) -> str:
-    base = os.environ.get(env)
-    if base and os.path.isdir(base) and os.access(base, os.W_OK):
-        return os.path.join(base, "kvtier")
-    return os.path.join(tempfile.gettempdir(), f"kvtier-{os.getuid()}", fallback)
-
-
-def default_runtime_dir() -> str:
-    """Per-user runtime directory (sockets): $XDG_RUNTIME_DIR/kvtier or /tmp/kvtier-UID/run."""
-    return _user_dir("XDG_RUNTIME_DIR", "run")
-
-
-def default_data_dir() -> str:
-    """Per-user data directory (NVMe slabs): $XDG_DATA_HOME/kvtier or /tmp/kvtier-UID/data."""
-    return _user_dir("XDG_DATA_HOME", "data")
 
 
 class ServerConfig(_Section):
@@ -130,7 +113,7 @@ class PolicyConfig(_Section):
     @field_validator("name")
     @classmethod
     def _known_policy(cls, v: str) -> str:
-        from kvtier.daemon.policy import POLICIES
+        from kvtier.policy import POLICIES
 
         if v not in POLICIES:
             raise ValueError(f"unknown policy {v!r}; choose from {sorted(POLICIES)}")

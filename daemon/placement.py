@@ -19,8 +19,8 @@ from typing import Callable
 
 import numpy as np
 
-from kvtier.daemon.policy import make_policy
-from kvtier.daemon.policy.base import Policy
+from kvtier.policy import make_policy
+from kvtier.policy.base import Policy
 from kvtier.predictor.classes import block_class
 from kvtier.tiers.manager import TierManager
 from kvtier.tiers.types import DRAM, FREE, HBM, NVME, SEALED, Tier

@@ -17,10 +17,10 @@ import numpy as np
 from kvtier.tiers.manager import TierManager
 from kvtier.tiers.types import HBM, Tier
 
-from . import protocol as P
+from kvtier.protocol import wire as P
 from .acquire import Prefetcher, Waiter, progress, source_tiers, unpin_waiter, unservable
 from .placement import Placement
-from .protocol import ProtocolError
+from kvtier.protocol.wire import ProtocolError
 from .session import EngineSession
 
 if TYPE_CHECKING:

@@ -24,30 +24,17 @@ from typing import Any, Optional, Sequence
 import msgpack
 import zmq
 
-from . import protocol as P
+from kvtier.protocol import wire as P
+from kvtier.protocol.runtime import EVENTS_TOPIC, INFO_FILE, endpoints
 from .acquire import Pending
 from .config import ConfigError, KvtierConfig, reload_hot
 from .events import encode_batch, seq_frame
 from .metrics import Exporter
-from .protocol import ProtocolError
+from kvtier.protocol.wire import ProtocolError
 from .service import Service
 from .stats import snapshot
 
 log = logging.getLogger("kvtier.server")
-INFO_FILE = "daemon.json"
-EVENTS_TOPIC = b"kv-events"
-
-
-def endpoints(runtime_dir: str) -> dict[str, str]:
-    d = Path(runtime_dir)
-    return {"rpc": f"ipc://{d / 'rpc.sock'}", "telemetry": f"ipc://{d / 'telemetry.sock'}",
-            "events": f"ipc://{d / 'events.sock'}"}
-
-
-def read_info(runtime_dir: str) -> dict:
-    """The running daemon's ``daemon.json`` (raises FileNotFoundError if none)."""
-    with open(Path(runtime_dir) / INFO_FILE) as f:
-        return json.load(f)
 
 
 class Server:
@@ -280,4 +267,4 @@ class Server:
             self.exporter.close()
 
 
-__all__ = ["Server", "endpoints", "read_info", "INFO_FILE"]
+__all__ = ["Server"]

@@ -26,12 +26,12 @@ from kvtier.tiers.manager import TierManager
 from kvtier.tiers.pools import attach_shm, release_shm, round_up
 from kvtier.tiers.types import FREE, HBM, OPEN
 
-from . import protocol as P
+from kvtier.protocol import wire as P
 from .acquire import AllocWaiter, Prefetcher, Waiter, speculate
 from .config import KvtierConfig
 from .events import EventCollector
 from .placement import Placement
-from .protocol import ProtocolError
+from kvtier.protocol.wire import ProtocolError
 from .residency import STALL_BUCKETS, ResidencyOps
 from .session import EngineSession
 from .telemetry import ingest
@@ -163,7 +163,7 @@ class Service(ResidencyOps):
             log.info("NVMe tier: %d cached blocks recovered (%s, %d slots discarded)", self.mgr.recovered,
                      self.mgr.recovered_from or "nothing to recover", self.mgr.discarded)
         if hbm_tensor is None and self.mgr.hbm.is_cuda:
-            from .cuda_ipc import export_handle
+            from kvtier.protocol.cuda_ipc import export_handle
 
             self._hbm_handle = export_handle(self.mgr.hbm.tensor)
         self.block_tokens = args.block_tokens
@@ -185,7 +185,7 @@ class Service(ResidencyOps):
             raise ProtocolError(P.INVALID, "hbm_kind 'cuda_ipc' needs CUDA in the daemon")
         if not args.hbm_handle or args.hbm_slots <= 0:
             raise ProtocolError(P.BAD_REQUEST, "hbm_kind 'cuda_ipc' needs hbm_handle and hbm_slots")
-        from .cuda_ipc import import_handle
+        from kvtier.protocol.cuda_ipc import import_handle
 
         try:
             tensor = import_handle(args.hbm_handle)

@@ -34,6 +34,10 @@ class EngineSession:
         if seq is not None:
             self.seqs.setdefault(seq, []).extend(lst)
 
+    def continues(self, seq: "int | None", n: int) -> bool:
+        """Do the last ``n`` blocks of ``seq`` continue a sequence that had blocks before them?"""
+        return seq is not None and seq in self.seqs and len(self.seqs[seq]) > n
+
     def drop_ref(self, b: int) -> None:
         n = self.refs[b] - 1
         if n > 0:

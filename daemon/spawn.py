@@ -17,7 +17,7 @@ class DaemonProcess:
         self.root = Path(root)
         self.runtime_dir = self.root / "run"
         self.nvme_dir = self.root / "nvme"
-        args = [sys.executable, "-m", "kvtier.daemon.cli", "serve", "--log-level", "WARNING",
+        args = [sys.executable, "-m", "kvtier.cli", "serve", "--log-level", "WARNING",
                 "--set", f"server.runtime_dir={json.dumps(str(self.runtime_dir))}",
                 "--set", f"tiers.nvme_dir={json.dumps(str(self.nvme_dir))}",
                 "--set", "metrics.port=0",
@@ -51,7 +51,7 @@ class DaemonProcess:
         return (self.root / "daemon.log").read_text()
 
     def client(self, **kw):
-        from kvtier.daemon.client import TierClient
+        from kvtier.client.tier_client import TierClient
 
         return TierClient(runtime_dir=str(self.runtime_dir), **kw)
 

@@ -13,8 +13,8 @@ import numpy as np
 
 from kvtier.tiers.types import FREE
 
-from . import protocol as P
-from .protocol import ProtocolError
+from kvtier.protocol import wire as P
+from kvtier.protocol.wire import ProtocolError
 
 if TYPE_CHECKING:
     from .service import Service

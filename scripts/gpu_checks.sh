@@ -23,7 +23,7 @@ if ! "$py" -c "import kvtier.tiers" 2>/dev/null; then
     src=$(mktemp -d)
     mkdir "$src/kvtier"
     cp daemon/_root/__init__.py "$src/kvtier/"
-    for d in daemon scoring predictor tiers kernels; do ln -s "$root/$d" "$src/kvtier/$d"; done
+    for d in protocol client daemon policy scoring predictor tiers kernels replay bench cli; do ln -s "$root/$d" "$src/kvtier/$d"; done
     export PYTHONPATH=$src:${PYTHONPATH:-}
 fi
 {
@@ -34,5 +34,5 @@ fi
 "$py" -m pytest -q -p no:cacheprovider -m cuda tests/tiers/test_cuda.py 2>&1 | tee "$out/cuda-tests.log"
 "$py" -m pytest -q -p no:cacheprovider tests/tiers/test_io_conformance.py tests/tiers/test_faults.py tests/tiers/test_manager.py \
     2>&1 | tee "$out/tiers-tests.log"
-"$py" -m kvtier.daemon.cli bench tiers --io-backend auto --json "$out/bench-tiers.json" 2>&1 | tee "$out/bench-tiers.log"
-"$py" -m kvtier.daemon.cli bench rpc --json "$out/bench-rpc.json" 2>&1 | tail -3 | tee "$out/bench-rpc.log"
+"$py" -m kvtier.cli bench tiers --io-backend auto --json "$out/bench-tiers.json" 2>&1 | tee "$out/bench-tiers.log"
+"$py" -m kvtier.cli bench rpc --json "$out/bench-rpc.json" 2>&1 | tail -3 | tee "$out/bench-rpc.log"

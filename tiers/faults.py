@@ -86,10 +86,8 @@ class FaultyBackend:
         self.inner.shutdown()
 
 
-def faulty_from_env(threads: int = 8) -> FaultyBackend:
-    """``io_backend = "faulty"``: posix wrapped with the faults named in ``KVTIER_FAULTS``."""
-    from .io_backends import PosixBackend
-
+def faulty_from_env(inner: Any) -> FaultyBackend:
+    """``io_backend = "faulty"``: ``inner`` wrapped with the faults named in ``KVTIER_FAULTS``."""
     kw: dict[str, Any] = {}
     spec = os.environ.get("KVTIER_FAULTS", "")
     for item in filter(None, (x.strip() for x in spec.split(","))):
@@ -97,4 +95,4 @@ def faulty_from_env(threads: int = 8) -> FaultyBackend:
         if key not in ("fail_writes", "fail_reads", "corrupt_reads", "delay_s", "mode"):
             raise ValueError(f"KVTIER_FAULTS: unknown fault {key!r}")
         kw[key] = value if key == "mode" else float(value) if key == "delay_s" else int(value)
-    return FaultyBackend(PosixBackend(threads=threads), **kw)
+    return FaultyBackend(inner, **kw)

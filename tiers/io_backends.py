@@ -323,9 +323,9 @@ class KvikioBackend:
 
 
 def _faulty(threads: int = 8) -> IOBackend:
-    from .faults import faulty_from_env
+    from .faults import faulty_from_env  # fault injection: loaded only when asked for
 
-    return faulty_from_env(threads)
+    return faulty_from_env(PosixBackend(threads=threads))
 
 
 BACKENDS: dict[str, Callable[..., IOBackend]] = {

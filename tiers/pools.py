@@ -17,52 +17,19 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from typing import Optional
 
 import numpy as np
 import torch
+
+from kvtier.protocol.shm import attach_shm, create_shm, release_shm
 
 ALIGN = 4096
 
 
 def round_up(n: int, align: int = ALIGN) -> int:
     return (int(n) + align - 1) // align * align
-
-
-_CREATED_HERE: set[str] = set()  # segments this process created (its tracker entry must stay)
-
-
-def _create_shm(nbytes: int, name: Optional[str]) -> shared_memory.SharedMemory:
-    shm = shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1))
-    _CREATED_HERE.add(shm._name)  # type: ignore[attr-defined]
-    return shm
-
-
-def release_shm(shm: shared_memory.SharedMemory, unlink: bool) -> None:
-    """Close (and unlink) a segment; a view still held elsewhere keeps the
-    mapping alive until it is collected, which must not fail shutdown."""
-    if unlink:
-        try:
-            shm.unlink()
-        except FileNotFoundError:
-            pass
-    try:
-        shm.close()
-    except BufferError:
-        pass
-
-
-def attach_shm(name: str) -> shared_memory.SharedMemory:
-    """Map an existing segment without letting this process's resource
-    tracker unlink it at exit (the creator owns its lifetime)."""
-    shm = shared_memory.SharedMemory(name=name, create=False)
-    if shm._name not in _CREATED_HERE:  # type: ignore[attr-defined]
-        try:
-            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-        except Exception:
-            pass
-    return shm
 
 
 class SlotPool:
@@ -132,7 +99,7 @@ class HbmPool(SlotPool):
             if dev.startswith("cuda"):
                 self.tensor = torch.zeros(self.n_slots, self.slot_stride, dtype=torch.uint8, device=dev)
             else:
-                self._shm = _create_shm(self.capacity_bytes, shm_name)
+                self._shm = create_shm(self.capacity_bytes, shm_name)
                 self._owns_shm = True
                 self.tensor = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=self.capacity_bytes).view(
                     self.n_slots, self.slot_stride
@@ -215,7 +182,7 @@ class DramPool(SlotPool):
         shm_name: Optional[str] = None,
     ) -> None:
         super().__init__(n_slots, block_bytes)
-        self._shm = _create_shm(self.capacity_bytes, shm_name)
+        self._shm = create_shm(self.capacity_bytes, shm_name)
         self.array = np.ndarray((self.n_slots, self.slot_stride), dtype=np.uint8, buffer=self._shm.buf)
         if numa_node is not None:
             if numa_node not in numa_nodes():

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import torch
 
-from kvtier.daemon.client import TierClient
+from kvtier.client.tier_client import TierClient
 
 
 def pattern(block: int, salt: int, n: int) -> np.ndarray:

@@ -18,8 +18,8 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.daemon import protocol as P
-from kvtier.daemon.client import DaemonUnavailable, RequestRejected, TierClient
+from kvtier.protocol import wire as P
+from kvtier.client.tier_client import DaemonUnavailable, RequestRejected, TierClient
 from kvtier.daemon.events import decode_batch
 
 from kvtier.daemon.spawn import DaemonProcess

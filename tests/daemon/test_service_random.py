@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtier.daemon import protocol as P
+from kvtier.protocol import wire as P
 from kvtier.daemon.config import load_config
 from kvtier.daemon.service import Service
 

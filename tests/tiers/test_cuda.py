@@ -64,11 +64,11 @@ def test_cuda_copies_runs_and_scattered_rows(tmp_path):
 
 
 def test_cuda_ipc_export_import_in_another_process():
-    from kvtier.daemon.cuda_ipc import export_handle
+    from kvtier.protocol.cuda_ipc import export_handle
 
     t = torch.arange(4096, dtype=torch.uint8, device="cuda")
     blob = export_handle(t)
-    code = ("import sys, torch; from kvtier.daemon.cuda_ipc import import_handle; "
+    code = ("import sys, torch; from kvtier.protocol.cuda_ipc import import_handle; "
             "x = import_handle(sys.stdin.buffer.read()); print(int(x.sum()), x.numel())")
     out = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True, timeout=120)
     assert out.returncode == 0, out.stderr.decode()

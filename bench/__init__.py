@@ -1,0 +1,1 @@
+"""Benchmarks and the demo workload (tools: nothing imports them)."""

@@ -1,0 +1,117 @@
+"""The end-to-end run behind ``kvtier demo`` and ``kvtier bench e2e``.
+
+Starts a daemon process with an HBM budget of a fraction of the workload's KV
+(so sessions spill to DRAM and NVMe between turns), runs every turn on the
+untiered engine and on the tiered engine, compares them bit for bit, and
+gathers the daemon's view (tiers, hits, moves, prefetch, stalls).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from kvtier.daemon.spawn import DaemonProcess
+
+from kvtier.client.hf_cache import KVLayout
+from kvtier.bench.workload import Comparison, ReferenceRunner, TieredRunner, Workload, build_model
+
+
+@dataclass
+class DemoOptions(Workload):
+    """The workload plus how the demo runs it (``vocab`` is taken from the model)."""
+
+    model: str = "tiny"
+    budget: float = 0.25
+    block_tokens: int = 16
+    hints: bool = True
+    policy: str = "kvtier"
+    workdir: Optional[str] = None
+    dram: bool = True  # False: no DRAM tier, idle sessions go straight to NVMe
+    io_backend: str = "posix"
+
+
+def plan_tiers(opts: DemoOptions, layout: KVLayout) -> dict[str, int]:
+    """Slots per tier: HBM = budget x the workload's blocks (at least one session's working set + headroom)."""
+    T = opts.block_tokens
+    per_session = math.ceil((opts.system_tokens + opts.turns * (opts.user_tokens + opts.gen_tokens)) / T)
+    total = math.ceil(opts.system_tokens / T) + opts.sessions * (per_session - opts.system_tokens // T)
+    want = max(1, round(opts.budget * total))
+    hbm = max(want, per_session + 2)
+    return {"total_blocks": total, "hbm_blocks": hbm, "hbm_raised": int(hbm > want),
+            "dram_blocks": max(2, hbm // 2), "nvme_blocks": 2 * total + 16, "session_blocks": per_session}
+
+
+def run_demo(opts: DemoOptions, progress: Callable[[int, int, str], None] = lambda done, total, what: None,
+             keep: bool = False, env: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    # One compute thread for the engine (both runs): on a real node the engine computes on
+    # the GPU and the daemon's movers use host cores; on a small CPU box they must not fight.
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) // 2)))
+    model = build_model(opts.model, opts.seed)
+    layout = KVLayout.from_config(model.config, opts.block_tokens, torch.float32)
+    plan = plan_tiers(opts, layout)
+    root = Path(opts.workdir or tempfile.mkdtemp(prefix="kvtier-demo-"))
+    root.mkdir(parents=True, exist_ok=True)
+    stride = layout.block_bytes + (-layout.block_bytes) % 4096
+    dram = plan["dram_blocks"] * stride if opts.dram else 0
+    daemon = DaemonProcess(root, f"tiers.hbm_bytes={plan['hbm_blocks'] * stride}", f"tiers.dram_bytes={dram}",
+                           f"tiers.nvme_bytes={plan['nvme_blocks'] * stride}", f'policy.name="{opts.policy}"',
+                           f'tiers.io_backend="{opts.io_backend}"', env=env)
+    wl = Workload(**{f.name: getattr(opts, f.name) for f in fields(Workload)} | {"vocab": model.config.vocab_size})
+    cmp = Comparison()
+    ref_s = tier_s = 0.0
+    decode_tokens = 0
+    client = daemon.client(engine_id="demo-engine", heartbeat_s=1.0)
+    try:
+        client.register(block_bytes=layout.block_bytes, block_tokens=layout.block_tokens, layout=layout.describe())
+        reference, tiered = ReferenceRunner(model), TieredRunner(model, client, layout)
+        system = wl.system_prompt()
+        reference.prefill_system(system)
+        tiered.prefill_system(system)
+        schedule = [(s, t) for t in range(opts.turns) for s in range(opts.sessions)]
+        for i, (s, t) in enumerate(schedule):
+            progress(i, len(schedule), f"session {s} turn {t}")
+            if opts.hints and i + 1 < len(schedule):  # the engine knows its schedule: tell the daemon
+                tiered.cache(schedule[i + 1][0]).hint(deadline_s=0.05)
+            user = wl.user_turn(s, t)
+            ref = reference.turn(s, user, opts.gen_tokens)
+            got = tiered.turn(s, user, opts.gen_tokens)
+            cmp.check(s, t, ref, got)
+            ref_s += ref.forward_s
+            tier_s += got.forward_s
+            decode_tokens += ref.decode_tokens
+        progress(len(schedule), len(schedule), "done")
+        time.sleep(1.1)  # one stats snapshot period, so the exporter shows the end state too
+        stats = client.stats()
+        client.check()
+        if not keep:
+            tiered.close()
+    finally:
+        if not keep:
+            client.close()
+            daemon.stop()
+    svc = stats.get("service", {})
+    return {
+        "options": asdict(opts), "plan": plan, "block_bytes": layout.block_bytes,
+        "bit_exact": cmp.bit_exact, "turns_checked": cmp.turns, "steps_checked": cmp.steps,
+        "mismatched_turns": cmp.mismatched_turns, "decode_tokens": decode_tokens,
+        "tokens_per_s_untiered": decode_tokens / ref_s if ref_s else 0.0,
+        "tokens_per_s_tiered": decode_tokens / tier_s if tier_s else 0.0,
+        "ratio": (ref_s / tier_s) if tier_s else 0.0,
+        "prefetch_on_time": stats.get("prefetch_on_time_ratio", 0.0), "stall_s": stats.get("acquire_stall_s_total", 0.0),
+        "acquires": svc.get("acquires", 0), "tiers": stats.get("tiers", []), "paths": stats.get("paths", {}),
+        "prefetch": stats.get("prefetch", {}),
+        "calibration": stats.get("calibration", {}), "segments": stats.get("segments", {}),
+        "importance_mean": stats.get("importance_mean", 0.0), "daemon": {"runtime_dir": str(daemon.runtime_dir),
+                                                                 "pid": daemon.proc.pid, "kept": keep},
+    }
+
+
+__all__ = ["DemoOptions", "run_demo", "plan_tiers"]

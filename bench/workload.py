@@ -1,0 +1,205 @@
+"""The demo's model and chat workload, run twice: untiered (DynamicCache) and tiered.
+
+A small Llama-architecture model is built from a transformers config with a
+fixed seed (no download). Sessions share a system prompt; each turn appends
+user tokens and generates greedily. Both runners execute the very same
+forward calls in the same order, so the tiered run must reproduce the
+untiered one bit for bit: same logits (``torch.equal``), same tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from kvtier.kernels.attention import MassRecorder, install_recorder, register_attention
+
+from kvtier.client.hf_cache import KVLayout, TieredCache
+
+MODEL_SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, vocab_size=512),
+    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=32, vocab_size=2048),
+}
+
+
+def build_model(size: str = "tiny", seed: int = 0) -> torch.nn.Module:
+    """A randomly initialised Llama model (fixed seed) using kvtier's reference attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if size not in MODEL_SIZES:
+        raise ValueError(f"unknown model size {size!r}; choose from {sorted(MODEL_SIZES)}")
+    name = register_attention()
+    cfg = LlamaConfig(max_position_embeddings=8192, **MODEL_SIZES[size])
+    cfg._attn_implementation = name
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@dataclass
+class Workload:
+    sessions: int = 12
+    turns: int = 3
+    system_tokens: int = 64
+    user_tokens: int = 32
+    gen_tokens: int = 16
+    seed: int = 0
+    vocab: int = 512
+
+    def system_prompt(self) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed)
+        return torch.randint(0, self.vocab, (1, self.system_tokens), generator=g)
+
+    def user_turn(self, session: int, turn: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + session * 1009 + turn + 1)
+        return torch.randint(0, self.vocab, (1, self.user_tokens), generator=g)
+
+    def total_tokens(self) -> int:
+        return self.system_tokens + self.sessions * self.turns * (self.user_tokens + self.gen_tokens)
+
+
+@dataclass
+class TurnResult:
+    tokens: list[int]
+    logits: list[torch.Tensor]
+    forward_s: float
+    decode_tokens: int
+
+
+class ReferenceRunner:
+    """The untiered engine: one DynamicCache per session, kept across turns."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.caches: dict[int, object] = {}
+        self.system: Optional[object] = None
+
+    def prefill_system(self, tokens: torch.Tensor) -> None:
+        from transformers import DynamicCache
+
+        self.system = DynamicCache(config=self.model.config)
+        with torch.no_grad():
+            self.model(input_ids=tokens, cache=self.system)
+
+    def _cache(self, s: int) -> object:
+        if s not in self.caches:
+            self.caches[s] = copy.deepcopy(self.system)
+        return self.caches[s]
+
+    def turn(self, s: int, user: torch.Tensor, gen: int) -> TurnResult:
+        return run_turn(self.model, self._cache(s), user, gen)
+
+
+def run_turn(model: torch.nn.Module, cache: object, user: torch.Tensor, gen: int,
+             before: Callable[[torch.Tensor], None] = lambda ids: None,
+             after: Callable[[], None] = lambda: None) -> TurnResult:
+    """Prefill the user tokens, then decode ``gen`` tokens greedily; logits of every step."""
+    out_tokens: list[int] = []
+    logits: list[torch.Tensor] = []
+    ids = user
+    seconds = 0.0
+    with torch.no_grad():
+        for step in range(gen):
+            before(ids)
+            t0 = time.perf_counter()
+            out = model(input_ids=ids, cache=cache, logits_to_keep=1)
+            seconds += time.perf_counter() - t0 if step else 0.0  # decode steps only
+            after()
+            last = out.logits[:, -1]
+            logits.append(last.clone())
+            ids = last.argmax(-1, keepdim=True)
+            out_tokens.append(int(ids))
+    return TurnResult(out_tokens, logits, seconds, gen - 1)
+
+
+class TieredRunner:
+    """The kvtier engine: one TieredCache per session; idle sessions release their pins."""
+
+    def __init__(self, model: torch.nn.Module, client: object, layout: KVLayout, report_attention: bool = True) -> None:
+        self.model = model
+        self.client = client
+        self.layout = layout
+        self.caches: dict[int, TieredCache] = {}
+        self.system_keys: list[int] = []
+        self.system_tokens: list[int] = []
+        self.system_cache: Optional[TieredCache] = None
+        self.recorder = MassRecorder(layout.block_tokens) if report_attention else None
+        self.namespace = b"kvtier-demo"
+
+    def prefill_system(self, tokens: torch.Tensor) -> None:
+        cache = TieredCache(self.client, self.layout, 1, self.namespace, seq_ids=[0])  # type: ignore[arg-type]
+        cache.segment = "system"
+        cache.feed_tokens(tokens)
+        with torch.no_grad():
+            self.model(input_ids=tokens, cache=cache)
+        cache.deactivate()
+        self.system_cache = cache  # keeps a reference on the shared blocks for the whole run
+        self.system_keys = list(cache.rows[0].keys)
+        self.system_tokens = tokens[0].tolist()
+
+    def cache(self, s: int) -> TieredCache:
+        if s not in self.caches:
+            self.caches[s] = TieredCache.from_prefix(self.client, self.layout, self.system_keys,  # type: ignore[arg-type]
+                                                     self.system_tokens, self.namespace, seq_id=s + 1)
+        return self.caches[s]
+
+    def _report(self, cache: TieredCache) -> None:
+        if self.recorder is None:
+            return
+        mass = self.recorder.take()
+        if mass is None:
+            return
+        for row, m in zip(cache.rows, mass):
+            n = min(len(row.blocks), m.numel())
+            self.client.report_attention(np.asarray(row.blocks[:n]), m[:n].numpy())  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _before(cache: TieredCache, ids: torch.Tensor) -> None:
+        cache.segment = "user" if ids.shape[1] > 1 else "assistant"  # prompt chunk vs decoded token
+        cache.feed_tokens(ids)
+
+    def turn(self, s: int, user: torch.Tensor, gen: int) -> TurnResult:
+        cache = self.cache(s)
+        install_recorder(self.model, self.recorder)
+        try:
+            res = run_turn(self.model, cache, user, gen, before=lambda ids: self._before(cache, ids),
+                           after=lambda: self._report(cache))
+        finally:
+            install_recorder(self.model, None)
+        cache.deactivate()
+        return res
+
+    def close(self) -> None:
+        for c in self.caches.values():
+            c.close()
+        if self.system_cache is not None:
+            self.system_cache.close()
+
+
+@dataclass
+class Comparison:
+    turns: int = 0
+    steps: int = 0
+    mismatched_turns: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def bit_exact(self) -> bool:
+        return self.turns > 0 and not self.mismatched_turns
+
+    def check(self, session: int, turn: int, ref: TurnResult, got: TurnResult) -> bool:
+        self.turns += 1
+        self.steps += len(ref.logits)
+        same = ref.tokens == got.tokens and len(ref.logits) == len(got.logits) and all(
+            torch.equal(a, b) for a, b in zip(ref.logits, got.logits))
+        if not same:
+            self.mismatched_turns.append((session, turn))
+        return same
+
+
+__all__ = ["build_model", "Workload", "ReferenceRunner", "TieredRunner", "Comparison", "MODEL_SIZES", "run_turn"]

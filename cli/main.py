@@ -1,0 +1,71 @@
+"""``kvtier`` command line: a registry of subcommands, each loaded only when chosen.
+
+Every command is one line here (module, help). ``kvtier --help`` and
+``--version`` import no command module at all; ``kvtier stats`` imports the
+serve module and the client, never torch, transformers or the daemon. A
+command module exposes ``configure(name, parser)``, which adds its arguments
+and sets ``func``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Optional, Sequence
+
+# command -> (module with ``configure(name, parser)``, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("kvtier.cli.demo", "run a real model through a real daemon and verify bit-exact outputs"),
+    "serve": ("kvtier.cli.serve", "run the tiering daemon in the foreground"),
+    "stats": ("kvtier.cli.serve", "show a running daemon's tiers, engines and counters"),
+    "reload": ("kvtier.cli.serve", "re-read the config of a running daemon ([policy], [scoring], [predictor])"),
+    "config": ("kvtier.cli.config", "show, validate or describe the configuration"),
+    "replay": ("kvtier.cli.replay", "replay traces through policies; compare with LRU and Belady"),
+    "bench": ("kvtier.cli.bench", "benchmarks against a raw baseline measured in the same run"),
+}
+
+
+def _chosen(argv: Sequence[str]) -> Optional[str]:
+    """The command named on the line (the first word that is not an option)."""
+    for a in argv:
+        if not a.startswith("-"):
+            return a if a in COMMANDS else None
+    return None
+
+
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The parser; only the command named in ``argv`` gets its arguments (all of them if ``argv`` is None)."""
+    from kvtier import __version__
+
+    parser = argparse.ArgumentParser(prog="kvtier", description="Predictive KV-cache tiering daemon.")
+    parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    chosen = _chosen(argv)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            importlib.import_module(module).configure(name, p)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        rc = args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError, PermissionError) as e:
+        print(f"kvtier: error: {e}", file=sys.stderr)
+        return 2
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

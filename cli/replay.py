@@ -1,0 +1,109 @@
+"""``kvtier replay TRACE...``: policies vs LRU and Belady on real traces."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kvtier.cli.output import write_json
+
+
+def configure(name: str, p: argparse.ArgumentParser) -> None:
+    p.add_argument("traces", nargs="+", metavar="TRACE", help="Mooncake or Qwen-Bailian JSONL trace")
+    p.add_argument("--capacity", default="1%,2%,5%,10%,20%", help="capacities as %% of unique blocks")
+    p.add_argument("--policy", default="lru,s3fifo,kvtier,belady", help="comma-separated policy names")
+    p.add_argument("--config", help="kvtier config (TOML); its [policy] section parameterises the policies "
+                                    "(default: the shipped daemon/defaults/kvtier.toml)")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--plot", metavar="PNG")
+    p.add_argument("--tiers", metavar="HBM,DRAM", help="multi-tier mode: HBM and DRAM capacities (e.g. 1%%,5%%) "
+                                                       "over an NVMe tier that holds everything")
+    p.add_argument("--block-mib", type=float, default=2.0, help="multi-tier: bytes of one block, MiB")
+    p.add_argument("--dram-gbps", type=float, default=20.0, help="multi-tier: DRAM->HBM bandwidth, GB/s")
+    p.add_argument("--nvme-gbps", type=float, default=5.0, help="multi-tier: NVMe->HBM bandwidth, GB/s")
+    p.set_defaults(func=run)
+
+
+def _params(path: str | None, policies: list[str]) -> dict[str, Any]:
+    """Policy parameters from the same config the daemon reads: the shipped default
+    file, or ``--config FILE`` on top of it ([policy] and [predictor] sections)."""
+    from kvtier.daemon.config import load_config
+
+    cfg = load_config(path, environ={})
+    base = cfg.policy.params() | {"track_calibration": cfg.predictor.track_calibration,
+                                  "calibration_bins": cfg.predictor.calibration_bins,
+                                  "calibration_sample": cfg.predictor.calibration_sample}
+    return {name: dict(base) for name in policies}
+
+
+def _tiered(args: argparse.Namespace, trace: Any, policies: list[str], params: dict[str, Any],
+            console: Any) -> list[dict]:
+    from rich.table import Table
+
+    from kvtier.replay.report import parse_fractions
+    from kvtier.replay.tiered import TierSpec, simulate_tiers
+
+    fr = parse_fractions(args.tiers)
+    if len(fr) != 2:
+        raise ValueError("--tiers takes two capacities: HBM,DRAM (e.g. 1%,5%)")
+    spec = TierSpec(max(1, round(fr[0] * trace.n_unique)), max(1, round(fr[1] * trace.n_unique)),
+                    int(args.block_mib * 2**20), args.dram_gbps * 1e9, args.nvme_gbps * 1e9)
+    rows = [simulate_tiers(p, spec, trace, params.get(p, {})) for p in policies]
+    t = Table(title=f"{trace.name}: tiers HBM {spec.hbm_blocks:,} + DRAM {spec.dram_blocks:,} blocks over NVMe")
+    for col in ("policy", "hbm hit", "dram hit", "nvme hit", "miss", "stall s (no prefetch)"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(r["policy"], f"{r['hit']['hbm']:.4f}", f"{r['hit']['dram']:.4f}", f"{r['hit']['nvme']:.4f}",
+                  f"{r['miss']:.4f}", f"{r['stall_s']:.1f}")
+    console.print(t)
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+    from rich.table import Table
+
+    from kvtier.policy import POLICIES
+    from kvtier.replay.report import parse_fractions, plot, replay
+    from kvtier.replay.traces import load_trace
+
+    fractions = parse_fractions(args.capacity)
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    for p in policies:
+        if p not in POLICIES:
+            raise ValueError(f"unknown policy {p!r}; choose from {sorted(POLICIES)}")
+    params = _params(args.config, policies)
+    console = Console()
+    reports = []
+    for path in args.traces:
+        trace = load_trace(path)
+        total = trace.n_accesses * len(fractions) * len(policies)
+        with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                      TimeRemainingColumn(), console=Console(stderr=True), transient=True) as prog:
+            task = prog.add_task(f"replay {trace.name}", total=total)
+            rep = replay(trace, fractions, policies, params, lambda n: prog.advance(task, n))
+        reports.append(rep)
+        table = Table(title=f"{trace.name}: block hit ratio ({trace.n_accesses:,} accesses, "
+                            f"{trace.n_unique:,} unique, max {rep['max_hit_ratio']:.4f})")
+        table.add_column("capacity", justify="right")
+        table.add_column("blocks", justify="right")
+        for p in policies:
+            table.add_column(p, justify="right")
+        for row in rep["rows"]:
+            table.add_row(f"{row['fraction']*100:g}%", f"{row['capacity_blocks']:,}",
+                          *[f"{row['hit'][p]:.4f}" for p in policies])
+        if rep["gap_closed"]:
+            table.add_row("gap closed", "", *[f"{rep['gap_closed'][p]:.3f}" for p in policies])
+        table.add_row("accesses/s", "", *[f"{rep['accesses_per_s'][p]:,.0f}" for p in policies])
+        console.print(table)
+        if rep["calibration"]:
+            console.print(f"predictor calibration: Brier {rep['calibration']['brier']:.4f}, "
+                          f"ECE {rep['calibration']['ece']:.4f}")
+        if args.plot:
+            plot(rep, args.plot if len(args.traces) == 1 else args.plot.replace(".png", f"-{trace.name}.png"))
+        if args.tiers:
+            rep["tiers"] = _tiered(args, trace, [p for p in policies if p != "belady" and
+                                                 not getattr(POLICIES[p], "offline", False)], params, console)
+    write_json(args.json, reports[0] if len(reports) == 1 else {"traces": reports})
+    return 0

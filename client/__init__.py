@@ -1,0 +1,1 @@
+"""Engine side: TierClient and engine adapters. Imports nothing of the daemon's."""

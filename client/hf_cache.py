@@ -1,0 +1,300 @@
+"""A Hugging Face transformers ``Cache`` whose K/V live in kvtier's paged HBM slots.
+
+Each batch row is one sequence: a list of kvtier blocks, each holding
+``block_tokens`` tokens of every layer's K and V in the block-major layout
+``[layers, 2, kv_heads, block_tokens, head_dim]``. Per forward pass, layer 0
+allocates blocks for the new tokens; every layer writes its new K/V into the
+slots. The first forward of a turn gathers each layer's K/V from the pinned
+slots; later forwards extend that gathered copy with the new K/V (pinned slots
+cannot change, so the copy stays byte-identical), and ``deactivate`` drops it
+with the pins. After the last layer, full blocks are sealed under content-chained keys (so sessions
+that share a prompt share blocks). Between turns an idle cache releases its
+pins (``deactivate``), so the daemon may demote its blocks to DRAM or NVMe;
+``activate`` (implicit on the next forward) acquires them back, waiting for
+promotions. The bytes attention reads are exactly the bytes written, so a
+model produces the same bits as with ``DynamicCache``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+import xxhash
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvtier.client.tier_client import TierClient
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_tokens: int
+    dtype: torch.dtype
+
+    @classmethod
+    def from_config(cls, config: object, block_tokens: int = 16, dtype: torch.dtype = torch.float32) -> "KVLayout":
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads  # type: ignore[attr-defined]
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads  # type: ignore[attr-defined]
+        return cls(config.num_hidden_layers, heads, head_dim, block_tokens, dtype)  # type: ignore[attr-defined]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.num_kv_heads, self.block_tokens, self.head_dim)
+
+    @property
+    def block_elems(self) -> int:
+        return int(np.prod(self.shape))
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_elems * torch.empty(0, dtype=self.dtype).element_size()
+
+    def describe(self) -> dict:
+        return {"layers": self.num_layers, "kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+                "dtype": str(self.dtype).replace("torch.", "")}
+
+    def pool_view(self, hbm: torch.Tensor) -> torch.Tensor:
+        """Typed ``[slots, layers, 2, heads, tokens, head_dim]`` view of the uint8 HBM pool."""
+        n_slots, stride = hbm.shape
+        item = torch.empty(0, dtype=self.dtype).element_size()
+        flat = hbm.reshape(-1).view(self.dtype)
+        L, two, H, T, D = self.shape
+        return torch.as_strided(flat, (n_slots, L, two, H, T, D),
+                                (stride // item, two * H * T * D, H * T * D, T * D, D, 1))
+
+
+def chain_key(parent: int, payload: bytes, namespace: bytes) -> int:
+    """Content-chained 64-bit block key: equal prefixes give equal keys (never 0)."""
+    h = xxhash.xxh3_64_intdigest(parent.to_bytes(8, "little") + namespace + payload)
+    return h or 1
+
+
+@dataclass
+class Row:
+    blocks: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)  # of the sealed (full) blocks
+    length: int = 0
+    tokens: list[int] = field(default_factory=list)  # token ids, when the runner supplies them
+
+
+class TieredLayer(CacheLayerMixin):
+    is_sliding = False
+
+    def __init__(self, owner: "TieredCache", layer_idx: int) -> None:
+        super().__init__()
+        self.owner = owner
+        self.layer_idx = layer_idx
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
+               **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.owner.layer_update(self.layer_idx, key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class TieredCache(Cache):
+    def __init__(self, client: TierClient, layout: KVLayout, batch_size: int = 1, namespace: bytes = b"kvtier",
+                 seq_ids: Optional[Sequence[int]] = None) -> None:
+        super().__init__(layers=[TieredLayer(self, i) for i in range(layout.num_layers)])
+        if client.hbm is None:
+            raise ValueError("the client has no HBM region mapped: register it first")
+        self.client = client
+        self.layout = layout
+        self.namespace = namespace
+        self.pool = layout.pool_view(client.hbm)
+        self.rows = [Row() for _ in range(batch_size)]
+        self.seq_ids = list(seq_ids) if seq_ids is not None else [None] * batch_size
+        self.active = False
+        self.segment: Optional[str] = None  # chat segment of the tokens being written (system/user/assistant)
+        self._work: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = [None] * layout.num_layers
+        self._where: list[tuple] = []
+        self.acquires = 0
+        self.last_mass: Optional[torch.Tensor] = None
+
+    # -- state ------------------------------------------------------------------
+    @property
+    def length(self) -> int:
+        return self.rows[0].length
+
+    def all_blocks(self) -> list[int]:
+        return [b for r in self.rows for b in r.blocks]
+
+    def feed_tokens(self, token_ids: torch.Tensor) -> None:
+        """Token ids of the next forward ([batch, q]); keys then chain over tokens, as in vLLM."""
+        for row, ids in zip(self.rows, token_ids.tolist()):
+            row.tokens.extend(int(t) for t in ids)
+
+    @classmethod
+    def from_prefix(cls, client: TierClient, layout: KVLayout, keys: Sequence[int], tokens: Sequence[int],
+                    namespace: bytes = b"kvtier", seq_id: Optional[int] = None) -> "TieredCache":
+        """A one-row cache that starts from sealed prefix blocks another sequence wrote."""
+        cache = cls(client, layout, 1, namespace, [seq_id])
+        blocks = client.ref(list(keys), seq=seq_id)
+        if np.any(blocks < 0):
+            client.free(blocks=blocks[blocks >= 0])
+            raise KeyError("a prefix block is no longer cached")
+        row = cache.rows[0]
+        row.blocks, row.keys = blocks.tolist(), list(keys)
+        row.slots = [-1] * len(row.blocks)
+        row.length = len(keys) * layout.block_tokens
+        row.tokens = list(tokens)[: row.length]
+        return cache
+
+    # -- residency ----------------------------------------------------------------
+    def activate(self) -> None:
+        """Acquire (pin) every block of every row; waits for promotions."""
+        blocks = self.all_blocks()
+        if blocks:
+            got, slots = self.client.acquire(blocks=blocks)
+            slot_of = dict(zip(got.tolist(), slots.tolist()))
+            for row in self.rows:
+                row.slots = [slot_of[b] for b in row.blocks]
+            self.acquires += 1
+        self.active = True
+
+    def deactivate(self) -> None:
+        """Release the pins: the daemon may now demote these blocks while the sequence idles."""
+        if self.active and self.all_blocks():
+            self.client.release(blocks=self.all_blocks())
+        self.active = False
+        self._work = [None] * self.layout.num_layers  # unpinned slots may move: drop the gathered copy
+
+    def hint(self, deadline_s: float = 0.0) -> None:
+        """Ask the daemon to bring this cache's blocks back before ``deadline_s``."""
+        if self.all_blocks():
+            self.client.hint(blocks=self.all_blocks(), deadline_s=deadline_s)
+
+    def close(self) -> None:
+        """End of the sequences: release and free every block."""
+        self.deactivate()
+        blocks = self.all_blocks()
+        if blocks:
+            self.client.free(blocks=blocks)
+        for row in self.rows:
+            row.blocks, row.slots, row.keys = [], [], []
+
+    # -- the forward pass ----------------------------------------------------------------
+    def _grow(self, q_len: int) -> None:
+        T = self.layout.block_tokens
+        for i, row in enumerate(self.rows):
+            need = -(-(row.length + q_len) // T) - len(row.blocks)
+            if need <= 0:
+                continue
+            new, slots = self.client.alloc(need, seq=self.seq_ids[i], pin=True)  # pinned: written next
+            row.blocks.extend(new.tolist())
+            row.slots.extend(slots.tolist())
+            if self.segment:  # a block is tagged by the segment that starts it
+                self.client.report_segment(new, self.segment)
+
+    def layer_update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q_len = keys.shape[-2]
+        if keys.shape[0] != len(self.rows):
+            raise ValueError(f"batch of {keys.shape[0]} rows, cache built for {len(self.rows)}")
+        if layer == 0:
+            if not self.active:
+                self.activate()
+            self._grow(q_len)
+        if layer == 0:
+            self._where = [self._token_places(row, q_len) for row in self.rows]
+        for i, where in enumerate(self._where):  # the slots are the truth: every new K/V lands there
+            if q_len == 1:  # one token (decode): plain slicing, no scatter
+                slot, off = where
+                self.pool[slot, layer, 0, :, off, :] = keys[i, :, 0, :]
+                self.pool[slot, layer, 1, :, off, :] = values[i, :, 0, :]
+            else:
+                tok_slot, tok_off = where
+                self.pool[tok_slot, layer, 0, :, tok_off, :] = keys[i].transpose(0, 1).to(self.layout.dtype)
+                self.pool[tok_slot, layer, 1, :, tok_off, :] = values[i].transpose(0, 1).to(self.layout.dtype)
+        work = self._work[layer]
+        if work is None:  # first step of a turn: one gather from the pinned slots
+            k, v = self._gather(layer, q_len)
+        else:  # later steps: the pinned slots cannot change, so extend the gathered copy
+            k = torch.cat([work[0], keys.to(work[0].dtype)], dim=-2)
+            v = torch.cat([work[1], values.to(work[1].dtype)], dim=-2)
+        self._work[layer] = (k, v)
+        if layer == self.layout.num_layers - 1:
+            self._end_step(q_len)
+        return k, v
+
+    def _token_places(self, row: Row, q_len: int) -> tuple:
+        """(slot, offset) of the new tokens of ``row``: ints for one token, index tensors for more."""
+        T = self.layout.block_tokens
+        if q_len == 1:
+            return row.slots[row.length // T], row.length % T
+        pos = torch.arange(row.length, row.length + q_len)
+        return torch.as_tensor(row.slots, dtype=torch.long)[pos // T], pos % T
+
+    def _gather(self, layer: int, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full K/V of every row, [B, H, S, D], read from the paged slots."""
+        T = self.layout.block_tokens
+        out_k, out_v = [], []
+        for row in self.rows:
+            n_tok = row.length + q_len
+            n_blk = -(-n_tok // T)
+            kv = self.pool[torch.as_tensor(row.slots[:n_blk], dtype=torch.long), layer]  # [blocks, 2, H, T, D]
+            kv = kv.permute(1, 2, 0, 3, 4).reshape(2, self.layout.num_kv_heads, n_blk * T, self.layout.head_dim)
+            out_k.append(kv[0, :, :n_tok])
+            out_v.append(kv[1, :, :n_tok])
+        return torch.stack(out_k).contiguous(), torch.stack(out_v).contiguous()
+
+    def _end_step(self, q_len: int) -> None:
+        T = self.layout.block_tokens
+        for i, row in enumerate(self.rows):
+            row.length += q_len
+            full = row.length // T
+            if full <= len(row.keys):
+                continue
+            todo = list(range(len(row.keys), full))
+            keys = []
+            parent = row.keys[-1] if row.keys else 0
+            for j in todo:
+                if len(row.tokens) >= (j + 1) * T:
+                    payload = np.asarray(row.tokens[j * T: (j + 1) * T], dtype=np.int64).tobytes()
+                else:  # no token ids (e.g. generate()): key the block by its K/V bytes
+                    payload = self.pool[row.slots[j]].contiguous().view(torch.uint8).numpy().tobytes()
+                parent = chain_key(parent, payload, self.namespace)
+                keys.append(parent)
+            blocks = [row.blocks[j] for j in todo]
+            canon = self.client.seal(blocks, keys, seq=self.seq_ids[i]).tolist()
+            for j, b, c in zip(todo, blocks, canon):
+                if c != b:  # an identical block existed: ours was folded into it; pin and map the shared one
+                    got, slots = self.client.acquire(blocks=[c])
+                    row.blocks[j], row.slots[j] = c, int(slots[0])
+            row.keys.extend(keys)
+
+    # -- transformers Cache API ---------------------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("TieredCache does not crop: sealed blocks are immutable")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("TieredCache does not support beam search")
+
+
+__all__ = ["KVLayout", "TieredCache", "chain_key"]

@@ -1,0 +1,378 @@
+"""``TierClient``: the engine-side library of the kvtier daemon.
+
+One DEALER socket for RPC (guarded by a lock, so engine threads may share a
+client), one PUSH socket for fire-and-forget telemetry, and a heartbeat
+thread on its own socket. Block ids and keys travel as packed arrays. Errors:
+``DaemonUnavailable`` (no daemon, or it went away), ``RequestTimeout`` and
+``RequestRejected`` (with the daemon's error code).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import msgpack
+import numpy as np
+import zmq
+
+
+from kvtier.protocol import wire as P
+from kvtier.protocol.runtime import default_runtime_dir, read_info
+from kvtier.protocol.shm import attach_shm, release_shm
+
+if TYPE_CHECKING:  # torch is loaded when a region is mapped, so the CLI and a stats call never pay for it
+    import torch
+
+ArrayLike = "np.ndarray | Sequence[int]"
+
+
+class KvtierError(RuntimeError):
+    pass
+
+
+class DaemonUnavailable(KvtierError):
+    pass
+
+
+class RequestTimeout(KvtierError):
+    pass
+
+
+class RequestRejected(KvtierError):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+def _arr(x: Any, dtype: type = np.int64) -> Optional[bytes]:
+    return None if x is None else P.id_bytes(np.asarray(x).reshape(-1), dtype)
+
+
+def _ids(b: bytes, dtype: type = np.int64) -> np.ndarray:
+    return np.frombuffer(b, dtype=np.dtype(dtype).newbyteorder("<")).astype(dtype)
+
+
+class AcquireHandle:
+    """A non-blocking acquire: poll readiness per block, compute on what is ready."""
+
+    def __init__(self, client: "TierClient", reply: dict, blocks_hint: int) -> None:
+        self.client = client
+        self.ticket = reply["ticket"]
+        self._last = reply
+        self.n = blocks_hint
+        self.layers = int(reply.get("layers", 1))
+
+    @property
+    def done(self) -> bool:
+        return bool(self._last.get("done"))
+
+    def poll(self) -> np.ndarray:
+        """Boolean readiness per requested block (in request order, unique-sorted)."""
+        if not self.done:
+            self._last = self.client._call("acquire_poll", {"ticket": self.ticket})
+        if self.done:
+            return np.ones(len(self._last["blocks"]) // 8, dtype=bool)
+        return np.frombuffer(self._last["ready"], dtype=bool).copy()
+
+    def layers_ready(self) -> tuple[np.ndarray, np.ndarray]:
+        """(layers landed per block, HBM slot per block or -1): layer l of a block may be
+        read from its slot once layers_ready > l, while later layers are still arriving."""
+        self.poll()
+        if self.done:
+            n = len(self._last["blocks"]) // 8
+            return np.full(n, self.layers, dtype=np.int64), _ids(self._last["slots"])
+        self.layers = int(self._last.get("layers", 1))
+        return _ids(self._last["layers_ready"]), _ids(self._last["slots"])
+
+    def wait(self, timeout_s: Optional[float] = None, interval_s: float = 0.0005) -> tuple[np.ndarray, np.ndarray]:
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.done:
+            self.poll()
+            if self.done:
+                break
+            if end is not None and time.monotonic() > end:
+                raise RequestTimeout(f"acquire ticket {self.ticket} not ready after {timeout_s} s")
+            time.sleep(interval_s)
+        return _ids(self._last["blocks"]), _ids(self._last["slots"])
+
+
+class TierClient:
+    def __init__(self, endpoint: Optional[str] = None, runtime_dir: Optional[str] = None,
+                 engine_id: Optional[str] = None, timeout_s: float = 30.0, heartbeat_s: Optional[float] = 2.0,
+                 lease_size: int = 16) -> None:
+        self.runtime_dir = runtime_dir or default_runtime_dir()
+        self.engine_id = engine_id or f"engine-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.timeout_s = timeout_s
+        if endpoint is None:
+            try:
+                info = read_info(self.runtime_dir)
+            except FileNotFoundError:
+                raise DaemonUnavailable(f"no kvtier daemon in {self.runtime_dir} (start one with `kvtier serve`)") \
+                    from None
+            endpoint = info["rpc"]
+            self.telemetry_endpoint: Optional[str] = info.get("telemetry")
+            self.events_endpoint: Optional[str] = info.get("events")
+        else:
+            self.telemetry_endpoint = endpoint.replace("rpc.sock", "telemetry.sock") if "rpc.sock" in endpoint else None
+            self.events_endpoint = endpoint.replace("rpc.sock", "events.sock") if "rpc.sock" in endpoint else None
+        if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://"):]):
+            raise DaemonUnavailable(f"no daemon socket at {endpoint}")
+        self.endpoint = endpoint
+        self.ctx = zmq.Context.instance()
+        self._sock = self._dealer()
+        self._push: Optional[zmq.Socket] = None
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._lease: list[int] = []
+        self._lease_slot: dict[int, int] = {}
+        self.lease_size = lease_size
+        self.info: dict = {}
+        self.hbm: Optional["torch.Tensor"] = None
+        self._shm = None
+        self._hb_stop = threading.Event()
+        self._hb_thread: Optional[threading.Thread] = None
+        self.heartbeat_s = heartbeat_s
+        self.closed = False
+
+    def _dealer(self) -> zmq.Socket:
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(self.endpoint)
+        return s
+
+    # -- transport -------------------------------------------------------------
+    def _call(self, op: str, args: Optional[dict] = None, timeout_s: Optional[float] = None,
+              sock: Optional[zmq.Socket] = None) -> dict:
+        if self.closed:
+            raise KvtierError("client is closed")
+        rid = next(self._ids)
+        payload = P.pack({"v": P.VERSION, "id": rid, "op": op, "engine": self.engine_id,
+                          "args": {k: v for k, v in (args or {}).items() if v is not None}})
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        with self._lock if sock is None else _nolock():
+            s = sock or self._sock
+            s.send_multipart([b"", payload])
+            end = time.monotonic() + timeout
+            while True:
+                left = end - time.monotonic()
+                try:  # a blocking receive with a timeout: one call, no separate poll
+                    if left <= 0:
+                        raise zmq.Again()
+                    s.setsockopt(zmq.RCVTIMEO, int(left * 1000) + 1)
+                    frames = s.recv_multipart()
+                except zmq.Again:
+                    if sock is None:  # resynchronise: a late reply must not be read as the next one's
+                        s.close(0)
+                        self._sock = self._dealer()
+                    if self.endpoint.startswith("ipc://") and not os.path.exists(self.endpoint[6:]):
+                        raise DaemonUnavailable(f"the daemon at {self.endpoint} went away") from None
+                    raise RequestTimeout(f"{op}: no reply within {timeout} s") from None
+                reply = msgpack.unpackb(frames[-1], raw=False)
+                if reply.get("id") == rid:
+                    break
+        if not reply.get("ok"):
+            err = reply.get("error") or {}
+            raise RequestRejected(err.get("code", "unknown"), err.get("message", ""))
+        return reply.get("result") or {}
+
+    # -- session -------------------------------------------------------------------
+    def ping(self) -> dict:
+        return self._call("ping", timeout_s=min(self.timeout_s, 5.0))
+
+    def register(self, block_bytes: int, block_tokens: int = 16, layout: Optional[dict] = None,
+                 hbm_tensor: Optional["torch.Tensor"] = None, hbm_shm_name: Optional[str] = None,
+                 hbm_slots: int = 0) -> dict:
+        """Attach to the daemon. Without a region, map the daemon's HBM pool (``self.hbm``)."""
+        args: dict[str, Any] = {"pid": os.getpid(), "block_bytes": int(block_bytes), "block_tokens": int(block_tokens),
+                                "layout": layout or {}}
+        if hbm_shm_name:
+            args |= {"hbm_kind": "shm", "hbm_name": hbm_shm_name, "hbm_slots": int(hbm_slots)}
+        elif hbm_tensor is not None:
+            from kvtier.protocol.cuda_ipc import export_handle
+
+            args |= {"hbm_kind": "cuda_ipc", "hbm_handle": export_handle(hbm_tensor), "hbm_slots": int(hbm_slots)}
+            self.hbm = hbm_tensor
+        self.info = self._call("register", args)
+        slots, stride = self.info.get("hbm_slots", 0), self.info.get("slot_stride", 0)
+        if self.hbm is None and self.info.get("hbm_kind") == "shm" and self.info.get("hbm_name"):
+            import torch
+
+            self._shm = attach_shm(self.info["hbm_name"])
+            self.hbm = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=slots * stride).view(slots, stride) \
+                if slots else torch.empty(0, stride, dtype=torch.uint8)
+        elif self.hbm is None and self.info.get("hbm_kind") == "cuda" and self.info.get("hbm_handle"):
+            from kvtier.protocol.cuda_ipc import import_handle  # the daemon's own device pool, mapped over CUDA IPC
+
+            try:
+                self.hbm = import_handle(self.info["hbm_handle"])[: slots * stride].view(slots, stride)
+            except Exception as e:
+                raise KvtierError(f"cannot map the daemon's CUDA HBM pool: {e}") from None
+        # a lease holds HBM slots idle: keep it a small fraction of the pool
+        self.lease_size = min(self.lease_size, int(self.info.get("hbm_slots", 0)) // 16)
+        if self.heartbeat_s and self._hb_thread is None:
+            self._hb_thread = threading.Thread(target=self._heartbeat, name="kvtier-heartbeat", daemon=True)
+            self._hb_thread.start()
+        return self.info
+
+    def _heartbeat(self) -> None:
+        sock = self._dealer()
+        try:
+            while not self._hb_stop.wait(self.heartbeat_s):
+                try:
+                    self._call("heartbeat", timeout_s=max(1.0, self.heartbeat_s or 1.0), sock=sock)
+                except RequestTimeout:
+                    sock.close(0)
+                    sock = self._dealer()
+                except KvtierError:
+                    pass
+        finally:
+            sock.close(0)
+
+    def slot_view(self, slot: int) -> "torch.Tensor":
+        """The bytes of one HBM slot (block_bytes long) in the shared region."""
+        if self.hbm is None:
+            raise KvtierError("no HBM region mapped: register first")
+        return self.hbm[int(slot), : self.info["block_bytes"]]
+
+    # -- blocks --------------------------------------------------------------------------
+    def alloc(self, n: int, seq: Optional[int] = None, pin: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """n new blocks and their HBM slots at allocation time. Without ``seq`` they come
+        from a local lease (one RPC per ``lease_size`` blocks). The daemon may move an
+        unpinned block, so ``acquire`` a block before writing into its slot."""
+        if seq is None and not pin and self.lease_size and n <= self.lease_size:
+            if len(self._lease) < n:
+                r = self._alloc_retry(self.lease_size + n - len(self._lease), None)
+                self._lease.extend(_ids(r["blocks"]).tolist())
+            out = np.asarray(self._lease[:n], dtype=np.int64)
+            del self._lease[:n]
+            return out, self._slots_of(out)
+        r = self._alloc_retry(n, seq, pin)
+        return _ids(r["blocks"]), _ids(r["slots"])
+
+    def _slots_of(self, blocks: np.ndarray) -> np.ndarray:
+        return np.asarray([self._lease_slot.pop(b) for b in blocks.tolist()], dtype=np.int64)
+
+    def _alloc_retry(self, n: int, seq: Optional[int], pin: bool = False) -> dict:
+        """The daemon waits for room (up to our timeout) rather than bouncing us."""
+        r = self._call("alloc", {"n": int(n), "seq": seq, "pin": pin or None, "wait": True,
+                                 "timeout_s": self.timeout_s}, timeout_s=self.timeout_s + 5.0)
+        if seq is None and not pin:
+            self._lease_slot.update(zip(_ids(r["blocks"]).tolist(), _ids(r["slots"]).tolist()))
+        return r
+
+    def seal(self, blocks: ArrayLike, keys: ArrayLike, nbytes: Optional[int] = None,
+             seq: Optional[int] = None) -> np.ndarray:
+        """Seal full blocks under content keys; returns canonical ids (shared prefixes fold)."""
+        r = self._call("seal", {"blocks": _arr(blocks), "keys": _arr(keys, np.uint64), "nbytes": nbytes, "seq": seq})
+        return _ids(r["blocks"])
+
+    def ref(self, keys: ArrayLike, seq: Optional[int] = None) -> np.ndarray:
+        """Reference sealed blocks by key (prefix hits); -1 where a key is unknown."""
+        return _ids(self._call("ref", {"keys": _arr(keys, np.uint64), "seq": seq})["blocks"])
+
+    def acquire(self, blocks: Optional[ArrayLike] = None, keys: Optional[ArrayLike] = None,
+                seqs: Optional[Sequence[int]] = None, timeout_s: Optional[float] = None) -> tuple[np.ndarray, np.ndarray]:
+        """Pin blocks resident in HBM (promoting as needed); returns (sorted unique blocks, slots)."""
+        wait = (timeout_s if timeout_s is not None else self.timeout_s)
+        r = self._call("acquire", {"blocks": _arr(blocks), "keys": _arr(keys, np.uint64),
+                                   "seqs": list(seqs) if seqs is not None else None, "timeout_s": timeout_s},
+                       timeout_s=wait + 5.0)
+        return _ids(r["blocks"]), _ids(r["slots"])
+
+    def acquire_async(self, blocks: Optional[ArrayLike] = None, keys: Optional[ArrayLike] = None,
+                      seqs: Optional[Sequence[int]] = None, timeout_s: Optional[float] = None) -> AcquireHandle:
+        r = self._call("acquire", {"blocks": _arr(blocks), "keys": _arr(keys, np.uint64),
+                                   "seqs": list(seqs) if seqs is not None else None, "timeout_s": timeout_s,
+                                   "wait": False})
+        return AcquireHandle(self, r, 0)
+
+    def release(self, blocks: Optional[ArrayLike] = None, seqs: Optional[Sequence[int]] = None) -> int:
+        return self._call("release", {"blocks": _arr(blocks), "seqs": list(seqs) if seqs else None})["released"]
+
+    def free(self, blocks: Optional[ArrayLike] = None, seqs: Optional[Sequence[int]] = None) -> int:
+        return self._call("free", {"blocks": _arr(blocks), "seqs": list(seqs) if seqs else None})["freed"]
+
+    def hint(self, blocks: Optional[ArrayLike] = None, keys: Optional[ArrayLike] = None,
+             seqs: Optional[Sequence[int]] = None, deadline_s: float = 0.0) -> int:
+        """Tell the daemon what will be acquired within ``deadline_s`` so it can prefetch."""
+        return self._call("hint", {"blocks": _arr(blocks), "keys": _arr(keys, np.uint64),
+                                   "seqs": list(seqs) if seqs else None, "deadline_s": float(deadline_s)})["hinted"]
+
+    def stats(self) -> dict:
+        return self._call("stats")
+
+    def reload(self) -> dict:
+        return self._call("reload")
+
+    def check(self) -> dict:
+        """Ask the daemon to verify its metadata invariants (raises RequestRejected if broken)."""
+        return self._call("check")
+
+    # -- telemetry ---------------------------------------------------------------------------
+    def _telemetry(self, msg: dict) -> None:
+        if self._push is None:
+            if not self.telemetry_endpoint:
+                raise KvtierError("no telemetry endpoint known")
+            self._push = self.ctx.socket(zmq.PUSH)
+            self._push.setsockopt(zmq.LINGER, 1000)
+            self._push.setsockopt(zmq.SNDHWM, 10000)
+            self._push.connect(self.telemetry_endpoint)
+        try:
+            self._push.send(msgpack.packb(msg, use_bin_type=True), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # fire-and-forget: a full queue drops telemetry, never blocks the engine
+
+    def report_attention(self, blocks: ArrayLike, mass: "np.ndarray | Sequence[float]") -> None:
+        """Attention mass per block of one sequence for the last step (fire-and-forget)."""
+        self._telemetry({"v": P.VERSION, "engine": self.engine_id, "kind": "attention", "blocks": _arr(blocks),
+                         "mass": np.ascontiguousarray(mass, dtype="<f4").tobytes()})
+
+    def report_segment(self, blocks: ArrayLike, tag: str) -> None:
+        self._telemetry({"v": P.VERSION, "engine": self.engine_id, "kind": "segment", "blocks": _arr(blocks),
+                         "tag": tag})
+
+    # -- teardown ----------------------------------------------------------------------------
+    def close(self, unregister: bool = True) -> None:
+        if self.closed:
+            return
+        self._hb_stop.set()
+        if self._hb_thread is not None:
+            self._hb_thread.join(timeout=5)
+        try:
+            if self._lease and self.info and not unregister:
+                self._call("free", {"blocks": _arr(self._lease)}, timeout_s=5.0)
+            if unregister and self.info:
+                self._call("unregister", timeout_s=5.0)
+        except KvtierError:
+            pass
+        self.closed = True
+        self.hbm = None
+        if self._shm is not None:
+            release_shm(self._shm, unlink=False)
+            self._shm = None
+        for s in (self._sock, self._push):
+            if s is not None:
+                s.close(0)
+
+    def __enter__(self) -> "TierClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _nolock:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+__all__ = ["TierClient", "AcquireHandle", "KvtierError", "DaemonUnavailable", "RequestTimeout", "RequestRejected"]

@@ -1,1 +1,0 @@
-"""Engine adapters: transformers ``Cache`` backed by kvtier, and the demo workload."""

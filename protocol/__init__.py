@@ -1,0 +1,1 @@
+"""Engine <-> daemon contract: wire format, runtime-dir discovery, shared-memory regions."""

@@ -1,0 +1,131 @@
+"""Trace readers: Mooncake and Qwen-Bailian JSONL, flattened to access arrays.
+
+Mooncake: ``{"timestamp": ms, "input_length", "output_length", "hash_ids"}``
+(512-token blocks). Qwen-Bailian: ``{"chat_id", "parent_chat_id",
+"timestamp": s, "input_length", "output_length", "type", "turn",
+"hash_ids"}`` (16-token blocks). The format is detected per file from the
+first record. Per-access block classes are computed in one causal pass: each
+uses only requests that arrived earlier.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+
+from kvtier.policy.base import NEVER
+from kvtier.predictor.classes import block_class
+
+FORMATS = {
+    "mooncake": {"required": ("timestamp", "hash_ids"), "time_scale": 1e-3, "block_tokens": 512},
+    "bailian": {"required": ("chat_id", "timestamp", "hash_ids", "turn"), "time_scale": 1.0, "block_tokens": 16},
+}
+
+
+class TraceError(ValueError):
+    pass
+
+
+@dataclass
+class Trace:
+    name: str
+    format: str
+    block: np.ndarray  # dense block id per access
+    time_s: np.ndarray
+    cls: np.ndarray
+    request: np.ndarray
+    n_requests: int
+    n_unique: int
+
+    @property
+    def n_accesses(self) -> int:
+        return int(self.block.size)
+
+    def next_use(self) -> np.ndarray:
+        """Index of each access's next access to the same block (big if none)."""
+        n = self.block.size
+        nxt = np.full(n, NEVER, dtype=np.int64)
+        order = np.lexsort((np.arange(n), self.block))
+        same = self.block[order[1:]] == self.block[order[:-1]]
+        nxt[order[:-1][same]] = order[1:][same]
+        return nxt
+
+
+def _detect(rec: dict, path: str) -> str:
+    for name, spec in FORMATS.items():
+        if all(k in rec for k in spec["required"]):
+            if name == "mooncake" and "chat_id" in rec:
+                continue
+            return name
+    raise TraceError(f"{path}:1: unknown trace format (keys {sorted(rec)})")
+
+
+def _check(rec: object, fmt: str, path: str, lineno: int) -> dict:
+    if not isinstance(rec, dict):
+        raise TraceError(f"{path}:{lineno}: expected a JSON object")
+    for k in FORMATS[fmt]["required"]:
+        if k not in rec:
+            raise TraceError(f"{path}:{lineno}: missing field {k!r}")
+    ids = rec["hash_ids"]
+    if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+        raise TraceError(f"{path}:{lineno}: hash_ids must be a list of integers")
+    ts = rec["timestamp"]
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool) or ts < 0:
+        raise TraceError(f"{path}:{lineno}: timestamp must be a non-negative number")
+    return rec
+
+
+def load_trace(path: str, progress: Optional[Callable[[int], None]] = None) -> Trace:
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"trace not found: {path}")
+    fmt = None
+    blocks: list[int] = []
+    times: list[float] = []
+    classes: list[int] = []
+    reqs: list[int] = []
+    seen: set[int] = set()
+    n_req = 0
+    last_t = -1.0
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TraceError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+            if fmt is None:
+                if not isinstance(rec, dict):
+                    raise TraceError(f"{path}:{lineno}: expected a JSON object")
+                fmt = _detect(rec, path)
+            rec = _check(rec, fmt, path, lineno)
+            t = float(rec["timestamp"]) * FORMATS[fmt]["time_scale"]
+            if t < last_t:
+                raise TraceError(f"{path}:{lineno}: timestamps go backwards ({t} < {last_t})")
+            last_t = t
+            ids = rec["hash_ids"]
+            n = len(ids)
+            if fmt == "bailian":
+                cont = int(rec.get("turn", 1)) > 1 or int(rec.get("parent_chat_id", -1)) >= 0
+            else:
+                cont = n > 1 and ids[1] in seen
+            new = sum(1 for x in ids if x not in seen)
+            for i, x in enumerate(ids):
+                blocks.append(x)
+                times.append(t)
+                classes.append(block_class(i == n - 1, cont, new))
+                reqs.append(n_req)
+            seen.update(ids)
+            n_req += 1
+            if progress is not None and lineno % 1000 == 0:
+                progress(1000)
+    if fmt is None:
+        raise TraceError(f"{path}: empty trace")
+    raw = np.asarray(blocks, dtype=np.int64)
+    uniq, dense = np.unique(raw, return_inverse=True)
+    return Trace(os.path.basename(path), fmt, dense.astype(np.int64), np.asarray(times), np.asarray(classes, np.int64),
+                 np.asarray(reqs, np.int64), n_req, int(uniq.size))
