@@ -17,7 +17,7 @@ from typing import Any, Optional
 import numpy as np
 
 from kvtier.tiers.manager import TierManager
-from kvtier.tiers.types import HBM, Tier
+from kvtier.tiers.types import DRAM, HBM, Tier
 
 from .placement import Placement
 from .session import EngineSession
@@ -87,7 +87,7 @@ def promote_missing(mgr: TierManager, placement: Placement, blocks: np.ndarray, 
         return 0
     placement.make_room(HBM, int(missing.size), urgent=urgent)
     # making room may have started moving one of ours further down (DRAM -> NVMe): skip it this turn
-    missing = missing[(t.busy[missing] == 0) & ((t.copies[missing] >> HBM) & 1 == 0)]
+    missing = missing[t.idle_outside(missing, HBM)]
     free = t.free_slot_count(HBM)
     src = source_tiers(t.copies[missing], HBM)
     started = 0
@@ -108,7 +108,7 @@ def progress(w: Waiter, mgr: TierManager, placement: Placement, chunks: int = 1)
     if todo.size == 0:
         return
     blocks = w.blocks[todo]
-    ready = ((t.copies[blocks] >> HBM) & 1 == 1) & (t.busy[blocks] == 0)
+    ready = t.idle_in(blocks, HBM)
     if ready.any():
         idx = todo[ready]
         w.slots[idx] = mgr.pin_many(w.blocks[idx])
@@ -212,7 +212,7 @@ class Prefetcher:
         while self._heap:
             deadline, _, blocks = self._heap[0]
             alive = blocks[t.state[blocks] != 0]
-            wanted = alive[(t.busy[alive] == 0) & ((t.copies[alive] >> HBM) & 1 == 0)]
+            wanted = alive[t.idle_outside(alive, HBM)]
             if wanted.size == 0:
                 heapq.heappop(self._heap)
                 continue
@@ -226,34 +226,32 @@ class Prefetcher:
         self.started += started
         return started
 
+    def speculate(self, mgr: TierManager, placement: Placement, high_watermark: float, now: float) -> int:
+        """Fill idle HBM with the most valuable DRAM blocks (predicted reuse, no hint).
 
-def speculate(pf: "Prefetcher", mgr: TierManager, placement: Placement, high_watermark: float,
-              now: float) -> int:
-    """Fill idle HBM with the most valuable DRAM blocks (predicted reuse, no hint).
-
-    Runs only when nothing is hinted and HBM sits below its high watermark: the
-    slots would otherwise hold nothing, so a wrong guess costs only the copy, and
-    the copy is bounded by the same bandwidth budget as hinted prefetch."""
-    t = mgr.table
-    dram = placement.policies.get(int(Tier.DRAM))
-    slots = t.slots_per_tier[HBM]
-    room = int(high_watermark * slots) - t.used_slot_count(HBM)
-    if dram is None or room <= 0 or len(pf):
-        return 0
-    pf.refill(now)
-    k = min(room, int(pf._tokens // pf.block_bytes), 64)
-    if k <= 0:
-        return 0
-    cand = dram.best(2 * k)
-    if cand.size == 0:
-        return 0
-    ok = (t.busy[cand] == 0) & ((t.copies[cand] & 1) == 0) & ~mgr.corrupt[cand] & ((t.copies[cand] >> 1) & 1 == 1)
-    cand = cand[ok][:k]
-    if cand.size == 0 or mgr.promote(cand, Tier.HBM) is None:
-        return 0
-    pf.mark_speculative(cand)  # its "stored" event comes at a later poll of the owner loop
-    pf._tokens -= cand.size * pf.block_bytes
-    return int(cand.size)
+        Runs only when nothing is hinted and HBM sits below its high watermark: the
+        slots would otherwise hold nothing, so a wrong guess costs only the copy, and
+        the copy is bounded by the same bandwidth budget as hinted prefetch."""
+        t = mgr.table
+        dram = placement.policies.get(int(Tier.DRAM))
+        slots = t.slots_per_tier[HBM]
+        room = int(high_watermark * slots) - t.used_slot_count(HBM)
+        if dram is None or room <= 0 or len(self):
+            return 0
+        self.refill(now)
+        k = min(room, int(self._tokens // self.block_bytes), 64)
+        if k <= 0:
+            return 0
+        cand = dram.best(2 * k)
+        if cand.size == 0:
+            return 0
+        ok = t.idle_outside(cand, HBM) & t.idle_in(cand, DRAM) & ~mgr.corrupt[cand]
+        cand = cand[ok][:k]
+        if cand.size == 0 or mgr.promote(cand, Tier.HBM) is None:
+            return 0
+        self.mark_speculative(cand)  # its "stored" event comes at a later poll of the owner loop
+        self._tokens -= cand.size * self.block_bytes
+        return int(cand.size)
 
 
-__all__ = ["speculate", "Pending", "AllocWaiter", "Waiter", "progress", "unpin_waiter", "promote_missing", "Prefetcher", "source_tiers"]
+__all__ = ["Pending", "AllocWaiter", "Waiter", "progress", "unpin_waiter", "promote_missing", "Prefetcher", "source_tiers"]

@@ -262,6 +262,13 @@ class Placement:
             b = nxt
         return have
 
+    def configure(self, params: dict) -> None:
+        """Reloaded policy parameters: each policy takes the ones it has."""
+        for pol in self.policies.values():
+            for k, v in params.items():
+                if hasattr(pol, k) and not callable(getattr(pol, k)):
+                    setattr(pol, k, v)
+
     def stats(self) -> dict:
         out = {"dropped": self.dropped, "demoted": self.demoted, "declined": self.declined,
                "access_backlog": self._log_n}

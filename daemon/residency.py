@@ -1,8 +1,9 @@
 """Residency operations: acquire (blocking or polled), release, and schedule hints.
 
-A mixin of ``Service``, kept apart because it is the hot path: an acquire whose
-blocks are all resident is one vectorised pin and a log entry; anything else
-becomes a ``Waiter`` that ``advance_waiters`` moves forward in the owner loop.
+Kept apart from the block lifecycle because it is the hot path: an acquire
+whose blocks are all resident is one vectorised pin and a log entry; anything
+else becomes a ``Waiter`` that ``advance_waiters`` moves forward in the owner
+loop.
 """
 
 from __future__ import annotations
@@ -10,16 +11,15 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import Counter
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from kvtier.tiers.manager import TierManager
 from kvtier.tiers.types import HBM, Tier
 
 from kvtier.protocol import wire as P
-from .acquire import Prefetcher, Waiter, progress, source_tiers, unpin_waiter, unservable
-from .placement import Placement
+from .acquire import Waiter, progress, source_tiers, unpin_waiter, unservable
+from .node import Node
 from kvtier.protocol.wire import ProtocolError
 from .session import EngineSession
 
@@ -31,33 +31,29 @@ HIT_COUNTERS = tuple(f"hits_{t.name.lower()}" for t in Tier)
 
 
 class ResidencyOps:
-    cfg: "KvtierConfig"
-    clock: Callable[[], float]
-    mgr: Optional[TierManager]
-    placement: Optional[Placement]
-    prefetcher: Optional[Prefetcher]
-    waiters: dict[int, Waiter]
-    tickets: "itertools.count[int]"
-    counters: Counter[str]
-    layers: int
-    stall_counts: np.ndarray
-    stall_sum: float
+    def __init__(self, node: Node, cfg: "KvtierConfig", counters: Counter[str], clock: Callable[[], float]) -> None:
+        self.node = node
+        self.cfg = cfg
+        self.counters = counters  # the service's: one set of counters for the whole daemon
+        self.clock = clock
+        self.waiters: dict[int, Waiter] = {}
+        self.tickets = itertools.count(1)
+        self.stall_counts = np.zeros(len(STALL_BUCKETS) + 1, dtype=np.int64)  # histogram (last: +Inf)
+        self.stall_sum = 0.0
 
-    def _need_mgr(self) -> TierManager:
-        raise NotImplementedError  # Service's
-
-    def _blocks(self, session: EngineSession, args: Any, allow_keys: bool = True) -> np.ndarray:
-        raise NotImplementedError  # Service's
+    def drop_waiters(self, session: EngineSession) -> None:
+        for tk in [k for k, w in self.waiters.items() if w.session is session]:
+            self.waiters.pop(tk)
 
     def op_acquire(self, session: EngineSession, args: Any) -> Any:
-        mgr = self._need_mgr()
-        blocks = self._blocks(session, args)
+        mgr = self.node.mgr
+        blocks = self.node.resolve(session, args)
         t = mgr.table
         if blocks.size > t.slots_per_tier[HBM]:
             raise ProtocolError(P.NO_SPACE, f"{blocks.size} blocks can never fit {t.slots_per_tier[HBM]} HBM slots")
         now = self.clock()
         copies = t.copies[blocks]
-        resident = ((copies & 1) == 1) & (t.busy[blocks] == 0)  # HBM is bit 0
+        resident = t.idle_in(blocks, HBM)
         c = self.counters
         c["acquires"] += 1
         c["acquire_blocks"] += int(blocks.size)
@@ -67,8 +63,8 @@ class ResidencyOps:
             slots = mgr.pin_many(blocks, checked=True)
             session.pins[blocks] += 1
             self.stall_counts[0] += 1  # no stall: the cheapest bucket, no search
-            self.placement.log_access(blocks)  # type: ignore[union-attr]
-            self.prefetcher.note_acquired(blocks)  # type: ignore[union-attr]
+            self.node.placement.log_access(blocks)
+            self.node.prefetcher.note_acquired(blocks)
             return {"done": True, "ticket": 0, "blocks": P.id_bytes(blocks), "slots": P.id_bytes(slots)}
         broken = unservable(blocks[~resident], mgr)
         if broken is not None:
@@ -78,7 +74,7 @@ class ResidencyOps:
             c[name] += n
         timeout = args.timeout_s if args.timeout_s is not None else self.cfg.server.acquire_timeout_s
         w = Waiter(next(self.tickets), session, blocks, now + timeout, now, args.wait)
-        progress(w, mgr, self.placement, self.layers)  # type: ignore[arg-type]
+        progress(w, mgr, self.node.placement, self.node.layers)
         self.waiters[w.ticket] = w
         if not args.wait:
             return self._pending_reply(w)
@@ -90,24 +86,24 @@ class ResidencyOps:
         self.counters["stall_ns"] += int(stall * 1e9)
         self.stall_counts[bisect.bisect_left(STALL_BUCKETS, stall)] += 1
         self.stall_sum += stall
-        self.placement.log_access(w.blocks)  # type: ignore[union-attr]
-        self.prefetcher.note_acquired(w.blocks)  # type: ignore[union-attr]
+        self.node.placement.log_access(w.blocks)
+        self.node.prefetcher.note_acquired(w.blocks)
         return {"done": True, "ticket": w.ticket, "blocks": P.id_bytes(w.blocks), "slots": P.id_bytes(w.slots)}
 
     def op_acquire_poll(self, session: EngineSession, args: Any) -> dict:
         w = self.waiters.get(args.ticket)
         if w is None or w.session is not session or w.blocking:
             raise ProtocolError(P.INVALID, f"unknown acquire ticket {args.ticket}")
-        progress(w, self.mgr, self.placement, self.layers)  # type: ignore[arg-type]
+        progress(w, self.node.mgr, self.node.placement, self.node.layers)
         if w.done:
             return self._finish(w)
-        broken = unservable(w.blocks[~w.pinned], self.mgr)  # type: ignore[arg-type]
+        broken = unservable(w.blocks[~w.pinned], self.node.mgr)
         if broken is not None:
-            unpin_waiter(w, self.mgr)  # type: ignore[arg-type]
+            unpin_waiter(w, self.node.mgr)
             self.waiters.pop(w.ticket, None)
             raise ProtocolError(*broken)
         if self.clock() > w.deadline:
-            unpin_waiter(w, self.mgr)  # type: ignore[arg-type]
+            unpin_waiter(w, self.node.mgr)
             self.waiters.pop(w.ticket, None)
             raise ProtocolError(P.TIMEOUT, f"acquire {w.ticket} missed its deadline")
         return self._pending_reply(w)
@@ -115,10 +111,10 @@ class ResidencyOps:
     def _pending_reply(self, w: Waiter) -> dict:
         """Per block of a waiting acquire: pinned, layers landed so far, and its HBM slot
         (reserved already for blocks in flight, so layer l may be read once it landed)."""
-        t = self.mgr.table  # type: ignore[union-attr]
-        layers = self.mgr.parts_ready(w.blocks, self.layers)  # type: ignore[union-attr]
+        t = self.node.mgr.table
+        layers = self.node.mgr.parts_ready(w.blocks, self.node.layers)
         slots = np.where(w.pinned, w.slots, np.where(layers > 0, t.slot[HBM, w.blocks], -1))
-        return {"done": False, "ticket": w.ticket, "ready": w.pinned.tobytes(), "layers": self.layers,
+        return {"done": False, "ticket": w.ticket, "ready": w.pinned.tobytes(), "layers": self.node.layers,
                 "layers_ready": P.id_bytes(layers), "slots": P.id_bytes(slots)}
 
     def advance_waiters(self) -> list[tuple[Waiter, Any]]:
@@ -128,30 +124,30 @@ class ResidencyOps:
         for w in list(self.waiters.values()):
             if not w.blocking:  # pin what landed now, before background work could move it
                 if now > w.deadline + 60:  # abandoned non-blocking ticket
-                    unpin_waiter(w, self.mgr)  # type: ignore[arg-type]
+                    unpin_waiter(w, self.node.mgr)
                     self.waiters.pop(w.ticket, None)
                 elif not w.done:
-                    progress(w, self.mgr, self.placement, self.layers)  # type: ignore[arg-type]
+                    progress(w, self.node.mgr, self.node.placement, self.node.layers)
                 continue
-            progress(w, self.mgr, self.placement, self.layers)  # type: ignore[arg-type]
-            broken = None if w.done else unservable(w.blocks[~w.pinned], self.mgr)  # type: ignore[arg-type]
+            progress(w, self.node.mgr, self.node.placement, self.node.layers)
+            broken = None if w.done else unservable(w.blocks[~w.pinned], self.node.mgr)
             if w.done:
                 out.append((w, self._finish(w)))
             elif broken is not None:
-                unpin_waiter(w, self.mgr)  # type: ignore[arg-type]
+                unpin_waiter(w, self.node.mgr)
                 self.waiters.pop(w.ticket, None)
                 self.counters["acquire_failures"] += 1
                 out.append((w, ProtocolError(*broken)))
             elif now > w.deadline:
-                unpin_waiter(w, self.mgr)  # type: ignore[arg-type]
+                unpin_waiter(w, self.node.mgr)
                 self.waiters.pop(w.ticket, None)
                 self.counters["acquire_timeouts"] += 1
                 out.append((w, ProtocolError(P.TIMEOUT, f"acquire of {w.blocks.size} blocks missed its deadline")))
         return out
 
     def op_release(self, session: EngineSession, args: Any) -> dict:
-        mgr = self._need_mgr()
-        blocks = self._blocks(session, args, allow_keys=False)
+        mgr = self.node.mgr
+        blocks = self.node.resolve(session, args, allow_keys=False)
         unheld = session.pins[blocks] <= 0
         if unheld.any():
             b = int(blocks[np.argmax(unheld)])
@@ -161,11 +157,10 @@ class ResidencyOps:
         return {"released": int(blocks.size)}
 
     def op_hint(self, session: EngineSession, args: Any) -> dict:
-        self._need_mgr()
-        blocks = self._blocks(session, args)
+        blocks = self.node.resolve(session, args)
         due = self.clock() + float(args.deadline_s)
-        self.prefetcher.hint(blocks, due)  # type: ignore[union-attr]
+        self.node.prefetcher.hint(blocks, due)
         # protect through the deadline plus a grace period, then they compete like any block
-        self.placement.protect(blocks, due + max(1.0, float(args.deadline_s)))  # type: ignore[union-attr]
+        self.node.placement.protect(blocks, due + max(1.0, float(args.deadline_s)))
         return {"hinted": int(blocks.size)}
 

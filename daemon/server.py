@@ -32,7 +32,6 @@ from .events import encode_batch, seq_frame
 from .metrics import Exporter
 from kvtier.protocol.wire import ProtocolError
 from .service import Service
-from .stats import snapshot
 
 log = logging.getLogger("kvtier.server")
 
@@ -112,8 +111,7 @@ class Server:
         svc = self.service
         last_tick = 0.0
         while not self.stop_requested:
-            busy = bool(svc.waiters or svc.alloc_waiters) or (svc.mgr is not None and bool(
-                svc.mgr._pending or svc.placement.backlog or len(svc.prefetcher)))
+            busy = svc.busy()
             if self.rpc.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # a request is waiting: skip the poller
                 ready = {self.rpc: zmq.POLLIN}
                 if self.telemetry.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # ... but never starve telemetry
@@ -140,10 +138,8 @@ class Server:
         svc = self.service
         try:
             svc.background()
-            for w, result in svc.advance_waiters():
+            for w, result in svc.advance():
                 self._reply_later(w, result)
-            for aw, result in svc.advance_allocs():
-                self._reply_later(aw, result)
             svc.maintain()
         except Exception:  # a bug must be loud but must not take the node's KV cache down
             log.exception("background work failed")
@@ -162,7 +158,7 @@ class Server:
         self._publish_events()
         if now - self._last_snapshot > 1.0 and self.exporter is not None:
             self._last_snapshot = now
-            self.exporter.publish(snapshot(svc))
+            self.exporter.publish(svc.op_stats(None, None))
 
     def _on_request(self, frames: list[bytes]) -> None:
         if len(frames) < 2:
@@ -176,7 +172,7 @@ class Server:
             if req.op == "reload":
                 result: Any = self.reload()
             elif req.op == "stats":
-                result = snapshot(svc) | {"metrics_port": self.exporter.port if self.exporter else None}
+                result = svc.op_stats(None, None) | {"metrics_port": self.exporter.port if self.exporter else None}
             else:
                 result = svc.handle(req, args)
             if isinstance(result, Pending):
@@ -221,10 +217,9 @@ class Server:
                 svc.counters["telemetry_rejected"] += 1
 
     def _publish_events(self) -> None:
-        ev = self.service.events
-        if ev is None:
+        if self.service.node is None:
             return
-        batch = ev.take_batch()
+        batch = self.service.node.events.take_batch()
         if batch is not None:
             self._event_seq += 1
             self.pub.send_multipart([EVENTS_TOPIC, seq_frame(self._event_seq), encode_batch(batch)])
@@ -233,7 +228,7 @@ class Server:
         """Re-read config sources; apply [policy]/[scoring]/[predictor] or keep all on error."""
         new, changed = reload_hot(self.cfg, self.config_path, overrides=self.overrides)
         notes = []
-        if new.policy.name != self.cfg.policy.name and self.service.mgr is not None:
+        if new.policy.name != self.cfg.policy.name and self.service.node is not None:
             notes.append(f"policy.name {new.policy.name!r} takes effect on restart; "
                          f"running {self.cfg.policy.name!r} with the new parameters")
             new.policy.name = self.cfg.policy.name
@@ -246,13 +241,14 @@ class Server:
     def shutdown(self) -> None:
         """Drain transfers, sync NVMe slabs, remove socket files and daemon.json."""
         svc = self.service
-        if svc.mgr is not None:
+        if svc.node is not None:
+            mgr = svc.node.mgr
             try:
-                svc.mgr.wait(timeout=30)
+                mgr.wait(timeout=30)
             except TimeoutError:
                 log.error("transfers still pending at shutdown")
-            if svc.mgr.nvme is not None:
-                svc.mgr.nvme.sync()
+            if mgr.nvme is not None:
+                mgr.nvme.sync()
         svc.close()
         for sock in (self.rpc, self.telemetry, self.pub):
             sock.close(0)

@@ -6,33 +6,39 @@ this snapshot, so nothing outside the owner thread touches live metadata.
 
 from __future__ import annotations
 
-from typing import Any
+from collections import Counter
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from kvtier.tiers.types import FREE
 
-from .service import STALL_BUCKETS, Service
+from .config import KvtierConfig
+from .node import Node
+from .residency import STALL_BUCKETS, ResidencyOps
+from .session import EngineSession
 
 
-def snapshot(svc: Service) -> dict[str, Any]:
-    c = svc.counters
+def snapshot(cfg: KvtierConfig, counters: Counter[str], engines: dict[str, EngineSession], node: Optional[Node],
+             res: Optional[ResidencyOps], clock: Callable[[], float]) -> dict[str, Any]:
+    c = counters
+    stall_counts = res.stall_counts.tolist() if res is not None else [0] * (len(STALL_BUCKETS) + 1)
+    stall_sum = res.stall_sum if res is not None else 0.0
     acquires = c["acquires"]
     out: dict[str, Any] = {
         "engines": [{"engine": s.engine_id, "pid": s.pid, "live_blocks": len(s.refs), "pins": int(s.pins.sum()),
-                     "sequences": len(s.seqs)} for s in svc.engines.values()],
+                     "sequences": len(s.seqs)} for s in engines.values()],
         "service": dict(c),
         "prefetch_on_time_ratio": c["acquires_on_time"] / acquires if acquires else 1.0,
         "acquire_stall_s_total": c["stall_ns"] / 1e9,
-        "acquire_stall_histogram": {"le": list(STALL_BUCKETS), "counts": svc.stall_counts.tolist(),
-                                    "sum": svc.stall_sum},
-        "policy": svc.cfg.policy.name,
-        "config_hot": {name: getattr(svc.cfg, name).model_dump() for name in ("policy", "scoring", "predictor")},
+        "acquire_stall_histogram": {"le": list(STALL_BUCKETS), "counts": stall_counts, "sum": stall_sum},
+        "policy": cfg.policy.name,
+        "config_hot": {name: getattr(cfg, name).model_dump() for name in ("policy", "scoring", "predictor")},
     }
-    mgr = svc.mgr
-    if mgr is None:
+    if node is None:
         out["tiers"] = []
         return out
+    mgr = node.mgr
     t = mgr.table
     used = t.state != FREE
     out["tiers"] = mgr.tier_usage()
@@ -54,24 +60,24 @@ def snapshot(svc: Service) -> dict[str, Any]:
         busy = row.get("busy_ns", 0) / 1e9
         row["bandwidth_bytes_per_s"] = row.get("bytes", 0) / busy if busy > 0 else 0.0
     out["paths"] = paths
-    out["placement"] = svc.placement.stats() if svc.placement else {}
+    out["placement"] = node.placement.stats()
     calib = {}
-    for tier, pol in (svc.placement.policies.items() if svc.placement else ()):
+    for pol in node.placement.policies.values():
         tracker = getattr(pol, "calib", None)
         if tracker is not None:
-            tracker.finish(svc.clock() / svc.cfg.policy.epoch_s)
+            tracker.finish(clock() / cfg.policy.epoch_s)
             if tracker.n_scored:
                 calib = tracker.summary()
             break
     out["calibration"] = calib
-    pf = svc.prefetcher
+    pf = node.prefetcher
     out["prefetch"] = {"hinted": pf.hinted, "started": pf.started, "queued": len(pf),
                        "speculated": pf.speculated, "speculative_used": pf.speculative_used,
-                       "speculative_wasted": pf.speculative_wasted} if pf is not None else {}
+                       "speculative_wasted": pf.speculative_wasted}
     out["importance_mean"] = float(np.mean(t.importance[used])) if used.any() else 0.0
-    if svc.scores is not None:  # live blocks per segment tag (untagged: "")
-        counts = np.bincount(svc.scores.segment[used], minlength=len(svc.scores.segment_names))
-        out["segments"] = {name or "untagged": int(n) for name, n in zip(svc.scores.segment_names, counts)}
+    scores = node.scores  # live blocks per segment tag (untagged: "")
+    counts = np.bincount(scores.segment[used], minlength=len(scores.segment_names))
+    out["segments"] = {name or "untagged": int(n) for name, n in zip(scores.segment_names, counts)}
     return out
 
 

@@ -7,7 +7,8 @@ log. A bad message is counted and dropped: telemetry never fails an engine.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections import Counter
+from typing import Any
 
 import numpy as np
 
@@ -16,52 +17,43 @@ from kvtier.tiers.types import FREE
 from kvtier.protocol import wire as P
 from kvtier.protocol.wire import ProtocolError
 
-if TYPE_CHECKING:
-    from .service import Service
+from .node import Node
 
 
-def ingest(svc: "Service", msg: Any) -> int:
+def ingest(node: Node, counters: Counter[str], msg: Any) -> int:
     """One telemetry message; returns block updates applied (bad ones are counted, not fatal)."""
-    if svc.mgr is None or not isinstance(msg, dict) or msg.get("v") != P.VERSION:
-        svc.counters["telemetry_rejected"] += 1
+    if not isinstance(msg, dict) or msg.get("v") != P.VERSION:
+        counters["telemetry_rejected"] += 1
         return 0
     try:
-        blocks = P.ids(msg.get("blocks"), np.int64, svc.cfg.server.max_batch_blocks, "blocks")
-        t = svc.mgr.table
+        blocks = node.ids(msg.get("blocks"), "blocks")
+        t = node.mgr.table
         if blocks.size == 0 or np.any((blocks < 0) | (blocks >= t.max_blocks)):
             raise ProtocolError(P.BAD_REQUEST, "bad blocks")
         live = t.state[blocks] != FREE
         kind = msg.get("kind")
         if kind == "attention":
-            mass = P.ids(msg.get("mass"), np.float32, svc.cfg.server.max_batch_blocks, "mass")
+            mass = P.ids(msg.get("mass"), np.float32, node.max_batch_blocks, "mass")
             if mass.size != blocks.size or not np.all(np.isfinite(mass)) or np.any(mass < 0):
                 raise ProtocolError(P.BAD_REQUEST, "bad mass")
-            svc.scores.report(blocks[live], mass[live])  # type: ignore[union-attr]
-            apply_weights(svc, blocks[live])
+            node.scores.report(blocks[live], mass[live])
+            node.set_importance(blocks[live])
         elif kind == "segment":
             tag = msg.get("tag")
             if not isinstance(tag, str):
                 raise ProtocolError(P.BAD_REQUEST, "bad tag")
-            svc.scores.tag(blocks[live], tag)  # type: ignore[union-attr]
-            apply_weights(svc, blocks[live])
+            node.scores.tag(blocks[live], tag)
+            node.set_importance(blocks[live])
         elif kind == "access":
-            svc.placement.log_access(blocks[live])  # type: ignore[union-attr]
+            node.placement.log_access(blocks[live])
         else:
             raise ProtocolError(P.BAD_REQUEST, "unknown kind")
     except ProtocolError:
-        svc.counters["telemetry_rejected"] += 1
+        counters["telemetry_rejected"] += 1
         return 0
     n = int(live.sum())
-    svc.counters["telemetry_block_updates"] += n
+    counters["telemetry_block_updates"] += n
     return n
 
 
-def apply_weights(svc: "Service", blocks: np.ndarray) -> None:
-    """Importance changed: refresh the table column and the policies' weights."""
-    w = svc.scores.weight(blocks)  # type: ignore[union-attr]
-    svc.mgr.table.importance[blocks] = svc.scores.score(blocks)  # type: ignore[union-attr]
-    for pol in svc.placement.policies.values():  # type: ignore[union-attr]
-        pol.set_weights(blocks, w)
-
-
-__all__ = ["ingest", "apply_weights"]
+__all__ = ["ingest"]

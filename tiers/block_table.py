@@ -78,6 +78,14 @@ class BlockTable:
     def has_copy(self, b: int, tier: int) -> bool:
         return bool(int(self.copies[b]) >> int(tier) & 1)
 
+    def idle_in(self, blocks: np.ndarray, tier: int) -> np.ndarray:
+        """Per block: holds a valid copy in ``tier`` and no transfer is moving it."""
+        return ((self.copies[blocks] >> tier) & 1 == 1) & (self.busy[blocks] == 0)
+
+    def idle_outside(self, blocks: np.ndarray, tier: int) -> np.ndarray:
+        """Per block: no valid copy in ``tier`` and no transfer is moving it (a promotion candidate)."""
+        return ((self.copies[blocks] >> tier) & 1 == 0) & (self.busy[blocks] == 0)
+
     def home_tier(self, b: int) -> int:
         """Fastest tier holding a valid copy, or -1."""
         c = int(self.copies[b])

@@ -120,7 +120,7 @@ class TierManager:
             raise ValueError(f"unknown block {b}")
         return b
 
-    def _check_blocks(self, blocks: Iterable[int]) -> np.ndarray:
+    def check_blocks(self, blocks: Iterable[int]) -> np.ndarray:
         arr = np.asarray(blocks if isinstance(blocks, np.ndarray) else list(blocks), dtype=np.int64).reshape(-1)
         t = self.table
         bad = (arr < 0) | (arr >= t.max_blocks)
@@ -135,8 +135,10 @@ class TierManager:
         return arr
 
     # -- lifecycle ---------------------------------------------------------
-    def alloc(self, n: int) -> Optional[np.ndarray]:
-        """n new OPEN blocks with HBM slots, all or nothing (None if no room)."""
+    def alloc(self, n: int, full: bool = False) -> Optional[np.ndarray]:
+        """n new OPEN blocks with HBM slots, all or nothing (None if no room).
+
+        ``full``: the engine writes the slots directly, so all of each is payload."""
         t = self.table
         if n < 0:
             raise ValueError("n must be >= 0")
@@ -146,6 +148,8 @@ class TierManager:
         t.assign_slots(out, HBM)
         t.copies[out] |= np.uint8(1 << HBM)
         t.last_access[out] = self.clock()
+        if full:
+            t.nbytes[out] = self.block_bytes
         t.refresh_evictable_many(out)
         return out
 
@@ -211,6 +215,22 @@ class TierManager:
         self.table.refcount[b] += 1
         return b
 
+    def ref_many(self, blocks: np.ndarray) -> None:
+        """One more reference on each of ``blocks`` (sealed prefix hits; a block may repeat)."""
+        np.add.at(self.table.refcount, blocks, 1)
+
+    def set_importance(self, blocks: np.ndarray, values: np.ndarray) -> None:
+        """The scorer's importance of ``blocks``, kept beside the rest of their metadata."""
+        self.table.importance[blocks] = values
+
+    def drop_cached(self) -> int:
+        """Drop every cached (unreferenced, unpinned, idle) block; returns how many."""
+        t = self.table
+        cached = np.flatnonzero((t.state != FREE) & (t.refcount == 0) & (t.pins == 0) & (t.busy == 0))
+        for b in cached.tolist():
+            self.drop(b)
+        return int(cached.size)
+
     def free(self, b: int, allow_pinned: bool = False) -> None:
         """Drop one reference. OPEN blocks die; SEALED ones become cached.
 
@@ -266,7 +286,7 @@ class TierManager:
 
         ``checked``: the caller already validated ids (live, no duplicates)."""
         t = self.table
-        arr = blocks if checked else self._check_blocks(blocks)
+        arr = blocks if checked else self.check_blocks(blocks)
         bad = ((t.copies[arr] >> HBM) & 1 == 0) | (t.busy[arr] != 0)
         if bad.any():
             raise ValueError(f"block {int(arr[np.argmax(bad)])} is not resident in HBM")
@@ -276,7 +296,7 @@ class TierManager:
 
     def unpin_many(self, blocks: np.ndarray, checked: bool = False) -> None:
         t = self.table
-        arr = blocks if checked else self._check_blocks(blocks)
+        arr = blocks if checked else self.check_blocks(blocks)
         if np.any(t.pins[arr] <= 0):
             raise ValueError(f"block {int(arr[np.argmax(t.pins[arr] <= 0)])} is not pinned")
         t.pins[arr] -= 1
@@ -307,7 +327,7 @@ class TierManager:
         src, dst = parse_tier(src), parse_tier(dst)
         if dst <= src:
             raise ValueError(f"demote goes down: {src.name} -> {dst.name}")
-        return self._move(self._check_blocks(blocks), src, dst, keep_source)
+        return self._move(self.check_blocks(blocks), src, dst, keep_source)
 
     def promote(self, blocks: Iterable[int], dst: "Tier | int | str" = Tier.HBM, chunks: int = 1) -> Optional[int]:
         """Copy blocks up into ``dst`` from their fastest lower copy.
@@ -317,7 +337,7 @@ class TierManager:
         if chunks < 1 or self.block_bytes % chunks:
             raise ValueError(f"chunks={chunks} must divide block_bytes={self.block_bytes}")
         dst = parse_tier(dst)
-        arr = self._check_blocks(blocks)
+        arr = self.check_blocks(blocks)
         copies = self.table.copies[arr].astype(np.int64)
         if np.any((copies >> dst) & 1):
             raise ValueError(f"block {int(arr[np.argmax((copies >> dst) & 1)])} is already in {dst.name}")
@@ -422,12 +442,16 @@ class TierManager:
         """Per block: ``chunks`` if resident in HBM and idle, the parts already landed
         if a layer-wise promotion is moving it there, else 0."""
         t = self.table
-        out = np.where(((t.copies[blocks] & 1) == 1) & (t.busy[blocks] == 0), chunks, 0).astype(np.int64)
+        out = np.where(t.idle_in(blocks, HBM), chunks, 0).astype(np.int64)
         for i in np.flatnonzero(self.inflight[blocks]).tolist():
             p = self._pending.get(int(self.inflight[blocks[i]]))
             if p is not None and p.progress is not None and p.dst == Tier.HBM:
                 out[i] = int(p.progress[0]) * chunks // p.chunks
         return out
+
+    def has_pending(self) -> bool:
+        """Are transfers submitted whose completions are not applied yet?"""
+        return bool(self._pending)
 
     def pending_out(self, tier: "Tier | int") -> int:
         """Slots of ``tier`` that in-flight transfers will free when they complete."""

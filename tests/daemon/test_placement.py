@@ -25,7 +25,7 @@ def call(svc, op, engine="e", **args):
     req, a = P.decode_request(P.pack({"v": 1, "id": 1, "op": op, "engine": engine, "args": args}), 1 << 20)
     out = svc.handle(req, a)
     svc.background()
-    svc.mgr.wait(timeout=10)
+    svc.node.mgr.wait(timeout=10)
     svc.background()
     return out
 
@@ -41,15 +41,15 @@ def test_lru_victim_is_demoted_first(svc):
     for b in (blocks[2], blocks[0], blocks[3], blocks[1]):  # access order: block 2 is now least recent
         call(svc, "acquire", blocks=P.id_bytes([b]))
         call(svc, "release", blocks=P.id_bytes([b]))
-        svc.placement.drain(1000)
-        svc.placement.logged_epoch[:] = -1  # count every access in this test
+        svc.node.placement.drain(1000)
+        svc.node.placement.logged_epoch[:] = -1  # count every access in this test
     with pytest.raises(P.ProtocolError) as e:  # the demotion it started is a transfer: retry after it lands
         call(svc, "alloc", n=1, seq=2)
     assert e.value.code == P.NO_SPACE
-    svc.mgr.wait(timeout=10)
+    svc.node.mgr.wait(timeout=10)
     svc.background()
     more = ids(call(svc, "alloc", n=1, seq=2)["blocks"])
-    t = svc.mgr.table
+    t = svc.node.mgr.table
     assert t.copies[blocks[2]] == 0b010  # demoted to DRAM
     assert all(t.copies[b] & 1 for b in (blocks[0], blocks[1], blocks[3], more[0]))
     c = call(svc, "check")
@@ -63,20 +63,20 @@ def test_pinned_blocks_are_never_victims(svc):
     with pytest.raises(P.ProtocolError) as e:
         call(svc, "alloc", n=1, seq=2)
     assert e.value.code == P.NO_SPACE
-    assert all(svc.mgr.table.copies[b] == 1 for b in blocks)
+    assert all(svc.node.mgr.table.copies[b] == 1 for b in blocks)
 
 
 def test_failed_ops_change_nothing(svc):
     call(svc, "register", pid=0, block_bytes=4096)
     blocks = ids(call(svc, "alloc", n=2, seq=1)["blocks"])
-    snap = (svc.mgr.table.refcount.copy(), svc.mgr.table.pins.copy(), svc.mgr.table.state.copy())
+    snap = (svc.node.mgr.table.refcount.copy(), svc.node.mgr.table.pins.copy(), svc.node.mgr.table.state.copy())
     bad = [("free", dict(blocks=P.id_bytes([blocks[0], 99]))), ("release", dict(blocks=P.id_bytes(blocks))),
            ("seal", dict(blocks=P.id_bytes(blocks), keys=P.id_bytes([1], np.uint64))),
            ("acquire", dict(keys=P.id_bytes([12345], np.uint64))), ("free", dict(seqs=[77]))]
     for op, args in bad:
         with pytest.raises(P.ProtocolError):
             call(svc, op, **args)
-        after = (svc.mgr.table.refcount, svc.mgr.table.pins, svc.mgr.table.state)
+        after = (svc.node.mgr.table.refcount, svc.node.mgr.table.pins, svc.node.mgr.table.state)
         assert all(np.array_equal(x, y) for x, y in zip(snap, after)), op
 
 
@@ -91,34 +91,34 @@ def test_idle_hbm_is_filled_from_dram_by_value(tmp_path):
         blocks = ids(call(svc, "alloc", n=8, seq=1, pin=True)["blocks"])  # HBM (8 slots) full
         call(svc, "seal", blocks=P.id_bytes(blocks), keys=P.id_bytes(list(range(1, 9)), np.uint64))
         call(svc, "release", blocks=P.id_bytes(blocks))
-        svc.mgr.demote(blocks[:6], "hbm", "dram")
-        svc.mgr.wait(timeout=10)
+        svc.node.mgr.demote(blocks[:6], "hbm", "dram")
+        svc.node.mgr.wait(timeout=10)
         svc.background()
-        t = svc.mgr.table
+        t = svc.node.mgr.table
         assert t.used_slot_count(0) == 2
         svc.maintain()  # first call only starts the bandwidth clock
         now[0] += 1.0
         svc.maintain()
-        svc.mgr.wait(timeout=10)
+        svc.node.mgr.wait(timeout=10)
         svc.background()
-        assert svc.prefetcher.speculated == 5  # up to the high watermark: int(0.95 * 8) - 2
+        assert svc.node.prefetcher.speculated == 5  # up to the high watermark: int(0.95 * 8) - 2
         assert t.used_slot_count(0) == 7 and all(t.copies[b] & 0b10 for b in blocks[:6])
-        pf = svc.prefetcher
+        pf = svc.node.prefetcher
         spec = [b for b in blocks[:6] if t.copies[b] & 1]
         assert len(spec) == 5 and pf.speculative_used == pf.speculative_wasted == 0
         call(svc, "acquire", blocks=P.id_bytes(spec[:2]))  # read while in HBM: worth the copy
         call(svc, "release", blocks=P.id_bytes(spec[:2]))
         call(svc, "acquire", blocks=P.id_bytes(spec[:1]))  # counted once
         call(svc, "release", blocks=P.id_bytes(spec[:1]))
-        svc.mgr.drop_copy(spec[2], "hbm")  # left HBM unread: a copy for nothing
+        svc.node.mgr.drop_copy(spec[2], "hbm")  # left HBM unread: a copy for nothing
         assert (pf.speculative_used, pf.speculative_wasted) == (2, 1)
         stats = call(svc, "stats")["prefetch"]
         assert (stats["speculated"], stats["speculative_used"], stats["speculative_wasted"]) == (5, 2, 1)
         call(svc, "hint", blocks=P.id_bytes(blocks[:1]), deadline_s=1.0)
         now[0] += 1.0
-        before = svc.prefetcher.speculated
+        before = svc.node.prefetcher.speculated
         svc.maintain()  # something is hinted: no speculation while hints wait
-        assert svc.prefetcher.speculated == before
+        assert svc.node.prefetcher.speculated == before
         assert call(svc, "check") == {"ok": True}
     finally:
         svc.close()
@@ -141,7 +141,7 @@ def test_write_back_sends_blocks_dram_declines_to_nvme(tmp_path):
         call(svc, "seal", blocks=P.id_bytes(blocks), keys=P.id_bytes(list(range(1, 5)), np.uint64))
         call(svc, "release", blocks=P.id_bytes(blocks))
         call(svc, "free", blocks=P.id_bytes(blocks))  # cached now: free to skip DRAM
-        pl, t = svc.placement, svc.mgr.table
+        pl, t = svc.node.placement, svc.node.mgr.table
         dram = pl.policies[1]
         dram.hits[0, 1] = 500  # class 0 (first access of feature class 0) is read again...
         dram.evictions[0, 1] = 100
@@ -150,14 +150,14 @@ def test_write_back_sends_blocks_dram_declines_to_nvme(tmp_path):
         pl.feature_class[blocks[:2]] = 0
         pl.feature_class[blocks[2:]] = 1
         started, stuck = pl._write_back(0, blocks[:2])  # worth DRAM: admitted
-        svc.mgr.wait(timeout=10)
+        svc.node.mgr.wait(timeout=10)
         assert started == 2 and not stuck and all(t.has_copy(b, 1) for b in blocks[:2])
         started, stuck = pl._write_back(0, blocks[2:])
-        svc.mgr.wait(timeout=10)
+        svc.node.mgr.wait(timeout=10)
         assert started == 2 and not stuck and pl.declined == 2
         assert all(t.has_copy(b, 2) and not t.has_copy(b, 1) for b in blocks[2:])  # straight to NVMe
         assert all(t.has_copy(b, 1) for b in blocks[:2])  # nothing worth its slot was pushed out
-        svc.mgr.wait(timeout=10)
+        svc.node.mgr.wait(timeout=10)
         svc.background()
         assert call(svc, "check") == {"ok": True}
     finally:

@@ -78,10 +78,10 @@ def test_random_ops_keep_every_invariant(tmp_path, policy, seed):
                 assert err.code in {P.INVALID, P.NO_SPACE, P.TIMEOUT}, err.message
                 outcomes["rejected"] += 1
             svc.background()
-            svc.advance_waiters()
+            svc.advance()
             svc.maintain()
             if step % 7 == 0:
-                svc.mgr.wait(timeout=10)
+                svc.node.mgr.wait(timeout=10)
                 svc.background()
             assert _call(svc, "check", "") == {"ok": True}
             for eng in engines:  # the daemon's per-engine pins match what the engine believes it holds
@@ -92,6 +92,6 @@ def test_random_ops_keep_every_invariant(tmp_path, policy, seed):
         svc.reclaim("a", "test")  # one engine goes: the other's blocks and pins are untouched
         assert _call(svc, "check", "") == {"ok": True}
         for b in set(pinned["b"]):
-            assert svc.mgr.table.pins[b] >= pinned["b"].count(b)
+            assert svc.node.mgr.table.pins[b] >= pinned["b"].count(b)
     finally:
         svc.close()

@@ -1,0 +1,181 @@
+"""Block lifecycle operations: alloc (waiting for room if asked), seal, ref, free, clear, check.
+
+Each op validates its whole request before it changes anything, so a bad
+request is an error reply and no state moves. Table changes go through the
+manager's methods; the engines' own holdings (refs, pins, sequences) are
+their sessions'.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from kvtier.protocol import wire as P
+from kvtier.protocol.wire import ProtocolError
+from kvtier.tiers.types import HBM, OPEN
+
+from .acquire import AllocWaiter
+from .config import KvtierConfig
+from .node import Node
+from .session import EngineSession
+
+
+class BlockOps:
+    def __init__(self, node: Node, cfg: KvtierConfig, counters: Counter[str], clock: Callable[[], float],
+                 engines: dict[str, EngineSession]) -> None:
+        self.node = node
+        self.cfg = cfg
+        self.counters = counters  # the service's: one set of counters for the whole daemon
+        self.clock = clock
+        self.engines = engines  # the service's registry, read only: a waiter of a gone engine is dropped
+        self.alloc_waiters: list[AllocWaiter] = []
+
+    # -- alloc ------------------------------------------------------------------------
+    def op_alloc(self, session: EngineSession, args: Any) -> Any:
+        hbm_slots = self.node.mgr.table.slots_per_tier[HBM]
+        if args.n > self.cfg.server.max_batch_blocks:
+            raise ProtocolError(P.TOO_LARGE, f"alloc of {args.n} exceeds {self.cfg.server.max_batch_blocks}")
+        if args.n > hbm_slots:
+            raise ProtocolError(P.NO_SPACE, f"{args.n} blocks can never fit {hbm_slots} HBM slots")
+        result = self._try_alloc(session, args)
+        if result is not None:
+            return result
+        if not args.wait:
+            raise ProtocolError(P.NO_SPACE, f"no room for {args.n} blocks in HBM yet; demotions are in flight, retry")
+        timeout = args.timeout_s if args.timeout_s is not None else self.cfg.server.acquire_timeout_s
+        w = AllocWaiter(session, args, self.clock() + timeout)
+        self.alloc_waiters.append(w)
+        return w
+
+    def _try_alloc(self, session: EngineSession, args: Any) -> Optional[dict]:
+        mgr, placement = self.node.mgr, self.node.placement
+        blocks = mgr.alloc(args.n, full=True)  # the engine writes the slot directly: all of it is payload
+        if blocks is None:
+            placement.make_room(HBM, args.n, urgent=True)
+            blocks = mgr.alloc(args.n, full=True)
+        if blocks is None:
+            return None
+        session.add_refs(blocks, args.seq)
+        if args.pin:  # the engine writes them next: keep them in HBM until it releases them
+            mgr.pin_many(blocks, checked=True)
+            session.pins[blocks] += 1
+        placement.on_alloc(blocks, continues=session.continues(args.seq, blocks.size))
+        self.counters["allocs"] += int(blocks.size)
+        return {"blocks": P.id_bytes(blocks), "slots": P.id_bytes(mgr.table.slot[HBM, blocks])}
+
+    def advance_allocs(self) -> list[tuple[AllocWaiter, Any]]:
+        """Retry waiting allocs in arrival order: (waiter, result or ProtocolError) for each finished."""
+        out: list[tuple[AllocWaiter, Any]] = []
+        now = self.clock()
+        keep = []
+        for w in self.alloc_waiters:
+            if w.session.engine_id not in self.engines:
+                continue  # its engine was reclaimed: nobody to answer
+            result = self._try_alloc(w.session, w.args)
+            if result is not None:
+                out.append((w, result))
+            elif now > w.deadline:
+                self.counters["alloc_timeouts"] += 1
+                out.append((w, ProtocolError(P.NO_SPACE, f"no room for {w.args.n} blocks in HBM before the deadline")))
+            else:
+                keep.append(w)
+        self.alloc_waiters = keep
+        return out
+
+    def drop_waiters(self, session: EngineSession) -> None:
+        self.alloc_waiters = [w for w in self.alloc_waiters if w.session is not session]
+
+    # -- seal / ref / free ---------------------------------------------------------------
+    def op_seal(self, session: EngineSession, args: Any) -> dict:
+        node = self.node
+        mgr, t = node.mgr, node.mgr.table
+        blocks = node.ids(args.blocks, "blocks")
+        keys = node.ids(args.keys, "keys", np.uint64)
+        if blocks.size != keys.size:
+            raise ProtocolError(P.BAD_REQUEST, f"{blocks.size} blocks but {keys.size} keys")
+        if np.unique(blocks).size != blocks.size:
+            raise ProtocolError(P.INVALID, "a block is named twice in one request")
+        if args.nbytes is not None and args.nbytes > mgr.block_bytes:
+            raise ProtocolError(P.INVALID, f"nbytes {args.nbytes} exceeds the block size {mgr.block_bytes}")
+        for b in blocks.tolist():  # validate all before sealing any
+            if session.refs.get(b, 0) <= 0:
+                raise ProtocolError(P.INVALID, f"block {b} is not held by engine {session.engine_id!r}")
+            if t.state[b] != OPEN:
+                raise ProtocolError(P.INVALID, f"block {b} is already sealed")
+            if not t.idle_in(np.array([b]), HBM)[0]:
+                raise ProtocolError(P.INVALID, f"block {b} must be resident in HBM and idle to seal")
+            if t.pins[b] != session.pins[b]:
+                raise ProtocolError(P.INVALID, f"block {b} is pinned by another engine")
+        out = np.empty_like(blocks)
+        nbytes = args.nbytes if args.nbytes is not None else mgr.block_bytes
+        cont = session.continues(args.seq, blocks.size)
+        for i, (b, k) in enumerate(zip(blocks.tolist(), keys.tolist())):
+            if session.pins[b] and t.lookup(k) >= 0:  # folding into a shared block: our pins on b go
+                while session.pins[b]:
+                    mgr.unpin_many(np.array([b]), checked=True)
+                    session.pins[b] -= 1
+            c = mgr.seal(b, k, nbytes)
+            if c != b:
+                session.replace(b, c)
+                self.counters["seal_shared"] += 1
+            else:
+                node.placement.on_seal(c, cont, int(blocks.size))
+            out[i] = c
+        self.counters["seals"] += int(blocks.size)
+        return {"blocks": P.id_bytes(out)}
+
+    def op_ref(self, session: EngineSession, args: Any) -> dict:
+        mgr = self.node.mgr
+        keys = self.node.ids(args.keys, "keys", np.uint64)
+        found = mgr.table.keys.get_many(keys).astype(np.int64)
+        hit = found[found >= 0]
+        if hit.size:
+            mgr.ref_many(hit)
+            session.add_refs(hit, args.seq)
+        self.counters["ref_hits"] += int(hit.size)
+        self.counters["ref_misses"] += int(keys.size - hit.size)
+        return {"blocks": P.id_bytes(found)}
+
+    def op_free(self, session: EngineSession, args: Any) -> dict:
+        mgr = self.node.mgr
+        blocks = self.node.resolve(session, args, allow_keys=False)
+        for b in blocks.tolist():
+            if session.refs.get(b, 0) <= 0:
+                raise ProtocolError(P.INVALID, f"block {b} is not held by engine {session.engine_id!r}")
+            if session.pins[b] > 0:
+                raise ProtocolError(P.INVALID, f"block {b} is pinned; release it before freeing")
+        for b in blocks.tolist():
+            mgr.free(b, allow_pinned=True)  # our pins were checked above; others' pins are theirs
+            session.drop_ref(b)
+        for s in args.seqs or []:
+            session.seqs.pop(s, None)
+        session.forget_blocks(set(blocks.tolist()))
+        self.counters["frees"] += int(blocks.size)
+        return {"freed": int(blocks.size)}
+
+    # -- whole-node ------------------------------------------------------------------------
+    def op_clear(self, session: Optional[EngineSession], args: Any) -> dict:
+        """Drop every cached (unreferenced, idle) block: AllBlocksCleared."""
+        dropped = self.node.mgr.drop_cached()
+        self.node.events.all_cleared()
+        return {"dropped": dropped}
+
+    def op_check(self, session: Optional[EngineSession], args: Any) -> dict:
+        """Verify every metadata invariant (tests, `kvtier stats --check`)."""
+        mgr = self.node.mgr
+        try:
+            mgr.check_invariants()
+        except RuntimeError as e:
+            raise ProtocolError(P.INTERNAL, f"invariant broken: {e}") from None
+        t = mgr.table
+        held = sum((s.pins for s in self.engines.values()), np.zeros(t.max_blocks, dtype=np.int64))
+        if np.any(t.pins < held) or np.any(held < 0):
+            b = int(np.argmax((t.pins < held) | (held < 0)))
+            raise ProtocolError(P.INTERNAL, f"block {b}: engines hold {held[b]} pins, table has {t.pins[b]}")
+        return {"ok": True}
+
+
+__all__ = ["BlockOps"]

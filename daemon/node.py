@@ -1,0 +1,173 @@
+"""The node: everything that exists once the block size is known, built by the first register.
+
+Before any engine registers, the daemon has no block size and so no tiers. The
+first ``register`` builds one ``Node``: the tier manager (the only writer of
+block metadata), the placement policies, the importance scores, the event
+collector and the prefetcher, all at once and all non-optional. The service
+holds one ``Optional[Node]``; everything below it can rely on a full node.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from kvtier.protocol import wire as P
+from kvtier.protocol.shm import attach_shm, release_shm
+from kvtier.protocol.wire import ProtocolError
+from kvtier.scoring.importance import ImportanceScores
+from kvtier.tiers.manager import TierManager
+from kvtier.tiers.pools import round_up
+from kvtier.tiers.types import HBM
+
+from .acquire import Prefetcher
+from .config import KvtierConfig
+from .events import EventCollector
+from .placement import Placement
+from .session import EngineSession
+
+log = logging.getLogger("kvtier.node")
+
+
+@dataclass
+class Node:
+    """The block state of this daemon and the objects that decide over it."""
+
+    mgr: TierManager
+    placement: Placement
+    scores: ImportanceScores
+    events: EventCollector
+    prefetcher: Prefetcher
+    block_tokens: int
+    layers: int  # parts a DRAM -> HBM promotion is copied and reported in (the engine's layers)
+    max_batch_blocks: int
+    hbm_shm: Optional[shared_memory.SharedMemory] = None  # an engine-supplied region we mapped
+    hbm_handle: bytes = b""  # CUDA IPC handle of a daemon-allocated device pool, for engines to map
+
+    # -- request helpers ----------------------------------------------------------------
+    def ids(self, value: Any, what: str, dtype: type = np.int64) -> np.ndarray:
+        return P.ids(value, dtype, self.max_batch_blocks, what)
+
+    def resolve(self, session: EngineSession, args: Any, allow_keys: bool = True) -> np.ndarray:
+        """Blocks / keys / seqs of a request as unique live block ids."""
+        parts = [self.ids(getattr(args, "blocks", None), "blocks")]
+        if allow_keys and getattr(args, "keys", None) is not None:
+            keys = self.ids(args.keys, "keys", np.uint64)
+            found = self.mgr.table.keys.get_many(keys)
+            if np.any(found < 0):
+                raise ProtocolError(P.INVALID, f"unknown key {int(keys[np.argmax(found < 0)]):#x}")
+            parts.append(found.astype(np.int64))
+        if getattr(args, "seqs", None):
+            parts.append(session.seq_blocks(args.seqs))
+        if len(parts) > 1:
+            return self.mgr.check_blocks(np.unique(np.concatenate(parts)))  # overlapping sources: sorted union
+        return self.mgr.check_blocks(parts[0])  # one source: the caller's order, so replies line up with it
+
+    def set_importance(self, blocks: np.ndarray) -> None:
+        """Importance of ``blocks`` changed: refresh the table column and every policy's weights."""
+        self.mgr.set_importance(blocks, self.scores.score(blocks))
+        w = self.scores.weight(blocks)
+        for pol in self.placement.policies.values():
+            pol.set_weights(blocks, w)
+
+    def hbm_info(self) -> dict:
+        """What an engine needs to map HBM: the region's kind, name or handle, and geometry."""
+        mgr = self.mgr
+        name = self.hbm_shm.name if self.hbm_shm is not None else (mgr.hbm.shm_name or "")
+        return {"hbm_kind": "cuda" if mgr.hbm.is_cuda else "shm", "hbm_name": name,
+                "hbm_handle": self.hbm_handle, "hbm_slots": mgr.table.slots_per_tier[HBM],
+                "slot_stride": mgr.hbm.slot_stride, "block_bytes": mgr.block_bytes}
+
+    def busy(self) -> bool:
+        """Work the owner loop should come back for soon (transfers, backlog, queued hints)."""
+        return self.mgr.has_pending() or bool(self.placement.backlog) or bool(len(self.prefetcher))
+
+    def close(self) -> None:
+        self.mgr.close()
+        if self.hbm_shm is not None:
+            release_shm(self.hbm_shm, unlink=False)
+            self.hbm_shm = None
+
+
+def _map_shm_region(args: Any, stride: int) -> tuple[shared_memory.SharedMemory, torch.Tensor]:
+    if not args.hbm_name or args.hbm_slots <= 0:
+        raise ProtocolError(P.BAD_REQUEST, "hbm_kind 'shm' needs hbm_name and hbm_slots")
+    try:
+        shm = attach_shm(args.hbm_name)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        raise ProtocolError(P.INVALID, f"cannot map HBM region {args.hbm_name!r}: {e}") from None
+    if shm.size < args.hbm_slots * stride:
+        release_shm(shm, unlink=False)
+        raise ProtocolError(P.INVALID, f"HBM region has {shm.size} bytes, need {args.hbm_slots * stride}")
+    return shm, torch.frombuffer(shm.buf, dtype=torch.uint8, count=args.hbm_slots * stride)
+
+
+def _map_cuda_region(args: Any, stride: int) -> torch.Tensor:
+    if not torch.cuda.is_available():
+        raise ProtocolError(P.INVALID, "hbm_kind 'cuda_ipc' needs CUDA in the daemon")
+    if not args.hbm_handle or args.hbm_slots <= 0:
+        raise ProtocolError(P.BAD_REQUEST, "hbm_kind 'cuda_ipc' needs hbm_handle and hbm_slots")
+    from kvtier.protocol.cuda_ipc import import_handle
+
+    try:
+        tensor = import_handle(args.hbm_handle)
+    except Exception as e:  # a malformed or stale handle must not kill the daemon
+        raise ProtocolError(P.INVALID, f"bad CUDA IPC handle: {e}") from None
+    if not isinstance(tensor, torch.Tensor) or tensor.numel() * tensor.element_size() < args.hbm_slots * stride:
+        raise ProtocolError(P.INVALID, "CUDA IPC region is too small")
+    return tensor
+
+
+def build_node(cfg: KvtierConfig, args: Any, clock: Callable[[], float]) -> Node:
+    """The node for the first engine's geometry (``register`` arguments)."""
+    tc = cfg.tiers
+    stride = round_up(args.block_bytes)
+    hbm_tensor, hbm_shm = None, None
+    hbm_slots = tc.hbm_bytes // stride
+    if args.hbm_kind == "shm":
+        hbm_shm, hbm_tensor = _map_shm_region(args, stride)
+        hbm_slots = args.hbm_slots
+    elif args.hbm_kind == "cuda_ipc":
+        hbm_tensor, hbm_slots = _map_cuda_region(args, stride), args.hbm_slots
+    dram_slots, nvme_slots = tc.dram_bytes // stride, tc.nvme_bytes // stride
+    try:
+        if tc.nvme_bytes:
+            os.makedirs(tc.nvme_dir, mode=0o700, exist_ok=True)
+        mgr = TierManager(
+            args.block_bytes, hbm_slots, dram_slots, nvme_slots, nvme_dir=tc.nvme_dir if nvme_slots else None,
+            max_blocks=tc.max_blocks or max(1, hbm_slots + dram_slots + nvme_slots), io_backend=tc.io_backend,
+            io_threads=tc.io_threads, mover_workers=tc.mover_workers, hbm_tensor=hbm_tensor,
+            dram_numa_node=tc.dram_numa_node, recover_payloads=tc.recovery_verify == "payload", clock=clock)
+    except BaseException:
+        if hbm_shm is not None:
+            release_shm(hbm_shm, unlink=False)
+        raise
+    if mgr.nvme is not None:
+        log.info("NVMe tier: %d cached blocks recovered (%s, %d slots discarded)", mgr.recovered,
+                 mgr.recovered_from or "nothing to recover", mgr.discarded)
+    handle = b""
+    if hbm_tensor is None and mgr.hbm.is_cuda:
+        from kvtier.protocol.cuda_ipc import export_handle
+
+        handle = export_handle(mgr.hbm.tensor)
+    layers = args.layout.get("layers", 1)
+    layers = layers if isinstance(layers, int) and layers > 0 and args.block_bytes % layers == 0 else 1
+    pc, pr = cfg.policy, cfg.predictor
+    params = pc.params() | {"track_calibration": pr.track_calibration, "calibration_bins": pr.calibration_bins,
+                            "calibration_sample": pr.calibration_sample, "calibration_window": 1 << 17}
+    placement = Placement(mgr, pc.name, params, clock)  # listeners in this order: placement, events, prefetch
+    scores = ImportanceScores(mgr.table.max_blocks, **cfg.scoring.model_dump())
+    events = EventCollector(mgr, args.block_tokens)
+    prefetcher = Prefetcher(pc.prefetch_budget_bytes_per_s, args.block_bytes, mgr.table.max_blocks)
+    mgr.listeners.append(prefetcher.on_event)
+    return Node(mgr=mgr, placement=placement, scores=scores, events=events, prefetcher=prefetcher,
+                block_tokens=args.block_tokens, layers=layers, max_batch_blocks=cfg.server.max_batch_blocks,
+                hbm_shm=hbm_shm, hbm_handle=handle)
+
+__all__ = ["Node", "build_node"]
