@@ -57,6 +57,8 @@ class TiersConfig(_Section):
     """POSIX backend thread-pool size (the NVMe queue depth it can reach)."""
     mover_workers: int = Field(default=2, ge=1, le=64)
     """Mover threads executing NVMe transfers (HBM <-> DRAM copies have one thread of their own)."""
+    mover_queue_depth: int = Field(default=64, ge=1, le=4096)
+    """Transfers queued per mover lane; more wait, in order, on the owner side (submitting never blocks)."""
     recovery_verify: Literal["payload", "header"] = "header"
     """On start, "header" reads the slot index a clean stop left, or after a crash the 4 KiB slot
     headers, and verifies each payload when it is first read (as every NVMe read is): a TB-scale

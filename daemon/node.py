@@ -142,7 +142,7 @@ def build_node(cfg: KvtierConfig, args: Any, clock: Callable[[], float]) -> Node
         mgr = TierManager(
             args.block_bytes, hbm_slots, dram_slots, nvme_slots, nvme_dir=tc.nvme_dir if nvme_slots else None,
             max_blocks=tc.max_blocks or max(1, hbm_slots + dram_slots + nvme_slots), io_backend=tc.io_backend,
-            io_threads=tc.io_threads, mover_workers=tc.mover_workers, hbm_tensor=hbm_tensor,
+            io_threads=tc.io_threads, mover_workers=tc.mover_workers, queue_depth=tc.mover_queue_depth, hbm_tensor=hbm_tensor,
             dram_numa_node=tc.dram_numa_node, recover_payloads=tc.recovery_verify == "payload", clock=clock)
     except BaseException:
         if hbm_shm is not None:

@@ -34,6 +34,7 @@ from kvtier.protocol.wire import ProtocolError
 from .service import Service
 
 log = logging.getLogger("kvtier.server")
+STALL_S = 1.0  # a loop turn this late means the owner was away: engines are not blamed for it
 
 
 class Server:
@@ -50,6 +51,7 @@ class Server:
         self.endpoints = endpoints(str(self.runtime_dir))
         self._event_seq = 0
         self._last_check = 0.0
+        self._turn_started = time.monotonic()
         self._last_snapshot = 0.0
         self._bind()
 
@@ -110,7 +112,9 @@ class Server:
         poller.register(self.telemetry, zmq.POLLIN)
         svc = self.service
         last_tick = 0.0
+        self._turn_started = time.monotonic()
         while not self.stop_requested:
+            self._excuse_stall()
             busy = svc.busy()
             if self.rpc.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # a request is waiting: skip the poller
                 ready = {self.rpc: zmq.POLLIN}
@@ -147,6 +151,8 @@ class Server:
         now = time.monotonic()
         if now - self._last_check > 0.5:
             self._last_check = now
+            self._excuse_stall()
+            self._drain_requests()  # heartbeats already sent are read before anyone is judged silent
             for eid in svc.check_engines():
                 log.warning("engine %s reclaimed (heartbeat timeout or process exit)", eid)
         if self.reload_requested:
@@ -159,6 +165,24 @@ class Server:
         if now - self._last_snapshot > 1.0 and self.exporter is not None:
             self._last_snapshot = now
             self.exporter.publish(svc.op_stats(None, None))
+
+    def _excuse_stall(self) -> None:
+        """Engines are not blamed for time the owner loop itself was away (a long
+        op, a paused process): their silence clocks move on by the stall."""
+        now = time.monotonic()
+        away = now - self._turn_started
+        self._turn_started = now
+        if away > STALL_S:
+            self.service.excuse_stall(away)
+            self.service.counters["owner_stalls"] += 1
+            log.warning("owner loop was away %.1f s; engines' heartbeat clocks moved on by as much", away)
+
+    def _drain_requests(self, limit: int = 4096) -> None:
+        """Answer the requests already queued on the RPC socket (bounded)."""
+        for _ in range(limit):
+            if not self.rpc.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
+            self._on_request(self.rpc.recv_multipart(copy=True))
 
     def _on_request(self, frames: list[bytes]) -> None:
         if len(frames) < 2:

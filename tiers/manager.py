@@ -384,13 +384,13 @@ class TierManager:
             tid, src, dst, io.copy(), t.slot[s, io].astype(np.int64), dst_slots.astype(np.int64),
             t.key[io].copy(), t.nbytes[io].astype(np.int64), t.checksum[io].copy(), sealed[need_io].copy(),
             chunks if layered else 1, progress,
+            self.nvme.reserve_seqs(io.size) if d == NVME and self.nvme is not None else None,
         )
         self.inflight[io] = tid
         t.busy[io] += 1
         t.refresh_evictable_many(io)
         self._pending[tid] = _Pending(io, src, dst, keep[need_io].copy(), chunks if layered else 1, progress)
-        if not self.mover.submit(xfer):
-            raise RuntimeError("mover refused a transfer")
+        self.mover.submit(xfer)
         return tid
 
     def _apply(self, c: Completion) -> None:

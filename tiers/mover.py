@@ -14,6 +14,7 @@ the block's recorded checksum before the completion says it succeeded.
 from __future__ import annotations
 
 import queue
+from collections import deque
 import threading
 import time
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ class Transfer:
 
     chunks: int = 1  # layer-wise: copy (and report) each block in this many equal parts, in order
     progress: Optional[np.ndarray] = None  # [1] int64: parts done for every block (DRAM -> HBM only)
+    seqs: Optional[np.ndarray] = None  # NVMe writes: each block's write sequence, assigned by the owner
 
     def __post_init__(self) -> None:
         n = self.blocks.size
@@ -97,7 +99,7 @@ def _merged(batch: list[Transfer]) -> Transfer:
     cat = lambda name: np.concatenate([getattr(x, name) for x in batch])
     first = batch[0]
     return Transfer(-1, first.src, first.dst, cat("blocks"), cat("src_slots"), cat("dst_slots"), cat("keys"),
-                    cat("lengths"), cat("checksums"), cat("sealed"))
+                    cat("lengths"), cat("checksums"), cat("sealed"))  # copies only: NVMe I/O never merges
 
 
 class Mover:
@@ -113,6 +115,7 @@ class Mover:
         # GPU, over the copy engine); two copy threads only fight for the same cores
         self._lanes: dict[str, "queue.Queue[Optional[Transfer]]"] = {
             lane: queue.Queue(maxsize=queue_depth) for lane in ("copy", "io")}
+        self._overflow: dict[str, deque[Transfer]] = {lane: deque() for lane in self._lanes}  # owner's only
         self._done: "queue.Queue[Completion]" = queue.Queue()
         self._in_flight = 0
         self._lock = threading.Lock()
@@ -130,22 +133,36 @@ class Mover:
         return "io" if Tier.NVME in (src, dst) else "copy"
 
     # -- owner side --------------------------------------------------------
-    def submit(self, t: Transfer, block: bool = True, timeout: Optional[float] = None) -> bool:
-        """Queue a transfer; False if the queue stayed full (backpressure)."""
+    def submit(self, t: Transfer) -> None:
+        """Queue a transfer without ever blocking the owner: a full lane queue
+        (a stalled disk) parks it in the lane's overflow, in order, until the
+        owner's next ``poll`` finds room."""
         if (t.src, t.dst) not in PATHS:
             raise ValueError(f"no transfer path {t.src.name}->{t.dst.name}")
         with self._lock:
             self._in_flight += 1
-        try:
-            self._lanes[self.lane(t.src, t.dst)].put(t, block=block, timeout=timeout)
-        except queue.Full:
-            with self._lock:
-                self._in_flight -= 1
-            return False
-        return True
+        lane = self.lane(t.src, t.dst)
+        self._overflow[lane].append(t)
+        self._flush(lane)
+
+    def _flush(self, lane: str) -> None:
+        """Move parked transfers into the lane's queue while it has room (owner thread)."""
+        parked, q = self._overflow[lane], self._lanes[lane]
+        while parked:
+            try:
+                q.put_nowait(parked[0])
+            except queue.Full:
+                return
+            parked.popleft()
+
+    def backlog(self) -> int:
+        """Transfers parked because their lane's queue was full."""
+        return sum(len(d) for d in self._overflow.values())
 
     def poll(self, timeout: Optional[float] = 0.0) -> list[Completion]:
         """Completions ready now (waits up to ``timeout`` for the first)."""
+        for lane in self._overflow:
+            self._flush(lane)
         out: list[Completion] = []
         try:
             if timeout is None or timeout > 0:
@@ -164,13 +181,16 @@ class Mover:
     def drain(self, timeout: Optional[float] = None) -> bool:
         """Wait until every submitted transfer has posted its completion."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._idle:
-            while self._in_flight:
+        while True:
+            for lane in self._overflow:
+                self._flush(lane)
+            with self._idle:
+                if not self._in_flight:
+                    return True
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
-                self._idle.wait(left)
-        return True
+                self._idle.wait(0.05 if left is None else min(left, 0.05))  # parked ones need flushing
 
     def close(self) -> None:
         self.drain()
@@ -329,8 +349,8 @@ def _write_nvme(m: Mover, t: Transfer, ok: np.ndarray, errors: dict,
             buf = source(int(t.src_slots[i]))
             if not t.sealed[i]:
                 sums[i] = block_checksum(buf, int(t.lengths[i]))
-            fut = m.nvme.write(int(t.dst_slots[i]), buf, int(t.keys[i]),
-                               int(t.lengths[i]), int(sums[i]), bool(t.sealed[i]))
+            fut = m.nvme.write(int(t.dst_slots[i]), buf, int(t.keys[i]), int(t.lengths[i]), int(sums[i]),
+                               bool(t.sealed[i]), None if t.seqs is None else int(t.seqs[i]))
         except Exception as e:
             errors[int(t.blocks[i])] = f"{type(e).__name__}: {e}"
             continue

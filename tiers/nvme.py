@@ -138,13 +138,23 @@ class NvmeStore:
         bounce[data.nbytes :] = 0
         return bounce
 
+    def reserve_seqs(self, n: int) -> np.ndarray:
+        """The next ``n`` write sequence numbers. Taken by the owner thread when it
+        submits writes, so the order on disk is the order decided, whatever order
+        the I/O threads finish in (recovery keeps the highest sequence of a key)."""
+        out = np.arange(self.seq + 1, self.seq + 1 + n, dtype=np.uint64)
+        self.seq += n
+        return out
+
     def write(self, slot: int, data: "np.ndarray | torch.Tensor", key: int, length: int,
-              checksum: int, sealed: bool) -> "Future[int]":
-        """Write header + payload of one slot in one vectored I/O."""
+              checksum: int, sealed: bool, seq: Optional[int] = None) -> "Future[int]":
+        """Write header + payload of one slot in one vectored I/O (``seq``: from
+        ``reserve_seqs``; a direct caller without one takes the next)."""
         handle, off = self._locate(slot)
-        self.seq += 1
+        if seq is None:
+            seq = int(self.reserve_seqs(1)[0])
         hdr = aligned_empty(HEADER_BYTES)
-        encode_header(SlotHeader(int(key), int(length), int(checksum), self.seq,
+        encode_header(SlotHeader(int(key), int(length), int(checksum), int(seq),
                                  FLAG_SEALED if sealed else 0), hdr)
         return self.backend.pwrite(handle, [hdr, self._payload(data)], off)
 
