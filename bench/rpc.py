@@ -75,8 +75,8 @@ def _interleaved(endpoint: str, request: bytes, reply_len: int, iters: int,
 def run(args: argparse.Namespace) -> dict:
     from rich.console import Console
 
-    from kvtier.protocol import wire as P
     from kvtier.daemon.spawn import DaemonProcess
+    from kvtier.protocol import wire as P
 
     con = Console(stderr=True)
     n = args.blocks

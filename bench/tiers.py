@@ -33,7 +33,8 @@ MiB = 1 << 20
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-kib", type=int, nargs="+", default=[256, 2048], help="block sizes in KiB")
     p.add_argument("--total-mib", type=int, default=256, help="bytes moved per measurement")
-    p.add_argument("--reps", type=int, default=6, help="repetitions; raw and kvtier run back to back, each first in every other rep (median per-rep ratio)")
+    p.add_argument("--reps", type=int, default=6,
+                   help="repetitions; raw and kvtier run back to back, each first in every other rep (median per-rep ratio)")
     p.add_argument("--copy-rounds", type=int, default=3,
                    help="HBM<->DRAM copy measurements per repetition (cheap, and the noisiest figure)")
     p.add_argument("--nvme-dir", default=None, help="directory on the NVMe device (default: a temp dir)")
@@ -266,7 +267,6 @@ def run(args: argparse.Namespace) -> dict:
         for kib in args.block_kib:
             block = kib * 1024
             n = max(4, args.total_mib * MiB // block)
-            total = block * n
             with console.status(f"block {kib} KiB: raw baselines and kvtier mover, interleaved"):
                 mv = interleaved_figures(directory, block, n, args.reps, args)
                 mv.update(recovery_figures(directory, block, n, args))

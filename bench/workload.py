@@ -17,9 +17,8 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from kvtier.kernels.attention import MassRecorder, install_recorder, register_attention
-
 from kvtier.client.hf_cache import KVLayout, TieredCache
+from kvtier.kernels.attention import MassRecorder, install_recorder, register_attention
 
 MODEL_SIZES: dict[str, dict[str, int]] = {
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,

@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
                       TimeRemainingColumn(), console=Console(stderr=True), transient=True) as prog:
             task = prog.add_task(f"replay {trace.name}", total=total)
-            rep = replay(trace, fractions, policies, params, lambda n: prog.advance(task, n))
+            rep = replay(trace, fractions, policies, params, lambda n, task=task: prog.advance(task, n))
         reports.append(rep)
         table = Table(title=f"{trace.name}: block hit ratio ({trace.n_accesses:,} accesses, "
                             f"{trace.n_unique:,} unique, max {rep['max_hit_ratio']:.4f})")

@@ -20,7 +20,6 @@ import msgpack
 import numpy as np
 import zmq
 
-
 from kvtier.protocol import wire as P
 from kvtier.protocol.runtime import default_runtime_dir, read_info
 from kvtier.protocol.shm import attach_shm, release_shm

@@ -16,8 +16,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Sequence
 
-from kvtier.protocol.runtime import default_data_dir, default_runtime_dir
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kvtier.protocol.runtime import default_data_dir, default_runtime_dir
 
 ENV_PREFIX = "KVTIER_"
 HOT_SECTIONS = ("policy", "scoring", "predictor")  # reloadable without restart

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from kvtier.protocol import wire as P
+from kvtier.protocol.wire import ProtocolError
 from kvtier.tiers.types import HBM, Tier
 
-from kvtier.protocol import wire as P
 from .acquire import Waiter, progress, source_tiers, unpin_waiter, unservable
 from .node import Node
-from kvtier.protocol.wire import ProtocolError
 from .session import EngineSession
 
 if TYPE_CHECKING:

@@ -26,11 +26,12 @@ import zmq
 
 from kvtier.protocol import wire as P
 from kvtier.protocol.runtime import EVENTS_TOPIC, INFO_FILE, endpoints
+from kvtier.protocol.wire import ProtocolError
+
 from .acquire import Pending
 from .config import ConfigError, KvtierConfig, reload_hot
 from .events import encode_batch, seq_frame
 from .metrics import Exporter
-from kvtier.protocol.wire import ProtocolError
 from .service import Service
 
 log = logging.getLogger("kvtier.server")

@@ -12,10 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.tiers.types import FREE
-
 from kvtier.protocol import wire as P
 from kvtier.protocol.wire import ProtocolError
+from kvtier.tiers.types import FREE
 
 from .node import Node
 

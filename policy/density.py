@@ -30,11 +30,10 @@ from typing import Optional
 
 import numpy as np
 
-from kvtier.predictor.classes import N_CLASSES, N_STAGES, stage_class
-from kvtier.predictor.online import OnlineReusePredictor
-
 from kvtier.policy import register_policy
 from kvtier.policy.base import Policy
+from kvtier.predictor.classes import N_CLASSES, N_STAGES, stage_class
+from kvtier.predictor.online import OnlineReusePredictor
 
 
 @register_policy("kvtier")

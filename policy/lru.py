@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from kvtier.tiers.intrusive import IndexLists
-
 from kvtier.policy import register_policy
 from kvtier.policy.base import NEVER, Policy
+from kvtier.tiers.intrusive import IndexLists
 
 
 @register_policy("lru")

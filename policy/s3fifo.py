@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvtier.tiers.intrusive import IndexLists
-
 from kvtier.policy import register_policy
 from kvtier.policy.base import Policy
+from kvtier.tiers.intrusive import IndexLists
 
 SMALL, MAIN, GHOST = 0, 1, 2
 

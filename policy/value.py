@@ -25,12 +25,11 @@ from typing import Optional
 
 import numpy as np
 
+from kvtier.policy import register_policy
+from kvtier.policy.base import Policy
 from kvtier.predictor.classes import N_CLASSES
 from kvtier.predictor.online import OnlineReusePredictor
 from kvtier.tiers.intrusive import IndexLists
-
-from kvtier.policy import register_policy
-from kvtier.policy.base import Policy
 
 
 @register_policy("kvtier-beta")

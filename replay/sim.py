@@ -14,7 +14,6 @@ import numpy as np
 
 from kvtier.policy import make_policy
 from kvtier.policy.base import Policy
-
 from kvtier.replay.traces import Trace
 
 

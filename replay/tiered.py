@@ -18,7 +18,6 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from kvtier.policy import make_policy
-
 from kvtier.replay.traces import Trace
 
 

@@ -14,9 +14,9 @@ the block's recorded checksum before the completion says it succeeded.
 from __future__ import annotations
 
 import queue
-from collections import deque
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 

@@ -23,7 +23,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from kvtier.protocol.shm import attach_shm, create_shm, release_shm
+from kvtier.protocol.shm import create_shm, release_shm
 
 ALIGN = 4096
 

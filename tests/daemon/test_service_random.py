@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtier.protocol import wire as P
 from kvtier.daemon.config import load_config
 from kvtier.daemon.service import Service
+from kvtier.protocol import wire as P
 
 STEPS = 600
 

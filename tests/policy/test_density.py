@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from kvtier.policy import make_policy
-from kvtier.replay.sim import simulate
 from kvtier.predictor.classes import N_STAGES
+from kvtier.replay.sim import simulate
 
 from ..replay.test_replay import _evictions, _trace
 

@@ -1,4 +1,3 @@
-import itertools
 import json
 
 import numpy as np

@@ -4,7 +4,6 @@ NVMe forever, announcing each key only after its write completed."""
 import sys
 
 from kvtier.tiers.manager import TierManager
-
 from tests.conftest import pattern
 
 BB = 64 * 1024

@@ -7,13 +7,13 @@ import threading
 import numpy as np
 import pytest
 
+from kvtier.tiers.faults import FaultyBackend
 from kvtier.tiers.io_backends import PosixBackend
 from kvtier.tiers.manager import TierManager
 from kvtier.tiers.slot_index import INDEX_FILE
 from kvtier.tiers.types import BlockState, Tier
 
 from ..conftest import pattern
-from kvtier.tiers.faults import FaultyBackend
 
 BB = 9000
 
