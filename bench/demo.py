@@ -18,9 +18,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from kvtier.bench.spawn import DaemonProcess
 from kvtier.bench.workload import Comparison, ReferenceRunner, TieredRunner, Workload, build_model
 from kvtier.client.hf_cache import KVLayout
-from kvtier.daemon.spawn import DaemonProcess
 
 
 @dataclass

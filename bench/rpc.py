@@ -50,7 +50,7 @@ def _interleaved(endpoint: str, request: bytes, reply_len: int, iters: int,
     proc = subprocess.Popen([sys.executable, "-c", ECHO, endpoint, str(reply_len)], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        s = zmq.Context.instance().socket(zmq.DEALER)
+        s: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.connect(endpoint)
         raw, acq = [], []
@@ -75,7 +75,7 @@ def _interleaved(endpoint: str, request: bytes, reply_len: int, iters: int,
 def run(args: argparse.Namespace) -> dict:
     from rich.console import Console
 
-    from kvtier.daemon.spawn import DaemonProcess
+    from kvtier.bench.spawn import DaemonProcess
     from kvtier.protocol import wire as P
 
     con = Console(stderr=True)

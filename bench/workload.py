@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -20,7 +20,12 @@ import torch
 from kvtier.client.hf_cache import KVLayout, TieredCache
 from kvtier.kernels.attention import MassRecorder, install_recorder, register_attention
 
-MODEL_SIZES: dict[str, dict[str, int]] = {
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM, PreTrainedModel
+
+    from kvtier.client.tier_client import TierClient
+
+MODEL_SIZES: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=32, vocab_size=512),
     "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=8,
@@ -28,7 +33,7 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
 }
 
 
-def build_model(size: str = "tiny", seed: int = 0) -> torch.nn.Module:
+def build_model(size: str = "tiny", seed: int = 0) -> "LlamaForCausalLM":
     """A randomly initialised Llama model (fixed seed) using kvtier's reference attention."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -74,7 +79,7 @@ class TurnResult:
 class ReferenceRunner:
     """The untiered engine: one DynamicCache per session, kept across turns."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: "PreTrainedModel") -> None:
         self.model = model
         self.caches: dict[int, object] = {}
         self.system: Optional[object] = None
@@ -120,7 +125,8 @@ def run_turn(model: torch.nn.Module, cache: object, user: torch.Tensor, gen: int
 class TieredRunner:
     """The kvtier engine: one TieredCache per session; idle sessions release their pins."""
 
-    def __init__(self, model: torch.nn.Module, client: object, layout: KVLayout, report_attention: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, client: "TierClient", layout: KVLayout,
+                 report_attention: bool = True) -> None:
         self.model = model
         self.client = client
         self.layout = layout
@@ -132,7 +138,7 @@ class TieredRunner:
         self.namespace = b"kvtier-demo"
 
     def prefill_system(self, tokens: torch.Tensor) -> None:
-        cache = TieredCache(self.client, self.layout, 1, self.namespace, seq_ids=[0])  # type: ignore[arg-type]
+        cache = TieredCache(self.client, self.layout, 1, self.namespace, seq_ids=[0])
         cache.segment = "system"
         cache.feed_tokens(tokens)
         with torch.no_grad():
@@ -144,7 +150,7 @@ class TieredRunner:
 
     def cache(self, s: int) -> TieredCache:
         if s not in self.caches:
-            self.caches[s] = TieredCache.from_prefix(self.client, self.layout, self.system_keys,  # type: ignore[arg-type]
+            self.caches[s] = TieredCache.from_prefix(self.client, self.layout, self.system_keys,
                                                      self.system_tokens, self.namespace, seq_id=s + 1)
         return self.caches[s]
 
@@ -156,7 +162,7 @@ class TieredRunner:
             return
         for row, m in zip(cache.rows, mass):
             n = min(len(row.blocks), m.numel())
-            self.client.report_attention(np.asarray(row.blocks[:n]), m[:n].numpy())  # type: ignore[attr-defined]
+            self.client.report_attention(np.asarray(row.blocks[:n]), m[:n].numpy())
 
     @staticmethod
     def _before(cache: TieredCache, ids: torch.Tensor) -> None:

@@ -24,7 +24,12 @@ def configure(name: str, p: argparse.ArgumentParser) -> None:
         bp.add_argument("--json", metavar="PATH", help="write the results as JSON here")
         mod.add_arguments(bp)
         bp.set_defaults(func=lambda a, m=mod: _run(m, a))
-    p.set_defaults(func=lambda a: p.print_help() or 2)
+
+    def show_help(a: argparse.Namespace) -> int:
+        p.print_help()
+        return 2
+
+    p.set_defaults(func=show_help)
 
 
 def _run(mod: Any, args: argparse.Namespace) -> int:

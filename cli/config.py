@@ -19,7 +19,12 @@ def configure(name: str, p: argparse.ArgumentParser) -> None:
     val.set_defaults(func=cmd_validate)
     sch = csub.add_parser("schema", help="print the JSON Schema of the config")
     sch.set_defaults(func=cmd_schema)
-    p.set_defaults(func=lambda a: p.print_help() or 2)
+
+    def show_help(a: argparse.Namespace) -> int:
+        p.print_help()
+        return 2
+
+    p.set_defaults(func=show_help)
 
 
 def cmd_show(args: argparse.Namespace) -> int:

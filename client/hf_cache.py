@@ -111,7 +111,7 @@ class TieredLayer(CacheLayerMixin):
 
 class TieredCache(Cache):
     def __init__(self, client: TierClient, layout: KVLayout, batch_size: int = 1, namespace: bytes = b"kvtier",
-                 seq_ids: Optional[Sequence[int]] = None) -> None:
+                 seq_ids: Optional[Sequence[Optional[int]]] = None) -> None:
         super().__init__(layers=[TieredLayer(self, i) for i in range(layout.num_layers)])
         if client.hbm is None:
             raise ValueError("the client has no HBM region mapped: register it first")

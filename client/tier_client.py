@@ -14,7 +14,7 @@ import os
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence, TypeAlias
 
 import msgpack
 import numpy as np
@@ -25,9 +25,11 @@ from kvtier.protocol.runtime import default_runtime_dir, read_info
 from kvtier.protocol.shm import attach_shm, release_shm
 
 if TYPE_CHECKING:  # torch is loaded when a region is mapped, so the CLI and a stats call never pay for it
+    from multiprocessing.shared_memory import SharedMemory
+
     import torch
 
-ArrayLike = "np.ndarray | Sequence[int]"
+ArrayLike: TypeAlias = "np.ndarray | Sequence[int]"
 
 
 class KvtierError(RuntimeError):
@@ -123,7 +125,7 @@ class TierClient:
         if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://"):]):
             raise DaemonUnavailable(f"no daemon socket at {endpoint}")
         self.endpoint = endpoint
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._dealer()
         self._push: Optional[zmq.Socket] = None
         self._lock = threading.Lock()
@@ -133,7 +135,7 @@ class TierClient:
         self.lease_size = lease_size
         self.info: dict = {}
         self.hbm: Optional["torch.Tensor"] = None
-        self._shm = None
+        self._shm: Optional[SharedMemory] = None
         self._hb_stop = threading.Event()
         self._hb_thread: Optional[threading.Thread] = None
         self.heartbeat_s = heartbeat_s

@@ -50,8 +50,8 @@ class Waiter(Pending):
     started: float
     blocking: bool
     reply_to: Any = None  # opaque to this module: the server's routing info
-    pinned: np.ndarray = field(default=None)  # type: ignore[assignment]
-    slots: np.ndarray = field(default=None)  # type: ignore[assignment]
+    pinned: np.ndarray = field(init=False)  # set by __post_init__
+    slots: np.ndarray = field(init=False)  # set by __post_init__
 
     def __post_init__(self) -> None:
         self.pinned = np.zeros(self.blocks.size, dtype=bool)

@@ -59,7 +59,10 @@ class EventCollector:
         if not self.pending:
             return None
         events: list = []
-        run_kind, run_medium, run_keys = None, None, []  # group runs of one kind and medium
+        # group runs of one kind and medium
+        run_kind: Optional[str] = None
+        run_medium: Optional[str] = None
+        run_keys: list[int] = []
         for kind, key, medium in self.pending + [("", 0, "")]:
             if (kind, medium) != (run_kind, run_medium) or kind == "AllBlocksCleared":
                 if run_kind == "BlockStored":

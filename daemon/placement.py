@@ -15,7 +15,7 @@ transfers complete.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -171,7 +171,8 @@ class Placement:
         victims = self._victims(tier, n - have)
         if urgent and len(victims) < n - have:
             victims += self._victims(tier, n - have - len(victims), urgent=True)
-        clean, dirty = [], []
+        clean: list[int] = []
+        dirty: list[int] = []
         lower_mask = np.uint8(~((1 << (tier + 1)) - 1) & 0xFF)
         for v in victims:
             sealed_below = t.state[v] == SEALED and (t.copies[v] & lower_mask)
@@ -270,7 +271,7 @@ class Placement:
                     setattr(pol, k, v)
 
     def stats(self) -> dict:
-        out = {"dropped": self.dropped, "demoted": self.demoted, "declined": self.declined,
+        out: dict[str, Any] = {"dropped": self.dropped, "demoted": self.demoted, "declined": self.declined,
                "access_backlog": self._log_n}
         for tier, pol in self.policies.items():
             s = pol.stats()

@@ -47,7 +47,8 @@ class Server:
         self.stop_requested = False
         self.reload_requested = False
         self.exporter: Optional[Exporter] = None
-        self.ctx = zmq.Context.instance()
+        # sockets untyped: pyzmq types getsockopt(EVENTS) as int | bytes, and the loop masks it with POLLIN
+        self.ctx: zmq.Context[Any] = zmq.Context.instance()
         self.runtime_dir = Path(cfg.server.runtime_dir)
         self.endpoints = endpoints(str(self.runtime_dir))
         self._event_seq = 0
@@ -118,7 +119,7 @@ class Server:
             self._excuse_stall()
             busy = svc.busy()
             if self.rpc.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # a request is waiting: skip the poller
-                ready = {self.rpc: zmq.POLLIN}
+                ready: dict[zmq.Socket, int] = {self.rpc: zmq.POLLIN}
                 if self.telemetry.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # ... but never starve telemetry
                     ready[self.telemetry] = zmq.POLLIN
             else:
@@ -233,7 +234,10 @@ class Server:
             msg = msgpack.unpackb(frame, raw=False) if len(frame) <= self.cfg.server.max_message_bytes else None
         except Exception:
             msg = None
-        batch = msg.get("batch") if isinstance(msg, dict) and isinstance(msg.get("batch"), list) else [msg]
+        if isinstance(msg, dict) and isinstance(msg.get("batch"), list):
+            batch: list[Any] = msg["batch"]
+        else:
+            batch = [msg]
         for m in batch:
             try:
                 svc.ingest(m)

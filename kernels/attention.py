@@ -102,7 +102,7 @@ def install_recorder(model: torch.nn.Module, recorder: Optional[MassRecorder]) -
     """Attach (or detach, with None) a recorder to every attention module of ``model``."""
     for m in model.modules():
         if hasattr(m, "num_key_value_groups"):
-            m.kvtier_recorder = recorder
+            m.kvtier_recorder = recorder  # type: ignore[assignment]  # torch stubs type Module.__setattr__ as Tensor | Module
 
 
 __all__ = ["block_mass_attention", "block_mass", "repeat_kv", "MassRecorder", "register_attention",

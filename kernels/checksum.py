@@ -19,7 +19,7 @@ def block_checksum(buf: Any, length: int | None = None) -> int:
             buf = buf.cpu()
         buf = buf.numpy()
     if isinstance(buf, np.ndarray):
-        mv = memoryview(buf.reshape(-1).view(np.uint8))
+        mv = buf.reshape(-1).view(np.uint8).data
     else:
         mv = memoryview(buf)
     if length is not None:

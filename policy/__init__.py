@@ -8,15 +8,17 @@ the daemon call the very same objects.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from kvtier.policy.base import Policy
 
 POLICIES: dict[str, Callable[..., Policy]] = {}
 
+_PolicyClass = TypeVar("_PolicyClass", bound=type[Policy])
 
-def register_policy(name: str) -> Callable[[type], type]:
-    def deco(cls: type) -> type:
+
+def register_policy(name: str) -> Callable[[_PolicyClass], _PolicyClass]:
+    def deco(cls: _PolicyClass) -> _PolicyClass:
         cls.name = name
         POLICIES[name] = cls
         return cls

@@ -89,7 +89,7 @@ class HitDensityPolicy(Policy):
         self._victim_bucket = 0
         self._prev_klass = 0
         self._evict_age_sum = 0.0
-        self._evict_n = 0
+        self._evict_n: float = 0  # decays by table_decay at each reconfigure
         self._since = 0
 
     def _bucket(self, age: "int | np.ndarray") -> "int | np.ndarray":
@@ -248,8 +248,8 @@ class HitDensityPolicy(Policy):
                 src = np.minimum((np.arange(self.A) * ratio).astype(np.int64), self.A - 1)
                 self.hits = np.zeros_like(hits)
                 self.evictions = np.zeros_like(ev)
-                np.add.at(self.hits, (slice(None), src), hits)
-                np.add.at(self.evictions, (slice(None), src), ev)
+                np.add.at(self.hits, (slice(None), src), hits)  # type: ignore[arg-type]  # numpy stubs omit tuple indices
+                np.add.at(self.evictions, (slice(None), src), ev)  # type: ignore[arg-type]  # numpy stubs omit tuple indices
                 self.granularity = new_g
                 self._inv_g = 1.0 / new_g
         self.hits *= self.table_decay

@@ -29,7 +29,7 @@ def import_handle(blob: bytes) -> torch.Tensor:
     with torch.cuda.device(device):
         storage = torch.UntypedStorage._new_shared_cuda(*fields)
     flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}")
-    flat.set_(storage, 0, (storage.nbytes(),))
+    flat.set_(storage, 0, (storage.nbytes(),))  # type: ignore[call-overload]  # torch stubs lack the optional stride
     return flat[offset: offset + nbytes]
 
 

@@ -78,6 +78,7 @@ def run_one(name: str, capacity: int, trace: Trace, next_use: Optional[np.ndarra
     calib = None
     tracker = getattr(policy, "calib", None)
     if tracker is not None:
-        tracker.finish(float(trace.time_s[-1]) / getattr(policy.model, "epoch_s", 1.0))
+        model = getattr(policy, "model", None)  # policies with a calibration tracker also carry a model
+        tracker.finish(float(trace.time_s[-1]) / getattr(model, "epoch_s", 1.0))
         calib = tracker.summary()
     return RunResult(name, capacity, hits, trace.n_accesses, seconds, policy.stats(), calib)

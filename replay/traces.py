@@ -13,14 +13,21 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, TypedDict
 
 import numpy as np
 
 from kvtier.policy.base import NEVER
 from kvtier.predictor.classes import block_class
 
-FORMATS = {
+
+class TraceFormat(TypedDict):
+    required: tuple[str, ...]
+    time_scale: float
+    block_tokens: int
+
+
+FORMATS: dict[str, TraceFormat] = {
     "mooncake": {"required": ("timestamp", "hash_ids"), "time_scale": 1e-3, "block_tokens": 512},
     "bailian": {"required": ("chat_id", "timestamp", "hash_ids", "turn"), "time_scale": 1.0, "block_tokens": 16},
 }

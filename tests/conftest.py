@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
 
 import numpy as np
@@ -62,4 +61,3 @@ def traces_or_skip(name: str = "conversation_trace.jsonl") -> pathlib.Path:
     return path
 
 
-os.environ.setdefault("KVTIER_TEST", "1")

@@ -41,10 +41,7 @@ class BlockTable:
         self.nbytes = np.zeros(n, dtype=np.uint32)  # valid payload bytes
         self.checksum = np.zeros(n, dtype=np.uint64)  # of sealed bytes
         # -- policy columns (extension point: see ``add_column``) --
-        self.last_access = np.zeros(n, dtype=np.float64)
         self.importance = np.zeros(n, dtype=np.float32)
-        self.alpha = np.zeros(n, dtype=np.float32)
-        self.beta = np.zeros(n, dtype=np.float32)
         self.extra: dict[str, np.ndarray] = {}
         # -- indexes --
         self.keys = KeyIndex(n)
@@ -124,8 +121,6 @@ class BlockTable:
         self.checksum[b] = 0
         self.key[b] = 0
         self.importance[b] = 0.0
-        self.alpha[b] = 0.0
-        self.beta[b] = 0.0
         for col in self.extra.values():
             col[b] = 0
 
@@ -266,9 +261,8 @@ class BlockTable:
         self.slot[tier, blocks] = NIL
         self.free_slots[tier].extend_back(slots.astype(np.int64))
 
-    def touch(self, b: int, now: float) -> None:
+    def touch(self, b: int) -> None:
         """Record an access: most-recent end of every eviction list."""
-        self.last_access[b] = now
         for t in range(N_TIERS):
             lst = self.evictable[t]
             if lst.contains(b):
@@ -325,10 +319,10 @@ class BlockTable:
             raise RuntimeError("a block with data has no valid copy anywhere")
 
     def metadata_nbytes(self) -> int:
-        cols = [
+        cols: list[np.ndarray] = [
             self.key, self.state, self.refcount, self.pins, self.busy, self.copies,
-            self.slot, self.nbytes, self.checksum, self.last_access, self.importance,
-            self.alpha, self.beta, *self.extra.values(), *self.slot_owner,
+            self.slot, self.nbytes, self.checksum, self.importance,
+            *self.extra.values(), *self.slot_owner,
         ]
         lists = [self.free_blocks, *self.evictable, *self.free_slots]
         return sum(c.nbytes for c in cols) + sum(x.nbytes() for x in lists) + self.keys.nbytes()

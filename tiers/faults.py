@@ -16,6 +16,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .futures import gather
+
 
 class FaultyBackend:
     """Wraps a real backend; fails chosen calls the way real disks do."""
@@ -72,7 +74,6 @@ class FaultyBackend:
         return fut
 
     def pread_many(self, handle: Any, reads: Sequence[tuple[Any, int]]) -> "Future[list[Any]]":
-        from .io_backends import gather
 
         return gather([self.pread(handle, [buf], off) for buf, off in reads])  # faults hit single reads
 

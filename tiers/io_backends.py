@@ -22,14 +22,14 @@ import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
+from .futures import Failures, gather
 from .types import TierError
 
 Buffer = Any  # numpy uint8 array (host) or torch CUDA tensor (kvikio only)
-Failures = list[Optional[BaseException]]  # per read of a pread_many: its error, or None
 log = logging.getLogger("kvtier.io")
 
 
@@ -49,27 +49,6 @@ def _nbytes(buf: Buffer) -> int:
     if isinstance(buf, np.ndarray):
         return int(buf.nbytes)
     return int(buf.numel() * buf.element_size())
-
-
-def gather(futs: Sequence["Future[Any]"]) -> "Future[Failures]":
-    """One future over many: done when all are, its result each one's exception or None."""
-    out: "Future[Failures]" = Future()
-    if not futs:
-        out.set_result([])
-        return out
-    left = [len(futs)]
-    lock = threading.Lock()
-
-    def one_done(_: "Future[Any]") -> None:
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            out.set_result([f.exception() for f in futs])
-
-    for f in futs:
-        f.add_done_callback(one_done)
-    return out
 
 
 class PosixHandle:
@@ -149,7 +128,7 @@ class PosixBackend:
         for b in buffers:
             if not isinstance(b, np.ndarray):
                 raise TypeError("the posix backend takes host numpy buffers")
-            out.append(memoryview(b.reshape(-1).view(np.uint8)))
+            out.append(b.reshape(-1).view(np.uint8).data)
         return out
 
     @staticmethod

@@ -79,7 +79,7 @@ class TierManager:
         self.hbm = HbmPool(hbm_slots, block_bytes, device=hbm_device, tensor=hbm_tensor)
         self.dram = DramPool(dram_slots, block_bytes, numa_node=dram_numa_node)
         self.backend = select_backend(io_backend, io_threads) if isinstance(io_backend, str) else io_backend
-        self.nvme = NvmeStore(nvme_dir, nvme_slots, block_bytes, self.backend) if nvme_slots else None
+        self.nvme = NvmeStore(nvme_dir, nvme_slots, block_bytes, self.backend) if nvme_slots and nvme_dir else None
         self.mover = Mover(self.hbm, self.dram, self.nvme, workers=mover_workers, queue_depth=queue_depth)
         self._tids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
@@ -147,7 +147,6 @@ class TierManager:
         out = np.fromiter((t.new_block() for _ in range(n)), dtype=np.int64, count=n)
         t.assign_slots(out, HBM)
         t.copies[out] |= np.uint8(1 << HBM)
-        t.last_access[out] = self.clock()
         if full:
             t.nbytes[out] = self.block_bytes
         t.refresh_evictable_many(out)
@@ -277,7 +276,7 @@ class TierManager:
         if not t.has_copy(b, HBM) or t.busy[b]:
             raise ValueError(f"block {b} is not resident in HBM")
         t.pins[b] += 1
-        t.touch(b, self.clock())
+        t.touch(b)
         t.refresh_evictable(b)
         return int(t.slot[HBM, b])
 
@@ -291,7 +290,6 @@ class TierManager:
         if bad.any():
             raise ValueError(f"block {int(arr[np.argmax(bad)])} is not resident in HBM")
         t.pins[arr] += 1
-        t.last_access[arr] = self.clock()  # list order is the policy's business, not the pin's
         return t.slot[HBM, arr].astype(np.int64)
 
     def unpin_many(self, blocks: np.ndarray, checked: bool = False) -> None:

@@ -273,10 +273,10 @@ class Mover:
                 for di, si, k in runs:
                     dst[di: di + k].copy_(src[si: si + k], non_blocking=True)
             else:
-                di = torch.as_tensor(dst_idx, device=dst.device)
-                si = torch.as_tensor(src_idx, device=src.device)
-                rows = src.index_select(0, si).to(dst.device, non_blocking=True)
-                dst.index_copy_(0, di, rows)
+                dst_rows = torch.as_tensor(dst_idx, device=dst.device)
+                src_rows = torch.as_tensor(src_idx, device=src.device)
+                rows = src.index_select(0, src_rows).to(dst.device, non_blocking=True)
+                dst.index_copy_(0, dst_rows, rows)
         self._sync()
 
 
@@ -338,7 +338,7 @@ def _dram_to_hbm(m: Mover, t: Transfer, ok: np.ndarray, errors: dict) -> None:
 
 
 def _write_nvme(m: Mover, t: Transfer, ok: np.ndarray, errors: dict,
-                source: Callable[[int], object]) -> np.ndarray:
+                source: Callable[[int], "np.ndarray | torch.Tensor"]) -> np.ndarray:
     """Write each block with its header. Open blocks have no checksum yet:
     it is computed here from the bytes written and returned to the owner."""
     assert m.nvme is not None

@@ -12,10 +12,10 @@ pytest.importorskip("transformers")
 from transformers import DynamicCache  # noqa: E402
 
 from kvtier.bench.demo import DemoOptions, run_demo  # noqa: E402
+from kvtier.bench.spawn import DaemonProcess  # noqa: E402
 from kvtier.bench.workload import build_model  # noqa: E402
 from kvtier.client.hf_cache import KVLayout, TieredCache  # noqa: E402
 from kvtier.client.tier_client import RequestRejected  # noqa: E402
-from kvtier.daemon.spawn import DaemonProcess  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from kvtier.daemon.spawn import DaemonProcess  # noqa: E402
+from kvtier.bench.spawn import DaemonProcess  # noqa: E402
 
 SMALL = ("tiers.hbm_bytes=65536", "tiers.dram_bytes=65536", "tiers.nvme_bytes=262144")
 

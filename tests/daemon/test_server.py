@@ -18,9 +18,9 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvtier.bench.spawn import DaemonProcess
 from kvtier.client.tier_client import DaemonUnavailable, RequestRejected, TierClient
 from kvtier.daemon.events import decode_batch
-from kvtier.daemon.spawn import DaemonProcess
 from kvtier.protocol import wire as P
 
 WORKER = str(Path(__file__).parent / "client_worker.py")

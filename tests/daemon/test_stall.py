@@ -14,8 +14,8 @@ import time
 import numpy as np
 import torch
 
+from kvtier.bench.spawn import DaemonProcess
 from kvtier.client.tier_client import KvtierError
-from kvtier.daemon.spawn import DaemonProcess
 
 BB = 4096
 N_DISK = 3  # blocks demoted to the slow disk, then promoted back one acquire each

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from kvtier.scoring.importance import ImportanceScores
-from kvtier.scoring.key_summary import key_summary, quest_upper_bound
 
 
 def test_ema_of_normalised_mass():
@@ -43,22 +41,3 @@ def test_bad_reports_raise_and_change_nothing():
         s.report(np.array([0, 1]), np.array([1.0]))
     np.testing.assert_array_equal(s.ema_value, before)
 
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_quest_bound_holds_for_every_key(dtype):
-    g = torch.Generator().manual_seed(0)
-    keys = torch.randn(6, 16, 32, generator=g).to(dtype)  # [blocks, tokens, dim]
-    q = torch.randn(32, generator=g).to(dtype)
-    kmin, kmax = key_summary(keys)
-    bound = quest_upper_bound(q, kmin, kmax)  # [blocks]
-    exact = (keys.double() @ q.double())  # [blocks, tokens]
-    assert torch.all(exact.max(dim=1).values <= bound + 1e-12)
-    # tight for a block whose keys are all equal
-    same = keys[:1, :1].expand(1, 16, 32)
-    b = quest_upper_bound(q, *key_summary(same))
-    assert torch.allclose(b, same[0, 0].double() @ q.double())
-
-
-def test_key_summary_rejects_empty():
-    with pytest.raises(ValueError):
-        key_summary(torch.zeros(2, 0, 4))

@@ -81,7 +81,7 @@ def test_engine_maps_a_daemon_allocated_cuda_pool(tmp_path):
     promotion back (tests/daemon/client_worker.py checks every one)."""
     from pathlib import Path
 
-    from kvtier.daemon.spawn import DaemonProcess
+    from kvtier.bench.spawn import DaemonProcess
 
     worker = Path(__file__).parents[1] / "daemon" / "client_worker.py"
     d = DaemonProcess(tmp_path, "tiers.hbm_bytes=65536", "tiers.dram_bytes=65536", "tiers.nvme_bytes=262144",
