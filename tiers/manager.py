@@ -26,6 +26,7 @@ import torch
 
 from kvtier.kernels.checksum import block_checksum
 
+from .backoff import WriteBackoff
 from .block_table import BlockTable
 from .intrusive import NIL
 from .integrity import quarantine, read_nvme_verified, unindexed
@@ -37,6 +38,7 @@ from .slot_index import ENTRY, take_index, write_index
 from .types import DRAM, FREE, HBM, NVME, OPEN, SEALED, Tier, TierError, parse_tier
 
 EventListener = Callable[[str, int, int], None]  # (kind, block, tier)
+FailureListener = Callable[[np.ndarray, int], None]  # (blocks a failed move left in tier, tier)
 log = logging.getLogger("kvtier.tiers")
 
 
@@ -69,6 +71,7 @@ class TierManager:
         recover: bool = True,
         recover_payloads: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        nvme_backoff_s: float = 1.0,
     ) -> None:
         if nvme_slots and not nvme_dir:
             raise ValueError("nvme_slots > 0 needs nvme_dir")
@@ -86,6 +89,8 @@ class TierManager:
         self.counters: Counter[str] = Counter()
         self.last_errors: dict[int, str] = {}
         self.listeners: list[EventListener] = []
+        self.failure_listeners: list[FailureListener] = []  # e.g. placement: the victims are still resident
+        self.nvme_backoff = WriteBackoff(nvme_backoff_s, max(30.0, nvme_backoff_s))
         self.corrupt = self.table.add_column("corrupt", np.bool_)  # reset when the entry is reused
         self.io_failures = self.table.add_column("io_failures", np.uint8)
         self.inflight = self.table.add_column("inflight_tid", np.int64)  # transfer moving the block (0: none)
@@ -410,9 +415,26 @@ class TierManager:
             self._emit("removed", b, -1)
             t.release_block(b)  # freed by its sequence while moving
         t.refresh_evictable_many(blocks[~orphans])
+        if d == NVME:
+            self._note_nvme_writes(int(good.size), int(bad.size))
+        kept = bad[(t.state[bad] != FREE) & ((t.copies[bad] >> s) & 1 == 1)]
+        if kept.size:
+            for fn in self.failure_listeners:
+                fn(kept, s)
         self.counters[f"moves_{path}"] += int(good.size)
         self.counters[f"bytes_{path}"] += c.nbytes
         self.counters[f"busy_ns_{path}"] += int(c.seconds * 1e9)
+
+    def _note_nvme_writes(self, ok: int, failed: int) -> None:
+        if failed:
+            self.nvme_backoff.failed(self.clock())
+            self.counters["nvme_write_backoffs"] += 1
+        elif ok:
+            self.nvme_backoff.succeeded()
+
+    def nvme_writable(self) -> bool:
+        """Is NVMe a destination now (configured, and not backing off after failed writes)?"""
+        return self.nvme is not None and self.nvme_backoff.open(self.clock())
 
     def _quarantine(self, b: int) -> None:
         """A copy failed its checksum: never serve it (see ``integrity.quarantine``)."""
