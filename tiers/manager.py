@@ -406,8 +406,6 @@ class TierManager:
             self.io_failures[b] = min(255, int(self.io_failures[b]) + 1)
             if p.src == Tier.NVME and "failed its checksum" in msg:
                 quarantine(self, b)
-        for b in good.tolist():
-            self.last_errors.pop(b, None)  # the error was transient: it no longer describes the block
         self.counters[f"errors_{path}"] += int(bad.size)
         self.counters["nvme_read_retries"] += c.retried
         orphans = (t.refcount[blocks] == 0) & (t.state[blocks] == OPEN) & (t.busy[blocks] == 0)
