@@ -58,14 +58,17 @@ def pack_keys(x: Any) -> Optional[bytes]:
 
     Never through ``np.asarray`` of a Python list: a list mixing keys >= 2**63
     with smaller ones becomes float64 there and loses low bits, so two distinct
-    keys fold into one block. Raises ValueError for a negative, >= 2**64 or
-    non-integer key instead of wrapping or rounding it."""
+    keys fold into one block. A Python int must lie in [0, 2**64); a negative,
+    too large or non-integer key raises ValueError instead of wrapping or
+    rounding. Numpy integers are taken as 64-bit patterns: an int64 array is the
+    signed view of uint64 keys (as vLLM's block hashes and our KV events are),
+    which is lossless."""
     if x is None:
         return None
     if isinstance(x, np.ndarray) and x.dtype.kind in "iu":
         arr = x.reshape(-1)
-        if arr.dtype.kind == "i" and arr.size and int(arr.min()) < 0:
-            raise ValueError(f"key {int(arr.min())} is negative; keys are uint64")
+        if arr.dtype.kind == "i":
+            arr = arr.astype(np.int64).view(np.uint64)
         return np.ascontiguousarray(arr, dtype="<u8").tobytes()
     if isinstance(x, np.ndarray):
         if x.dtype != object:
@@ -79,6 +82,8 @@ def pack_keys(x: Any) -> Optional[bytes]:
     for v in items:
         if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
             raise ValueError(f"key {v!r} is not an integer; keys are uint64")
+        if isinstance(v, np.signedinteger):
+            v = int(np.int64(v).view(np.uint64))  # a 64-bit pattern, as for int64 arrays
         v = int(v)
         if not 0 <= v <= _U64_MAX:
             raise ValueError(f"key {v} is outside [0, 2**64)")

@@ -38,6 +38,12 @@ def test_neighbouring_large_keys_stay_distinct():
 def test_arrays_and_scalars():
     assert unpack(pack_keys(np.array(EDGES, dtype=np.uint64))) == EDGES
     assert unpack(pack_keys(np.array([0, 7, 2**63 - 1], dtype=np.int64))) == [0, 7, 2**63 - 1]
+    # an int64 array is the signed view of uint64 keys (vLLM hashes, our KV events): lossless
+    signed = np.array([-1, -(2**63), 3], dtype=np.int64)
+    assert unpack(pack_keys(signed)) == [M64, 2**63, 3]
+    assert unpack(pack_keys([np.int64(-1), 2**63])) == [M64, 2**63]
+    big = np.array([0xE000000000000001, 0xE000000000000002], dtype=np.uint64)
+    assert unpack(pack_keys(big.view(np.int64))) == [0xE000000000000001, 0xE000000000000002]
     assert unpack(pack_keys(np.array([[1, 2], [3, 4]], dtype=np.uint32))) == [1, 2, 3, 4]
     assert unpack(pack_keys(2**64 - 1)) == [M64]
     assert unpack(pack_keys(np.uint64(2**63))) == [2**63]
@@ -50,7 +56,7 @@ def test_arrays_and_scalars():
 
 @pytest.mark.parametrize("bad", [
     [-1], [2**64], [1.5], [1, 2.0], -1, 2**64, 1.5, [True], ["7"],
-    np.array([-1, 3], dtype=np.int64), np.array([1.0, 2.0]), np.array([True]),
+    [np.float64(3.0)], np.array([1.0, 2.0]), np.array([True]), np.array(["1"]),
 ])
 def test_rejects_what_is_not_a_uint64(bad):
     with pytest.raises(ValueError):
