@@ -51,7 +51,51 @@ class RequestRejected(KvtierError):
         self.message = message
 
 
+_U64_MAX = (1 << 64) - 1
+
+
+def pack_keys(x: Any) -> Optional[bytes]:
+    """Content keys as exact little-endian uint64 bytes (None stays None).
+
+    Never through ``np.asarray`` of a Python list: a list mixing keys >= 2**63
+    with smaller ones becomes float64 there and loses low bits, so two distinct
+    keys fold into one block. A Python int must lie in [0, 2**64); a negative,
+    too large or non-integer key raises ValueError instead of wrapping or
+    rounding. Numpy integers are taken as 64-bit patterns: an int64 array is the
+    signed view of uint64 keys (as vLLM's block hashes and our KV events are),
+    which is lossless."""
+    if x is None:
+        return None
+    if isinstance(x, np.ndarray) and x.dtype.kind in "iu":
+        arr = x.reshape(-1)
+        if arr.dtype.kind == "i":
+            arr = arr.astype(np.int64).view(np.uint64)
+        return np.ascontiguousarray(arr, dtype="<u8").tobytes()
+    if isinstance(x, np.ndarray):
+        if x.dtype != object:
+            raise ValueError(f"keys must be integers, got a {x.dtype} array")
+        items: Any = x.reshape(-1).tolist()
+    elif isinstance(x, (int, np.integer, float, np.floating, str, bytes)):
+        items = [x]
+    else:
+        items = list(x)
+    vals: list[int] = []
+    for v in items:
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+            raise ValueError(f"key {v!r} is not an integer; keys are uint64")
+        if isinstance(v, np.signedinteger):
+            v = int(np.int64(v).view(np.uint64))  # a 64-bit pattern, as for int64 arrays
+        v = int(v)
+        if not 0 <= v <= _U64_MAX:
+            raise ValueError(f"key {v} is outside [0, 2**64)")
+        vals.append(v)
+    return np.array(vals, dtype="<u8").tobytes()
+
+
 def _arr(x: Any, dtype: type = np.int64) -> Optional[bytes]:
+    """Block ids (int64) or, with ``dtype=np.uint64``, keys (exact: see ``pack_keys``)."""
+    if np.dtype(dtype) == np.uint64:
+        return pack_keys(x)
     return None if x is None else P.id_bytes(np.asarray(x).reshape(-1), dtype)
 
 
@@ -270,25 +314,25 @@ class TierClient:
     def seal(self, blocks: ArrayLike, keys: ArrayLike, nbytes: Optional[int] = None,
              seq: Optional[int] = None) -> np.ndarray:
         """Seal full blocks under content keys; returns canonical ids (shared prefixes fold)."""
-        r = self._call("seal", {"blocks": _arr(blocks), "keys": _arr(keys, np.uint64), "nbytes": nbytes, "seq": seq})
+        r = self._call("seal", {"blocks": _arr(blocks), "keys": pack_keys(keys), "nbytes": nbytes, "seq": seq})
         return _ids(r["blocks"])
 
     def ref(self, keys: ArrayLike, seq: Optional[int] = None) -> np.ndarray:
         """Reference sealed blocks by key (prefix hits); -1 where a key is unknown."""
-        return _ids(self._call("ref", {"keys": _arr(keys, np.uint64), "seq": seq})["blocks"])
+        return _ids(self._call("ref", {"keys": pack_keys(keys), "seq": seq})["blocks"])
 
     def acquire(self, blocks: Optional[ArrayLike] = None, keys: Optional[ArrayLike] = None,
                 seqs: Optional[Sequence[int]] = None, timeout_s: Optional[float] = None) -> tuple[np.ndarray, np.ndarray]:
         """Pin blocks resident in HBM (promoting as needed); returns (sorted unique blocks, slots)."""
         wait = (timeout_s if timeout_s is not None else self.timeout_s)
-        r = self._call("acquire", {"blocks": _arr(blocks), "keys": _arr(keys, np.uint64),
+        r = self._call("acquire", {"blocks": _arr(blocks), "keys": pack_keys(keys),
                                    "seqs": list(seqs) if seqs is not None else None, "timeout_s": timeout_s},
                        timeout_s=wait + 5.0)
         return _ids(r["blocks"]), _ids(r["slots"])
 
     def acquire_async(self, blocks: Optional[ArrayLike] = None, keys: Optional[ArrayLike] = None,
                       seqs: Optional[Sequence[int]] = None, timeout_s: Optional[float] = None) -> AcquireHandle:
-        r = self._call("acquire", {"blocks": _arr(blocks), "keys": _arr(keys, np.uint64),
+        r = self._call("acquire", {"blocks": _arr(blocks), "keys": pack_keys(keys),
                                    "seqs": list(seqs) if seqs is not None else None, "timeout_s": timeout_s,
                                    "wait": False})
         return AcquireHandle(self, r, 0)
@@ -302,7 +346,7 @@ class TierClient:
     def hint(self, blocks: Optional[ArrayLike] = None, keys: Optional[ArrayLike] = None,
              seqs: Optional[Sequence[int]] = None, deadline_s: float = 0.0) -> int:
         """Tell the daemon what will be acquired within ``deadline_s`` so it can prefetch."""
-        return self._call("hint", {"blocks": _arr(blocks), "keys": _arr(keys, np.uint64),
+        return self._call("hint", {"blocks": _arr(blocks), "keys": pack_keys(keys),
                                    "seqs": list(seqs) if seqs else None, "deadline_s": float(deadline_s)})["hinted"]
 
     def stats(self) -> dict:
@@ -376,4 +420,4 @@ class _nolock:
         return None
 
 
-__all__ = ["TierClient", "AcquireHandle", "KvtierError", "DaemonUnavailable", "RequestTimeout", "RequestRejected"]
+__all__ = ["pack_keys", "TierClient", "AcquireHandle", "KvtierError", "DaemonUnavailable", "RequestTimeout", "RequestRejected"]

@@ -6,7 +6,10 @@ events, so a policy always knows exactly the blocks holding a copy in its tier.
 Accesses are logged at acquire time and applied to the policies later, in the
 owner loop's idle time (``drain``), so an RPC reply never waits on policy
 bookkeeping. The NVMe tier, the last one, drops cached blocks in LRU order of
-the block table's eviction list; live blocks are never dropped.
+the block table's eviction list; live blocks are never dropped. A victim whose
+write-back failed is still resident: it goes back into its tier's policy, and
+while the manager backs off a failing disk, NVMe is no destination (demotion
+to DRAM and dropping cached blocks go on).
 
 ``make_room`` never blocks: it frees what it can now (clean drops are
 immediate; write-backs are transfers) and the caller retries after the
@@ -47,6 +50,7 @@ class Placement:
         self.demoted = 0
         self.declined = 0  # blocks a lower tier's policy did not find worth a slot
         mgr.listeners.append(self._on_event)
+        mgr.failure_listeners.append(self._on_failed_move)
 
     # -- membership ------------------------------------------------------------
     def _on_event(self, kind: str, b: int, tier: int) -> None:
@@ -70,6 +74,12 @@ class Placement:
                 pol.forget(b)
             self.logged_epoch[b] = -1
             self.protect_until[b] = 0.0
+
+    def _on_failed_move(self, blocks: np.ndarray, tier: int) -> None:
+        """A move out of ``tier`` failed and left these blocks there: victims chosen
+        for it left their policy, so they go back in and can be chosen again."""
+        if tier in self.policies:
+            self._reinsert(tier, blocks.tolist())
 
     def on_alloc(self, blocks: np.ndarray, continues: bool) -> None:
         """New open blocks land in HBM; their class comes from what the engine told us."""
@@ -206,6 +216,9 @@ class Placement:
         pending = list(blocks)
         lowers = [d for d in range(tier + 1, len(Tier))
                   if t.slots_per_tier[d] and not (d == NVME and mgr.nvme is None)]
+        if NVME in lowers and not mgr.nvme_writable():  # backing off a disk whose writes failed
+            lowers.remove(NVME)
+            mgr.counters["nvme_backoff_skips"] += 1
         for i, dst in enumerate(lowers):
             if not pending:
                 break
@@ -281,6 +294,8 @@ class Placement:
     def close(self) -> None:
         if self._on_event in self.mgr.listeners:
             self.mgr.listeners.remove(self._on_event)
+        if self._on_failed_move in self.mgr.failure_listeners:
+            self.mgr.failure_listeners.remove(self._on_failed_move)
 
 
 __all__ = ["Placement"]

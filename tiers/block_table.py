@@ -40,6 +40,7 @@ class BlockTable:
         self.slot = np.full((N_TIERS, n), NIL, dtype=np.int32)
         self.nbytes = np.zeros(n, dtype=np.uint32)  # valid payload bytes
         self.checksum = np.zeros(n, dtype=np.uint64)  # of sealed bytes
+        self.detached = np.zeros(n, dtype=np.bool_)  # sealed, but its key no longer maps to it (quarantined)
         # -- policy columns (extension point: see ``add_column``) --
         self.importance = np.zeros(n, dtype=np.float32)
         self.extra: dict[str, np.ndarray] = {}
@@ -120,6 +121,7 @@ class BlockTable:
         self.nbytes[b] = 0
         self.checksum[b] = 0
         self.key[b] = 0
+        self.detached[b] = False
         self.importance[b] = 0.0
         for col in self.extra.values():
             col[b] = 0
@@ -160,13 +162,24 @@ class BlockTable:
         self.state[b] = SEALED
         self.keys.insert(int(self.key[b]), b)
 
+    def detach_key(self, b: int) -> None:
+        """Unindex a sealed block's key but keep the block (its holders keep their
+        reference): a lookup misses, and the next seal of the key makes a new block
+        instead of folding into this one. Used for a block whose only copy is bad."""
+        if self.state[b] != SEALED or self.detached[b]:
+            return
+        if self.keys.get(int(self.key[b])) == b:
+            self.keys.pop(int(self.key[b]))
+        self.detached[b] = True
+
     def release_block(self, b: int) -> None:
-        """Return every slot and the entry itself; key is unindexed."""
+        """Return every slot and the entry itself; key is unindexed (if it is still ours)."""
         for t in range(N_TIERS):
             if self.slot[t, b] != NIL:
                 self.release_slot(b, t)
-        if self.state[b] == SEALED:
+        if self.state[b] == SEALED and not self.detached[b]:
             self.keys.pop(int(self.key[b]))
+        self.detached[b] = False
         self.state[b] = FREE
         self.refcount[b] = 0
         self.pins[b] = 0
@@ -310,7 +323,9 @@ class BlockTable:
             if np.any(ev != want):
                 bad = int(np.flatnonzero(ev != want)[0])
                 raise RuntimeError(f"{Tier(t).name}: eviction list membership wrong for block {bad}")
-        sealed = np.flatnonzero(self.state == SEALED)
+        sealed = np.flatnonzero((self.state == SEALED) & ~self.detached)
+        if np.any(self.detached & (self.state != SEALED)):
+            raise RuntimeError("a detached block is not sealed")
         if len(self.keys) != sealed.size:
             raise RuntimeError("key index size differs from the number of sealed blocks")
         if sealed.size and np.any(self.keys.get_many(self.key[sealed]) != sealed):
@@ -320,7 +335,7 @@ class BlockTable:
 
     def metadata_nbytes(self) -> int:
         cols: list[np.ndarray] = [
-            self.key, self.state, self.refcount, self.pins, self.busy, self.copies,
+            self.key, self.state, self.refcount, self.pins, self.busy, self.copies, self.detached,
             self.slot, self.nbytes, self.checksum, self.importance,
             *self.extra.values(), *self.slot_owner,
         ]

@@ -26,17 +26,19 @@ import torch
 
 from kvtier.kernels.checksum import block_checksum
 
-from .aligned import aligned_empty
+from .backoff import WriteBackoff
 from .block_table import BlockTable
+from .integrity import quarantine, read_nvme_verified, unindexed
 from .intrusive import NIL
 from .io_backends import IOBackend, select_backend
 from .mover import Completion, Mover, Transfer
 from .nvme import NvmeStore
 from .pools import DramPool, HbmPool
 from .slot_index import ENTRY, take_index, write_index
-from .types import DRAM, FREE, HBM, NVME, OPEN, SEALED, CorruptBlockError, Tier, TierError, parse_tier
+from .types import DRAM, FREE, HBM, NVME, OPEN, SEALED, Tier, TierError, parse_tier
 
 EventListener = Callable[[str, int, int], None]  # (kind, block, tier)
+FailureListener = Callable[[np.ndarray, int], None]  # (blocks a failed move left in tier, tier)
 log = logging.getLogger("kvtier.tiers")
 
 
@@ -69,6 +71,7 @@ class TierManager:
         recover: bool = True,
         recover_payloads: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        nvme_backoff_s: float = 1.0,
     ) -> None:
         if nvme_slots and not nvme_dir:
             raise ValueError("nvme_slots > 0 needs nvme_dir")
@@ -86,6 +89,8 @@ class TierManager:
         self.counters: Counter[str] = Counter()
         self.last_errors: dict[int, str] = {}
         self.listeners: list[EventListener] = []
+        self.failure_listeners: list[FailureListener] = []  # e.g. placement: the victims are still resident
+        self.nvme_backoff = WriteBackoff(nvme_backoff_s, max(30.0, nvme_backoff_s))
         self.corrupt = self.table.add_column("corrupt", np.bool_)  # reset when the entry is reused
         self.io_failures = self.table.add_column("io_failures", np.uint8)
         self.inflight = self.table.add_column("inflight_tid", np.int64)  # transfer moving the block (0: none)
@@ -180,7 +185,8 @@ class TierManager:
         """Seal an OPEN block under ``key``; returns the canonical block.
 
         If ``key`` is already sealed elsewhere (a shared prefix), this block is
-        released and the existing one gains a reference.
+        released and the existing one gains a reference. A corrupt block never
+        absorbs a seal: these correct bytes take its key instead.
         """
         b = self._open_in_hbm(b, "is already sealed")
         t = self.table
@@ -188,6 +194,9 @@ class TierManager:
         if not 0 <= length <= self.block_bytes:
             raise ValueError(f"nbytes {length} out of range")
         existing = t.lookup(key)
+        if existing >= 0 and self.corrupt[existing]:
+            t.detach_key(existing)  # normally done at quarantine already
+            existing = -1
         if existing >= 0:
             if t.pins[b]:
                 raise ValueError(f"block {b} is pinned; release it before folding it into shared block {existing}")
@@ -414,27 +423,38 @@ class TierManager:
             self.last_errors[b] = msg
             self.io_failures[b] = min(255, int(self.io_failures[b]) + 1)
             if p.src == Tier.NVME and "failed its checksum" in msg:
-                self._quarantine(b)
+                quarantine(self, b)
         self.counters[f"errors_{path}"] += int(bad.size)
+        self.counters["nvme_read_retries"] += c.retried
         orphans = (t.refcount[blocks] == 0) & (t.state[blocks] == OPEN) & (t.busy[blocks] == 0)
         for b in blocks[orphans].tolist():
             self._emit("removed", b, -1)
             t.release_block(b)  # freed by its sequence while moving
         t.refresh_evictable_many(blocks[~orphans])
+        if d == NVME:
+            self._note_nvme_writes(int(good.size), int(bad.size))
+        kept = bad[(t.state[bad] != FREE) & ((t.copies[bad] >> s) & 1 == 1)]
+        if kept.size:
+            for fn in self.failure_listeners:
+                fn(kept, s)
         self.counters[f"moves_{path}"] += int(good.size)
         self.counters[f"bytes_{path}"] += c.nbytes
         self.counters[f"busy_ns_{path}"] += int(c.seconds * 1e9)
 
+    def _note_nvme_writes(self, ok: int, failed: int) -> None:
+        if failed:
+            self.nvme_backoff.failed(self.clock())
+            self.counters["nvme_write_backoffs"] += 1
+        elif ok:
+            self.nvme_backoff.succeeded()
+
+    def nvme_writable(self) -> bool:
+        """Is NVMe a destination now (configured, and not backing off after failed writes)?"""
+        return self.nvme is not None and self.nvme_backoff.open(self.clock())
+
     def _quarantine(self, b: int) -> None:
-        """A copy failed its checksum: never serve it. Drop it if another copy exists,
-        else mark the block corrupt (readers get an error, never the bytes)."""
-        t = self.table
-        if bin(int(t.copies[b])).count("1") >= 2 and t.has_copy(b, Tier.NVME):
-            t.release_slot(b, Tier.NVME)
-            self._emit("removed", b, Tier.NVME)
-        else:
-            self.corrupt[b] = True
-        self.counters["corrupt_copies"] += 1
+        """A copy failed its checksum: never serve it (see ``integrity.quarantine``)."""
+        quarantine(self, b)
 
     def parts_ready(self, blocks: np.ndarray, chunks: int) -> np.ndarray:
         """Per block: ``chunks`` if resident in HBM and idle, the parts already landed
@@ -487,12 +507,7 @@ class TierManager:
             return self.hbm.read(slot)[:length]
         if home == Tier.DRAM:
             return self.dram.read(slot)[:length]
-        assert self.nvme is not None
-        buf = aligned_empty(self.nvme.data_stride)
-        self.nvme.read(slot, buf).result()
-        if t.state[b] == SEALED and block_checksum(buf, length) != int(t.checksum[b]):
-            raise CorruptBlockError(f"block {b}: NVMe slot {slot} failed its checksum")
-        return bytes(buf[:length])
+        return read_nvme_verified(self, b, slot, length, verify=bool(t.state[b] == SEALED))
 
     # -- persistence ---------------------------------------------------------
     def _recover(self, verify_payload: bool) -> None:
@@ -515,7 +530,7 @@ class TierManager:
     def _nvme_index(self) -> np.ndarray:
         """Every sealed block with a good NVMe copy, as slot index entries."""
         t = self.table
-        b = np.flatnonzero((t.state == SEALED) & ((t.copies >> NVME) & 1 == 1) & ~self.corrupt)
+        b = np.flatnonzero((t.state == SEALED) & ((t.copies >> NVME) & 1 == 1) & ~unindexed(self))
         out = np.empty(b.size, dtype=ENTRY)
         out["slot"], out["key"], out["length"], out["checksum"] = t.slot[NVME, b], t.key[b], t.nbytes[b], t.checksum[b]
         return out

@@ -8,7 +8,9 @@ success mask. Copies queued back to back on one path run as one pass (a
 watermark burst costs one copy, not one start-up per descriptor) and still
 complete descriptor by descriptor. Workers never touch block metadata; the
 owner applies completions when it polls. Every NVMe read is verified against
-the block's recorded checksum before the completion says it succeeded.
+the block's recorded checksum before the completion says it succeeded; a read
+that fails or does not verify is read once more before it counts as failed (a
+bit flipped in flight or a transient EIO must not condemn a good disk copy).
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class Completion:
     nbytes: int = 0
     seconds: float = 0.0
     checksums: Optional[np.ndarray] = None  # set when the path computed them
+    retried: int = 0  # NVMe reads of these blocks that failed once and were read again
 
 
 PathFn = Callable[["Mover", Transfer, np.ndarray, dict], Optional[np.ndarray]]
@@ -121,6 +124,7 @@ class Mover:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._stream = torch.cuda.Stream() if hbm.is_cuda else None
+        self._tls = threading.local()  # per worker: blocks whose NVMe read was retried in this batch
         counts = {"copy": 1, "io": max(1, workers)}
         self._threads = [(lane, threading.Thread(target=self._run, args=(self._lanes[lane],),
                                                  name=f"kvtier-mover-{lane}-{i}", daemon=True))
@@ -232,6 +236,7 @@ class Mover:
         errors: dict[int, str] = {}
         start = time.perf_counter()
         sums = None
+        self._tls.retried = retried: set[int] = set()
         try:
             sums = PATHS[(t.src, t.dst)](self, t, ok, errors)
         except Exception as e:  # a path bug must not kill the worker
@@ -247,8 +252,9 @@ class Mover:
             nbytes = int(part.lengths[good].sum())
             mine = {b: errors[b] for b in part.blocks.tolist() if b in errors} if errors else {}
             share = seconds * part.blocks.size / max(1, t.blocks.size)
+            again = sum(1 for b in part.blocks.tolist() if b in retried) if retried else 0
             out.append(Completion(part.tid, part.src, part.dst, part.blocks, good.copy(), mine, nbytes, share,
-                                  None if sums is None else sums[lo:hi].copy()))
+                                  None if sums is None else sums[lo:hi].copy(), again))
             lo = hi
         return out
 
@@ -294,6 +300,7 @@ def _verify(t: Transfer, i: int, buf: np.ndarray, ok: np.ndarray, errors: dict) 
     length = int(t.lengths[i])
     if block_checksum(buf, length) == int(t.checksums[i]):
         ok[i] = True
+        errors.pop(int(t.blocks[i]), None)
     else:
         errors[int(t.blocks[i])] = str(CorruptBlockError(
             f"block {int(t.blocks[i])}: NVMe slot {int(t.src_slots[i])} failed its checksum"))
@@ -397,6 +404,16 @@ def _read_nvme(m: Mover, t: Transfer, ok: np.ndarray, errors: dict,
             finish(int(t.dst_slots[i]), bufs[i])
 
     _wait_all(t, futs, ok, errors, on_ok=check)
+    retried: set = getattr(m._tls, "retried", set())
+    for i in np.flatnonzero(~ok).tolist():  # one more read each: only a failure that repeats condemns the copy
+        b = int(t.blocks[i])
+        retried.add(b)
+        try:
+            m.nvme.read(int(t.src_slots[i]), bufs[i]).result()
+        except Exception as e:
+            errors[b] = f"{type(e).__name__}: {e} (and on a second read)"
+            continue
+        check(i)
 
 
 @path(Tier.NVME, Tier.DRAM)

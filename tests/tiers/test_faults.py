@@ -55,7 +55,7 @@ def test_corrupt_read_is_never_served(nvme_dir):
         m.write(b, pattern(1, BB))
         m.seal(b, 1)
         m.demote([b], "hbm", "nvme"); m.wait()
-        fb.corrupt_reads = 1
+        fb.corrupt_reads = 2  # the read and its one retry: a flip that repeats
         m.promote([b], "hbm"); m.wait()
         assert not m.table.has_copy(b, Tier.HBM)  # bad bytes never became valid
         assert "checksum" in m.last_errors[b]
@@ -72,7 +72,7 @@ def test_failed_read_keeps_block(nvme_dir):
         b = int(m.alloc(1)[0])
         m.write(b, pattern(2, BB))
         m.demote([b], "hbm", "nvme"); m.wait()
-        fb.fail_reads = 1
+        fb.fail_reads = 2  # the read and its one retry
         m.promote([b], "dram"); m.wait()
         assert m.table.copies[b] == 1 << Tier.NVME and b in m.last_errors
         assert m.read(b) == pattern(2, BB).tobytes()

@@ -1,0 +1,153 @@
+"""Quarantine is for bad disk copies, not for keys: a transient bad read is retried,
+and a key whose block is really corrupt is taken over by the next correct seal."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from kvtier.tiers.faults import FaultyBackend
+from kvtier.tiers.io_backends import PosixBackend
+from kvtier.tiers.manager import TierManager
+from kvtier.tiers.nvme import HEADER_BYTES
+from kvtier.tiers.types import BlockState, Tier
+
+from ..conftest import pattern
+
+BB = 9000
+KEY = 0xC0FFEE
+
+
+def _manager(nvme_dir: str, **faults) -> tuple[TierManager, FaultyBackend]:
+    fb = FaultyBackend(PosixBackend(threads=2), **faults)
+    return TierManager(BB, 4, 4, 8, nvme_dir=nvme_dir, io_backend=fb), fb
+
+
+def _sealed_on_nvme(m: TierManager, tag: int, key: int) -> int:
+    b = int(m.alloc(1)[0])
+    m.write(b, pattern(tag, BB))
+    assert m.seal(b, key) == b
+    m.demote([b], "hbm", "nvme"); m.wait()
+    assert m.table.copies[b] == 1 << Tier.NVME
+    return b
+
+
+def _flip_on_disk(m: TierManager, b: int) -> None:
+    """Flip payload byte 17 of ``b``'s NVMe slot in the slab file: every read now fails."""
+    assert m.nvme is not None
+    slot = int(m.table.slot[Tier.NVME, b])
+    path = os.path.join(m.nvme.directory, "slab-0000.kvt")
+    with open(path, "r+b") as f:
+        off = slot * m.nvme.slot_bytes + HEADER_BYTES + 17
+        f.seek(off)
+        byte = f.read(1)[0]
+        f.seek(off)
+        f.write(bytes([byte ^ 0xFF]))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def test_one_corrupt_read_is_retried_and_served(nvme_dir):
+    m, fb = _manager(nvme_dir)
+    try:
+        b = _sealed_on_nvme(m, 1, KEY)
+        fb.corrupt_reads = 1  # a bit flipped in flight; the disk copy is fine
+        m.promote([b], "hbm"); m.wait()
+        assert m.table.copies[b] == (1 << Tier.HBM) | (1 << Tier.NVME)
+        assert not m.corrupt[b] and b not in m.last_errors and m.io_failures[b] == 0
+        assert m.counters["nvme_read_retries"] == 1 and m.counters["corrupt_copies"] == 0
+        assert m.read(b) == pattern(1, BB).tobytes()
+        assert m.lookup(KEY) == b
+        m.check_invariants()
+    finally:
+        m.close()
+
+
+def test_one_failed_read_is_retried_and_served(nvme_dir):
+    m, fb = _manager(nvme_dir, mode="eio")
+    try:
+        b = _sealed_on_nvme(m, 2, KEY)
+        fb.fail_reads = 1  # one transient EIO
+        m.promote([b], "dram"); m.wait()
+        assert m.table.copies[b] == (1 << Tier.DRAM) | (1 << Tier.NVME)
+        assert b not in m.last_errors and m.io_failures[b] == 0
+        assert m.counters["nvme_read_retries"] == 1
+        assert m.read(b) == pattern(2, BB).tobytes()
+        m.check_invariants()
+    finally:
+        m.close()
+
+
+def test_one_corrupt_read_in_read_is_retried(nvme_dir):
+    m, fb = _manager(nvme_dir)
+    try:
+        b = _sealed_on_nvme(m, 3, KEY)
+        fb.corrupt_reads = 1
+        assert m.read(b) == pattern(3, BB).tobytes()
+    finally:
+        m.close()
+
+
+def test_quarantined_key_is_taken_by_the_next_correct_seal(nvme_dir):
+    m, fb = _manager(nvme_dir)
+    try:
+        bad = _sealed_on_nvme(m, 4, KEY)  # still referenced by its sequence
+        _flip_on_disk(m, bad)
+        m.promote([bad], "hbm"); m.wait()
+        assert m.corrupt[bad] and "checksum" in m.last_errors[bad]
+        assert m.table.copies[bad] == 1 << Tier.NVME  # never served, never valid in HBM
+        assert m.counters["nvme_read_retries"] == 1 and m.counters["corrupt_copies"] == 1
+        assert m.lookup(KEY) == -1  # a miss: the engine recomputes instead of waiting on bad bytes
+        m.check_invariants()
+
+        new = int(m.alloc(1)[0])
+        m.write(new, pattern(5, BB))
+        assert m.seal(new, KEY) == new  # not folded into the corrupt block
+        assert m.lookup(KEY) == new and m.ref(KEY) == new
+        assert m.table.state[new] == BlockState.SEALED and not m.corrupt[new]
+        assert m.read(new) == pattern(5, BB).tobytes()
+        m.check_invariants()
+
+        m.free(bad)  # its last reference: cached, still corrupt; the key stays the new block's
+        assert m.table.refcount[bad] == 0 and m.corrupt[bad] and m.lookup(KEY) == new
+        m.check_invariants()
+        m.drop(bad)  # as eviction would: dropping it must not unindex the new block's key
+        assert m.table.state[bad] == BlockState.FREE and m.lookup(KEY) == new
+        m.check_invariants()
+
+        m.demote([new], "hbm", "nvme"); m.wait()
+        assert m.read(new) == pattern(5, BB).tobytes()
+    finally:
+        m.close()
+    m2 = TierManager(BB, 4, 4, 8, nvme_dir=nvme_dir, io_backend="posix")  # the index names the new copy only
+    try:
+        b = m2.lookup(KEY)
+        assert b >= 0 and m2.read(b) == pattern(5, BB).tobytes()
+        m2.check_invariants()
+    finally:
+        m2.close()
+
+
+def test_cached_corrupt_block_is_replaced_and_its_index_entry_not_restored(nvme_dir):
+    m, fb = _manager(nvme_dir)
+    try:
+        bad = _sealed_on_nvme(m, 6, KEY)
+        m.free(bad)  # cached: nothing holds it
+        _flip_on_disk(m, bad)
+        m.promote([bad], "dram"); m.wait()
+        assert m.corrupt[bad] and m.lookup(KEY) == -1
+        new = int(m.alloc(1)[0])
+        m.write(new, pattern(7, BB))
+        assert m.seal(new, KEY) == new
+        m.demote([new], "hbm", "nvme"); m.wait()
+        m.check_invariants()
+        assert np.array_equal(m._nvme_index()["slot"], [m.table.slot[Tier.NVME, new]])
+    finally:
+        m.close()
+    m2 = TierManager(BB, 4, 4, 8, nvme_dir=nvme_dir, io_backend="posix")
+    try:
+        assert m2.recovered == 1
+        assert m2.read(m2.lookup(KEY)) == pattern(7, BB).tobytes()
+    finally:
+        m2.close()
