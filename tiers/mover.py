@@ -236,7 +236,8 @@ class Mover:
         errors: dict[int, str] = {}
         start = time.perf_counter()
         sums = None
-        self._tls.retried = retried: set[int] = set()
+        retried: set[int] = set()
+        self._tls.retried = retried
         try:
             sums = PATHS[(t.src, t.dst)](self, t, ok, errors)
         except Exception as e:  # a path bug must not kill the worker
