@@ -11,54 +11,54 @@ stays until its holders let go, so nobody's reference dangles.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections import Counter
+from typing import Callable
 
 import numpy as np
 
 from kvtier.kernels.checksum import block_checksum
 
 from .aligned import aligned_empty
+from .block_table import BlockTable
+from .nvme import NvmeStore
 from .types import CorruptBlockError, Tier
-
-if TYPE_CHECKING:
-    from .manager import TierManager
 
 READ_ATTEMPTS = 2  # a synchronous NVMe read (``TierManager.read``): once, then once more
 
 
-def quarantine(mgr: "TierManager", b: int) -> None:
+def quarantine(t: BlockTable, corrupt: np.ndarray, counters: Counter[str],
+               emit: Callable[[str, int, int], None], b: int) -> None:
     """A copy of ``b`` failed its checksum (twice): never serve it."""
-    t = mgr.table
     if bin(int(t.copies[b])).count("1") >= 2 and t.has_copy(b, Tier.NVME):
         t.release_slot(b, Tier.NVME)
-        mgr._emit("removed", b, Tier.NVME)
+        emit("removed", b, Tier.NVME)
     else:
-        mgr.corrupt[b] = True
+        corrupt[b] = True
         t.detach_key(b)
-        mgr.counters["keys_detached"] += 1
-    mgr.counters["corrupt_copies"] += 1
+        counters["keys_detached"] += 1
+    counters["corrupt_copies"] += 1
 
 
-def read_nvme_verified(mgr: "TierManager", b: int, slot: int, length: int, verify: bool) -> bytes:
-    """Payload of ``b`` from NVMe ``slot``, checked against its checksum when ``verify``;
-    a failed or mismatching read is read again before it raises."""
-    assert mgr.nvme is not None
-    buf = aligned_empty(mgr.nvme.data_stride)
+def read_nvme_verified(nvme: NvmeStore, counters: Counter[str], b: int, slot: int, length: int,
+                       checksum: "int | None") -> bytes:
+    """Payload of ``b`` from NVMe ``slot``, checked against ``checksum`` (None: not
+    verified, an open block's); a failed or mismatching read is read again before it raises."""
+    buf = aligned_empty(nvme.data_stride)
     err: Exception = CorruptBlockError(f"block {b}: NVMe slot {slot} failed its checksum")
     for attempt in range(READ_ATTEMPTS):
         if attempt:
-            mgr.counters["nvme_read_retries"] += 1
+            counters["nvme_read_retries"] += 1
         try:
-            mgr.nvme.read(slot, buf).result()
+            nvme.read(slot, buf).result()
         except OSError as e:
             err = e
             continue
-        if not verify or block_checksum(buf, length) == int(mgr.table.checksum[b]):
+        if checksum is None or block_checksum(buf, length) == checksum:
             return bytes(buf[:length])
         err = CorruptBlockError(f"block {b}: NVMe slot {slot} failed its checksum")
     raise err
 
 
-def unindexed(mgr: "TierManager") -> np.ndarray:
+def unindexed(t: BlockTable, corrupt: np.ndarray) -> np.ndarray:
     """Per block: must not be named in a slot index (corrupt, or its key was taken)."""
-    return mgr.corrupt | mgr.table.detached
+    return corrupt | t.detached

@@ -104,3 +104,23 @@ def _invalid(store: NvmeStore, raw: bytes) -> str:
 
 
 __all__ = ["ENTRY", "INDEX_FILE", "index_path", "take_index", "write_index"]
+
+
+def recovered_entries(store: NvmeStore, verify_payload: bool) -> tuple[np.ndarray, str, int]:
+    """The sealed blocks a start finds on NVMe: (entries, "index" or "scan", slots
+    discarded). The clean stop's index is taken (and deleted) in both modes, so it
+    never outlives this run; it is used only when payloads need no verifying."""
+    index = take_index(store)
+    if index is not None and not verify_payload:
+        return index, "index", 0
+    found, discarded = store.recover(verify_payload=verify_payload)
+    entries = np.array([(r.slot, r.header.key, r.header.length, r.header.checksum) for r in found], dtype=ENTRY)
+    return entries, "scan", discarded
+
+
+def sealed_entries(slots: np.ndarray, keys: np.ndarray, lengths: np.ndarray, checksums: np.ndarray) -> np.ndarray:
+    """Index entries from parallel arrays (the blocks a clean stop describes)."""
+    out = np.empty(slots.size, dtype=ENTRY)
+    out["slot"], out["key"], out["length"], out["checksum"] = slots, keys, lengths, checksums
+    return out
+

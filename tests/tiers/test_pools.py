@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.tiers.pools import DramPool, HbmPool, attach_shm
+from kvtier.protocol.shm import attach_shm
+from kvtier.tiers.pools import DramPool, HbmPool
 
 
 def _child_writes(name: str, nbytes: int, q) -> None:
