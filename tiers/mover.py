@@ -19,73 +19,16 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 
-from kvtier.kernels.checksum import block_checksum
-
-from .aligned import aligned_empty
 from .nvme import NvmeStore
+from .paths import PATHS
 from .pools import DramPool, HbmPool
-from .types import CorruptBlockError, Tier
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """One batch of block copies from ``src`` to ``dst`` tier."""
-
-    tid: int
-    src: Tier
-    dst: Tier
-    blocks: np.ndarray
-    src_slots: np.ndarray
-    dst_slots: np.ndarray
-    keys: np.ndarray
-    lengths: np.ndarray
-    checksums: np.ndarray
-    sealed: np.ndarray
-
-    chunks: int = 1  # layer-wise: copy (and report) each block in this many equal parts, in order
-    progress: Optional[np.ndarray] = None  # [1] int64: parts done for every block (DRAM -> HBM only)
-    seqs: Optional[np.ndarray] = None  # NVMe writes: each block's write sequence, assigned by the owner
-
-    def __post_init__(self) -> None:
-        n = self.blocks.size
-        for name in ("src_slots", "dst_slots", "keys", "lengths", "checksums", "sealed"):
-            arr = getattr(self, name)
-            if arr.size != n:
-                raise ValueError(f"Transfer.{name} has {arr.size} entries, expected {n}")
-            arr.setflags(write=False)
-        self.blocks.setflags(write=False)
-
-
-@dataclass
-class Completion:
-    tid: int
-    src: Tier
-    dst: Tier
-    blocks: np.ndarray
-    ok: np.ndarray
-    errors: dict[int, str] = field(default_factory=dict)  # block -> message
-    nbytes: int = 0
-    seconds: float = 0.0
-    checksums: Optional[np.ndarray] = None  # set when the path computed them
-    retried: int = 0  # NVMe reads of these blocks that failed once and were read again
-
-
-PathFn = Callable[["Mover", Transfer, np.ndarray, dict], Optional[np.ndarray]]
-PATHS: dict[tuple[Tier, Tier], PathFn] = {}
-
-
-def path(src: Tier, dst: Tier) -> Callable[[PathFn], PathFn]:
-    def deco(fn: PathFn) -> PathFn:
-        PATHS[(src, dst)] = fn
-        return fn
-    return deco
-
+from .transfer import Completion, Transfer
+from .types import Tier
 
 MAX_DIRECT_RUNS = 16  # GPU: up to this many runs go as direct copies; more, as one gather + scatter
 MAX_MERGED = 64  # descriptors one copy may merge: bounds how long a merged copy holds the lane
@@ -123,8 +66,8 @@ class Mover:
         self._in_flight = 0
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._stream = torch.cuda.Stream() if hbm.is_cuda else None
-        self._tls = threading.local()  # per worker: blocks whose NVMe read was retried in this batch
+        self.stream = torch.cuda.Stream() if hbm.is_cuda else None
+        self.tls = threading.local()  # per worker: blocks whose NVMe read was retried in this batch
         counts = {"copy": 1, "io": max(1, workers)}
         self._threads = [(lane, threading.Thread(target=self._run, args=(self._lanes[lane],),
                                                  name=f"kvtier-mover-{lane}-{i}", daemon=True))
@@ -237,7 +180,7 @@ class Mover:
         start = time.perf_counter()
         sums = None
         retried: set[int] = set()
-        self._tls.retried = retried
+        self.tls.retried = retried
         try:
             sums = PATHS[(t.src, t.dst)](self, t, ok, errors)
         except Exception as e:  # a path bug must not kill the worker
@@ -260,22 +203,22 @@ class Mover:
         return out
 
     # helpers used by paths
-    def _sync(self) -> None:
-        if self._stream is not None:
-            self._stream.synchronize()
+    def sync(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
 
-    def _copy_rows(self, dst: torch.Tensor, dst_idx: np.ndarray, src: torch.Tensor, src_idx: np.ndarray) -> None:
+    def copy_rows(self, dst: torch.Tensor, dst_idx: np.ndarray, src: torch.Tensor, src_idx: np.ndarray) -> None:
         """Copy rows ``src[src_idx]`` to ``dst[dst_idx]``. Runs where both sides are
         consecutive slots go as one large copy each: on CPU torch splits a large run
         over its intra-op threads (a numpy copy uses one core); on a GPU a run is one
         DMA straight between the device pool and the pinned host pool. Scattered
         rows on a GPU go as one gather, one transfer and one scatter instead."""
         runs = _runs(dst_idx, src_idx)
-        if self._stream is None:
+        if self.stream is None:
             for di, si, k in runs:
                 dst[di: di + k].copy_(src[si: si + k])
             return
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(self.stream):
             if len(runs) <= MAX_DIRECT_RUNS:
                 for di, si, k in runs:
                     dst[di: di + k].copy_(src[si: si + k], non_blocking=True)
@@ -284,7 +227,7 @@ class Mover:
                 src_rows = torch.as_tensor(src_idx, device=src.device)
                 rows = src.index_select(0, src_rows).to(dst.device, non_blocking=True)
                 dst.index_copy_(0, dst_rows, rows)
-        self._sync()
+        self.sync()
 
 
 def _runs(dst_idx: np.ndarray, src_idx: np.ndarray) -> list[tuple[int, int, int]]:
@@ -297,144 +240,4 @@ def _runs(dst_idx: np.ndarray, src_idx: np.ndarray) -> list[tuple[int, int, int]
     return list(zip(dst_idx[starts].tolist(), src_idx[starts].tolist(), (ends - starts).tolist()))
 
 
-def _verify(t: Transfer, i: int, buf: np.ndarray, ok: np.ndarray, errors: dict) -> None:
-    length = int(t.lengths[i])
-    if block_checksum(buf, length) == int(t.checksums[i]):
-        ok[i] = True
-        errors.pop(int(t.blocks[i]), None)
-    else:
-        errors[int(t.blocks[i])] = str(CorruptBlockError(
-            f"block {int(t.blocks[i])}: NVMe slot {int(t.src_slots[i])} failed its checksum"))
-
-
-def _wait_all(t: Transfer, futs: list, ok: np.ndarray, errors: dict,
-              on_ok: Optional[Callable[[int], None]] = None) -> None:
-    for i, fut in futs:
-        try:
-            fut.result()
-        except Exception as e:
-            errors[int(t.blocks[i])] = f"{type(e).__name__}: {e}"
-            continue
-        if on_ok is None:
-            ok[i] = True
-        else:
-            on_ok(i)
-
-
-@path(Tier.HBM, Tier.DRAM)
-def _hbm_to_dram(m: Mover, t: Transfer, ok: np.ndarray, errors: dict) -> None:
-    m._copy_rows(m.dram.tensor, t.dst_slots, m.hbm.tensor, t.src_slots)
-    ok[:] = True
-
-
-@path(Tier.DRAM, Tier.HBM)
-def _dram_to_hbm(m: Mover, t: Transfer, ok: np.ndarray, errors: dict) -> None:
-    """Layer by layer when asked: part c of every block lands before part c+1 starts,
-    and ``progress`` says how many parts are in place, so an engine can compute layer
-    l while layer l+1 is still arriving. (NVMe reads are all or nothing: a block is
-    only trusted once its checksum verified.)"""
-    if t.chunks <= 1 or t.progress is None:
-        m._copy_rows(m.hbm.tensor, t.dst_slots, m.dram.tensor, t.src_slots)
-        ok[:] = True
-        return
-    part = m.hbm.block_bytes // t.chunks
-    for c in range(t.chunks):
-        cols = slice(c * part, (c + 1) * part)
-        m._copy_rows(m.hbm.tensor[:, cols], t.dst_slots, m.dram.tensor[:, cols], t.src_slots)
-        t.progress[0] = c + 1
-    ok[:] = True
-
-
-def _write_nvme(m: Mover, t: Transfer, ok: np.ndarray, errors: dict,
-                source: Callable[[int], "np.ndarray | torch.Tensor"]) -> np.ndarray:
-    """Write each block with its header. Open blocks have no checksum yet:
-    it is computed here from the bytes written and returned to the owner."""
-    assert m.nvme is not None
-    futs = []
-    sums = t.checksums.copy()
-    for i in range(t.blocks.size):
-        try:
-            buf = source(int(t.src_slots[i]))
-            if not t.sealed[i]:
-                sums[i] = block_checksum(buf, int(t.lengths[i]))
-            fut = m.nvme.write(int(t.dst_slots[i]), buf, int(t.keys[i]), int(t.lengths[i]), int(sums[i]),
-                               bool(t.sealed[i]), None if t.seqs is None else int(t.seqs[i]))
-        except Exception as e:
-            errors[int(t.blocks[i])] = f"{type(e).__name__}: {e}"
-            continue
-        futs.append((i, fut))
-    _wait_all(t, futs, ok, errors)
-    return sums
-
-
-@path(Tier.DRAM, Tier.NVME)
-def _dram_to_nvme(m: Mover, t: Transfer, ok: np.ndarray, errors: dict) -> np.ndarray:
-    return _write_nvme(m, t, ok, errors, m.dram.slot_buffer)
-
-
-@path(Tier.HBM, Tier.NVME)
-def _hbm_to_nvme(m: Mover, t: Transfer, ok: np.ndarray, errors: dict) -> np.ndarray:
-    if not m.hbm.is_cuda:
-        return _write_nvme(m, t, ok, errors, lambda s: m.hbm._np[s])  # type: ignore[index]
-    if m.nvme is not None and m.nvme.backend.name == "kvikio" and bool(t.sealed.all()):
-        return _write_nvme(m, t, ok, errors, lambda s: m.hbm.tensor[s])  # GPUDirect
-
-    def staged(s: int) -> np.ndarray:  # bounce through host memory
-        host = aligned_empty(m.hbm.slot_stride)
-        torch.from_numpy(host).copy_(m.hbm.tensor[s])
-        return host
-
-    return _write_nvme(m, t, ok, errors, staged)
-
-
-def _read_nvme(m: Mover, t: Transfer, ok: np.ndarray, errors: dict,
-               target: Callable[[int], np.ndarray], finish: Optional[Callable[[int, np.ndarray], None]] = None) -> None:
-    assert m.nvme is not None
-    futs, bufs = [], {}
-    for i in range(t.blocks.size):
-        buf = target(int(t.dst_slots[i]))
-        bufs[i] = buf
-        try:
-            futs.append((i, m.nvme.read(int(t.src_slots[i]), buf)))
-        except Exception as e:
-            errors[int(t.blocks[i])] = f"{type(e).__name__}: {e}"
-
-    def check(i: int) -> None:
-        _verify(t, i, bufs[i], ok, errors)
-        if ok[i] and finish is not None:
-            finish(int(t.dst_slots[i]), bufs[i])
-
-    _wait_all(t, futs, ok, errors, on_ok=check)
-    retried: set = getattr(m._tls, "retried", set())
-    for i in np.flatnonzero(~ok).tolist():  # one more read each: only a failure that repeats condemns the copy
-        b = int(t.blocks[i])
-        retried.add(b)
-        try:
-            m.nvme.read(int(t.src_slots[i]), bufs[i]).result()
-        except Exception as e:
-            errors[b] = f"{type(e).__name__}: {e} (and on a second read)"
-            continue
-        check(i)
-
-
-@path(Tier.NVME, Tier.DRAM)
-def _nvme_to_dram(m: Mover, t: Transfer, ok: np.ndarray, errors: dict) -> None:
-    _read_nvme(m, t, ok, errors, m.dram.slot_buffer)
-
-
-@path(Tier.NVME, Tier.HBM)
-def _nvme_to_hbm(m: Mover, t: Transfer, ok: np.ndarray, errors: dict) -> None:
-    if not m.hbm.is_cuda:
-        # read straight into the (not yet valid) HBM slot, verify in place
-        _read_nvme(m, t, ok, errors, lambda s: m.hbm._np[s])  # type: ignore[index]
-        return
-
-    def finish(slot: int, host: np.ndarray) -> None:
-        # on the mover's stream, which _sync() waits for: a copy from pageable memory
-        # can return before its DMA lands, and an engine may read the slot as soon as
-        # the completion says it is valid
-        with torch.cuda.stream(m._stream):
-            m.hbm.tensor[slot].copy_(torch.from_numpy(host), non_blocking=True)
-
-    _read_nvme(m, t, ok, errors, lambda s: aligned_empty(m.hbm.slot_stride), finish)
-    m._sync()
+__all__ = ["Mover", "Transfer", "Completion", "MAX_DIRECT_RUNS"]

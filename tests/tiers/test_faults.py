@@ -116,7 +116,7 @@ def test_queued_copies_merge_and_each_descriptor_completes(nvme_dir):
     m = TierManager(BB, 16, 16, 8, nvme_dir=nvme_dir)
     entered, release = threading.Event(), threading.Event()
     calls: list[int] = []
-    real_copy = m.mover._copy_rows
+    real_copy = m.mover.copy_rows
 
     def held_copy(dst, dst_idx, src, src_idx):  # holds the first copy until the queue is full
         calls.append(int(dst_idx.size))
@@ -131,7 +131,7 @@ def test_queued_copies_merge_and_each_descriptor_completes(nvme_dir):
             m.write(b, pattern(i, BB))
             m.seal(b, 200 + i)
         m.demote(blocks[10:], "hbm", "dram"); m.wait()  # for the layer-wise promotion
-        m.mover._copy_rows = held_copy  # type: ignore[method-assign]
+        m.mover.copy_rows = held_copy  # type: ignore[method-assign]
         held = m.demote(blocks[:2], "hbm", "dram")
         assert entered.wait(10)
         queued = [m.demote(blocks[2:4], "hbm", "dram"), m.demote(blocks[4:6], "hbm", "dram"),

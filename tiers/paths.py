@@ -1,0 +1,195 @@
+"""Copy paths between tiers, one function a (src, dst) pair, in a registry.
+
+Each path runs on a mover worker thread: it copies the blocks of one
+``Transfer``, marks each block's success in ``ok`` and names failures in
+``errors``. NVMe reads are verified against the block's checksum and read once
+more before they count as failed; NVMe writes of open blocks return the
+checksums of the bytes written. Paths see the mover only through ``CopyEngine``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Optional, Protocol
+
+import numpy as np
+import torch
+
+from kvtier.kernels.checksum import block_checksum
+
+from .aligned import aligned_empty
+from .nvme import NvmeStore
+from .pools import DramPool, HbmPool
+from .transfer import Transfer
+from .types import CorruptBlockError, Tier
+
+
+class CopyEngine(Protocol):
+    """What a path needs of the mover: the pools, the store, its stream and row copies."""
+
+    hbm: HbmPool
+    dram: DramPool
+    nvme: Optional[NvmeStore]
+    stream: "Optional[torch.cuda.Stream]"
+    tls: threading.local  # per worker: ``retried``, the blocks read a second time
+
+    def copy_rows(self, dst: torch.Tensor, dst_idx: np.ndarray, src: torch.Tensor, src_idx: np.ndarray) -> None: ...
+
+    def sync(self) -> None: ...
+
+
+PathFn = Callable[[CopyEngine, Transfer, np.ndarray, dict], Optional[np.ndarray]]
+PATHS: dict[tuple[Tier, Tier], PathFn] = {}
+
+
+def path(src: Tier, dst: Tier) -> Callable[[PathFn], PathFn]:
+    def deco(fn: PathFn) -> PathFn:
+        PATHS[(src, dst)] = fn
+        return fn
+    return deco
+
+
+def _verify(t: Transfer, i: int, buf: np.ndarray, ok: np.ndarray, errors: dict) -> None:
+    length = int(t.lengths[i])
+    if block_checksum(buf, length) == int(t.checksums[i]):
+        ok[i] = True
+        errors.pop(int(t.blocks[i]), None)
+    else:
+        errors[int(t.blocks[i])] = str(CorruptBlockError(
+            f"block {int(t.blocks[i])}: NVMe slot {int(t.src_slots[i])} failed its checksum"))
+
+
+def _wait_all(t: Transfer, futs: list, ok: np.ndarray, errors: dict,
+              on_ok: Optional[Callable[[int], None]] = None) -> None:
+    for i, fut in futs:
+        try:
+            fut.result()
+        except Exception as e:
+            errors[int(t.blocks[i])] = f"{type(e).__name__}: {e}"
+            continue
+        if on_ok is None:
+            ok[i] = True
+        else:
+            on_ok(i)
+
+
+@path(Tier.HBM, Tier.DRAM)
+def _hbm_to_dram(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict) -> None:
+    m.copy_rows(m.dram.tensor, t.dst_slots, m.hbm.tensor, t.src_slots)
+    ok[:] = True
+
+
+@path(Tier.DRAM, Tier.HBM)
+def _dram_to_hbm(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict) -> None:
+    """Layer by layer when asked: part c of every block lands before part c+1 starts,
+    and ``progress`` says how many parts are in place, so an engine can compute layer
+    l while layer l+1 is still arriving. (NVMe reads are all or nothing: a block is
+    only trusted once its checksum verified.)"""
+    if t.chunks <= 1 or t.progress is None:
+        m.copy_rows(m.hbm.tensor, t.dst_slots, m.dram.tensor, t.src_slots)
+        ok[:] = True
+        return
+    part = m.hbm.block_bytes // t.chunks
+    for c in range(t.chunks):
+        cols = slice(c * part, (c + 1) * part)
+        m.copy_rows(m.hbm.tensor[:, cols], t.dst_slots, m.dram.tensor[:, cols], t.src_slots)
+        t.progress[0] = c + 1
+    ok[:] = True
+
+
+def _write_nvme(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict,
+                source: Callable[[int], "np.ndarray | torch.Tensor"]) -> np.ndarray:
+    """Write each block with its header. Open blocks have no checksum yet:
+    it is computed here from the bytes written and returned to the owner."""
+    assert m.nvme is not None
+    futs = []
+    sums = t.checksums.copy()
+    for i in range(t.blocks.size):
+        try:
+            buf = source(int(t.src_slots[i]))
+            if not t.sealed[i]:
+                sums[i] = block_checksum(buf, int(t.lengths[i]))
+            fut = m.nvme.write(int(t.dst_slots[i]), buf, int(t.keys[i]), int(t.lengths[i]), int(sums[i]),
+                               bool(t.sealed[i]), None if t.seqs is None else int(t.seqs[i]))
+        except Exception as e:
+            errors[int(t.blocks[i])] = f"{type(e).__name__}: {e}"
+            continue
+        futs.append((i, fut))
+    _wait_all(t, futs, ok, errors)
+    return sums
+
+
+@path(Tier.DRAM, Tier.NVME)
+def _dram_to_nvme(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict) -> np.ndarray:
+    return _write_nvme(m, t, ok, errors, m.dram.slot_buffer)
+
+
+@path(Tier.HBM, Tier.NVME)
+def _hbm_to_nvme(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict) -> np.ndarray:
+    if not m.hbm.is_cuda:
+        return _write_nvme(m, t, ok, errors, lambda s: m.hbm._np[s])  # type: ignore[index]
+    if m.nvme is not None and m.nvme.backend.name == "kvikio" and bool(t.sealed.all()):
+        return _write_nvme(m, t, ok, errors, lambda s: m.hbm.tensor[s])  # GPUDirect
+
+    def staged(s: int) -> np.ndarray:  # bounce through host memory
+        host = aligned_empty(m.hbm.slot_stride)
+        torch.from_numpy(host).copy_(m.hbm.tensor[s])
+        return host
+
+    return _write_nvme(m, t, ok, errors, staged)
+
+
+def _read_nvme(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict,
+               target: Callable[[int], np.ndarray], finish: Optional[Callable[[int, np.ndarray], None]] = None) -> None:
+    assert m.nvme is not None
+    futs, bufs = [], {}
+    for i in range(t.blocks.size):
+        buf = target(int(t.dst_slots[i]))
+        bufs[i] = buf
+        try:
+            futs.append((i, m.nvme.read(int(t.src_slots[i]), buf)))
+        except Exception as e:
+            errors[int(t.blocks[i])] = f"{type(e).__name__}: {e}"
+
+    def check(i: int) -> None:
+        _verify(t, i, bufs[i], ok, errors)
+        if ok[i] and finish is not None:
+            finish(int(t.dst_slots[i]), bufs[i])
+
+    _wait_all(t, futs, ok, errors, on_ok=check)
+    retried: set = getattr(m.tls, "retried", set())
+    for i in np.flatnonzero(~ok).tolist():  # one more read each: only a failure that repeats condemns the copy
+        b = int(t.blocks[i])
+        retried.add(b)
+        try:
+            m.nvme.read(int(t.src_slots[i]), bufs[i]).result()
+        except Exception as e:
+            errors[b] = f"{type(e).__name__}: {e} (and on a second read)"
+            continue
+        check(i)
+
+
+@path(Tier.NVME, Tier.DRAM)
+def _nvme_to_dram(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict) -> None:
+    _read_nvme(m, t, ok, errors, m.dram.slot_buffer)
+
+
+@path(Tier.NVME, Tier.HBM)
+def _nvme_to_hbm(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict) -> None:
+    if not m.hbm.is_cuda:
+        # read straight into the (not yet valid) HBM slot, verify in place
+        _read_nvme(m, t, ok, errors, lambda s: m.hbm._np[s])  # type: ignore[index]
+        return
+
+    def finish(slot: int, host: np.ndarray) -> None:
+        # on the mover's stream, which _sync() waits for: a copy from pageable memory
+        # can return before its DMA lands, and an engine may read the slot as soon as
+        # the completion says it is valid
+        with torch.cuda.stream(m.stream):
+            m.hbm.tensor[slot].copy_(torch.from_numpy(host), non_blocking=True)
+
+    _read_nvme(m, t, ok, errors, lambda s: aligned_empty(m.hbm.slot_stride), finish)
+    m.sync()
+
+
+__all__ = ["CopyEngine", "PATHS", "PathFn"]
