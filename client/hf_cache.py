@@ -18,7 +18,7 @@ model produces the same bits as with ``DynamicCache``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -37,10 +37,10 @@ class KVLayout:
     dtype: torch.dtype
 
     @classmethod
-    def from_config(cls, config: object, block_tokens: int = 16, dtype: torch.dtype = torch.float32) -> "KVLayout":
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads  # type: ignore[attr-defined]
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads  # type: ignore[attr-defined]
-        return cls(config.num_hidden_layers, heads, head_dim, block_tokens, dtype)  # type: ignore[attr-defined]
+    def from_config(cls, config: Any, block_tokens: int = 16, dtype: torch.dtype = torch.float32) -> "KVLayout":
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(config.num_hidden_layers, heads, head_dim, block_tokens, dtype)
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -40,7 +40,7 @@ def attach_shm(name: str) -> shared_memory.SharedMemory:
     shm = shared_memory.SharedMemory(name=name, create=False)
     if shm._name not in _CREATED_HERE:  # type: ignore[attr-defined]  # the tracker's key, not public API
         try:
-            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]  # (as above)
         except Exception:
             pass
     return shm

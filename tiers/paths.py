@@ -127,7 +127,7 @@ def _dram_to_nvme(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict) -> n
 @path(Tier.HBM, Tier.NVME)
 def _hbm_to_nvme(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict) -> np.ndarray:
     if not m.hbm.is_cuda:
-        return _write_nvme(m, t, ok, errors, lambda s: m.hbm._np[s])  # type: ignore[index]
+        return _write_nvme(m, t, ok, errors, m.hbm.host_slot)
     if m.nvme is not None and m.nvme.backend.name == "kvikio" and bool(t.sealed.all()):
         return _write_nvme(m, t, ok, errors, lambda s: m.hbm.tensor[s])  # GPUDirect
 
@@ -178,7 +178,7 @@ def _nvme_to_dram(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict) -> N
 def _nvme_to_hbm(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict) -> None:
     if not m.hbm.is_cuda:
         # read straight into the (not yet valid) HBM slot, verify in place
-        _read_nvme(m, t, ok, errors, lambda s: m.hbm._np[s])  # type: ignore[index]
+        _read_nvme(m, t, ok, errors, m.hbm.host_slot)
         return
 
     def finish(slot: int, host: np.ndarray) -> None:

@@ -122,6 +122,12 @@ class HbmPool(SlotPool):
             raise ValueError("HBM pool lives on a CUDA device; use slot_tensor()")
         return self._np[slot, : self.block_bytes]
 
+    def host_slot(self, slot: int) -> np.ndarray:
+        """The whole slot (stride bytes, page aligned) of a host-memory pool, for direct I/O."""
+        if self._np is None:
+            raise ValueError("HBM pool lives on a CUDA device; use slot_tensor()")
+        return self._np[slot]
+
     def slot_tensor(self, slot: int) -> torch.Tensor:
         self._check_slot(slot)
         return self.tensor[slot, : self.block_bytes]
@@ -222,7 +228,7 @@ class DramPool(SlotPool):
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.array.ctypes.data)
             self.pinned = False
-        self.tensor = None  # type: ignore[assignment]
-        self.array = None  # type: ignore[assignment]
+        self.tensor = None  # type: ignore[assignment]  # a closed pool drops its buffers; nothing reads them after
+        self.array = None  # type: ignore[assignment]  # (as above)
         release_shm(self._shm, True)
-        self._shm = None  # type: ignore[assignment]
+        self._shm = None  # type: ignore[assignment]  # (as above)
