@@ -51,6 +51,14 @@ class RequestRejected(KvtierError):
         self.message = message
 
 
+class EngineReclaimed(RequestRejected):
+    """The daemon judged this engine gone (silent too long) and took back its blocks.
+
+    The client stops: its HBM mapping is dropped, so nothing more is written into
+    slots that may belong to another engine now, and every later call raises this.
+    Register a new client to start over."""
+
+
 _U64_MAX = (1 << 64) - 1
 
 
@@ -101,6 +109,14 @@ def _arr(x: Any, dtype: type = np.int64) -> Optional[bytes]:
 
 def _ids(b: bytes, dtype: type = np.int64) -> np.ndarray:
     return np.frombuffer(b, dtype=np.dtype(dtype).newbyteorder("<")).astype(dtype)
+
+
+def _pid_namespace() -> int:
+    """Inode of this process's pid namespace, so the daemon knows whether our pid means anything to it."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 class AcquireHandle:
@@ -178,6 +194,7 @@ class TierClient:
         self._lease_slot: dict[int, int] = {}
         self.lease_size = lease_size
         self.info: dict = {}
+        self.reclaimed = ""  # why, once the daemon took this engine's blocks back
         self.hbm: Optional["torch.Tensor"] = None
         self._shm: Optional[SharedMemory] = None
         self._hb_stop = threading.Event()
@@ -196,6 +213,8 @@ class TierClient:
               sock: Optional[zmq.Socket] = None) -> dict:
         if self.closed:
             raise KvtierError("client is closed")
+        if self.reclaimed and op != "register":
+            raise EngineReclaimed("unknown_engine", self.reclaimed)
         rid = next(self._ids)
         payload = P.pack({"v": P.VERSION, "id": rid, "op": op, "engine": self.engine_id,
                           "args": {k: v for k, v in (args or {}).items() if v is not None}})
@@ -223,8 +242,18 @@ class TierClient:
                     break
         if not reply.get("ok"):
             err = reply.get("error") or {}
-            raise RequestRejected(err.get("code", "unknown"), err.get("message", ""))
+            code, message = err.get("code", "unknown"), err.get("message", "")
+            if code == "unknown_engine" and self.info and op != "register":
+                self._reclaimed(message)
+            raise RequestRejected(code, message)
         return reply.get("result") or {}
+
+    def _reclaimed(self, message: str) -> None:
+        """The daemon no longer knows us after we registered: stop writing anything."""
+        self.reclaimed = message or "reclaimed by the daemon"
+        self.hbm = None  # slot_view raises from now on; the segment stays mapped until close
+        self._hb_stop.set()
+        raise EngineReclaimed("unknown_engine", self.reclaimed)
 
     # -- session -------------------------------------------------------------------
     def ping(self) -> dict:
@@ -234,7 +263,8 @@ class TierClient:
                  hbm_tensor: Optional["torch.Tensor"] = None, hbm_shm_name: Optional[str] = None,
                  hbm_slots: int = 0) -> dict:
         """Attach to the daemon. Without a region, map the daemon's HBM pool (``self.hbm``)."""
-        args: dict[str, Any] = {"pid": os.getpid(), "block_bytes": int(block_bytes), "block_tokens": int(block_tokens),
+        args: dict[str, Any] = {"pid": os.getpid(), "pid_ns": _pid_namespace(), "block_bytes": int(block_bytes),
+                                "block_tokens": int(block_tokens),
                                 "layout": layout or {}}
         if hbm_shm_name:
             args |= {"hbm_kind": "shm", "hbm_name": hbm_shm_name, "hbm_slots": int(hbm_slots)}
@@ -274,6 +304,8 @@ class TierClient:
                 except RequestTimeout:
                     sock.close(0)
                     sock = self._dealer()
+                except EngineReclaimed:
+                    return  # the next call on the client raises it too
                 except KvtierError:
                     pass
         finally:
@@ -281,6 +313,8 @@ class TierClient:
 
     def slot_view(self, slot: int) -> "torch.Tensor":
         """The bytes of one HBM slot (block_bytes long) in the shared region."""
+        if self.reclaimed:
+            raise EngineReclaimed("unknown_engine", self.reclaimed)
         if self.hbm is None:
             raise KvtierError("no HBM region mapped: register first")
         return self.hbm[int(slot), : self.info["block_bytes"]]
@@ -420,4 +454,5 @@ class _nolock:
         return None
 
 
-__all__ = ["pack_keys", "TierClient", "AcquireHandle", "KvtierError", "DaemonUnavailable", "RequestTimeout", "RequestRejected"]
+__all__ = ["pack_keys", "TierClient", "AcquireHandle", "KvtierError", "DaemonUnavailable", "RequestTimeout",
+           "RequestRejected", "EngineReclaimed"]

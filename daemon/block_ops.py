@@ -85,8 +85,11 @@ class BlockOps:
         self.alloc_waiters = keep
         return out
 
-    def drop_waiters(self, session: EngineSession) -> None:
+    def drop_waiters(self, session: EngineSession) -> list[AllocWaiter]:
+        """Forget ``session``'s waiting allocs; returns them (each is owed a reply)."""
+        dropped = [w for w in self.alloc_waiters if w.session is session]
         self.alloc_waiters = [w for w in self.alloc_waiters if w.session is not session]
+        return dropped
 
     # -- seal / ref / free ---------------------------------------------------------------
     def op_seal(self, session: EngineSession, args: Any) -> dict:

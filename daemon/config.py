@@ -32,9 +32,21 @@ class ServerConfig(_Section):
     runtime_dir: str = Field(default_factory=default_runtime_dir)
     """Directory of the ipc:// socket files (created with mode 0700; sockets 0600)."""
     tcp_port: Optional[int] = Field(default=None, ge=1, le=65535)
-    """Also serve RPC on tcp://127.0.0.1:PORT (off by default: ipc only)."""
+    """Not served: RPC over TCP had no authentication (any local user could act as any engine, or clear
+    and reload the daemon). Engines attach over the ipc socket (0600, in a 0700 directory)."""
+
+    @field_validator("tcp_port")
+    @classmethod
+    def _no_tcp(cls, v: Optional[int]) -> Optional[int]:
+        if v is not None:
+            raise ValueError("RPC over TCP is not served (it had no authentication); engines attach over the "
+                             "ipc socket in server.runtime_dir, readable by its owner only")
+        return v
     heartbeat_timeout_s: float = Field(default=10.0, gt=0)
     """An engine silent this long (or whose process died) loses its pins and live blocks."""
+    fence_timeout_s: float = Field(default=600.0, gt=0)
+    """A silent engine's pinned slots stay fenced until its process is seen dead; where the daemon cannot
+    see it (another pid namespace), this long."""
     max_message_bytes: int = Field(default=16 << 20, ge=4096)
     """Frames larger than this are rejected before decoding."""
     max_batch_blocks: int = Field(default=1 << 16, ge=1)

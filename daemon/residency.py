@@ -41,9 +41,13 @@ class ResidencyOps:
         self.stall_counts = np.zeros(len(STALL_BUCKETS) + 1, dtype=np.int64)  # histogram (last: +Inf)
         self.stall_sum = 0.0
 
-    def drop_waiters(self, session: EngineSession) -> None:
-        for tk in [k for k, w in self.waiters.items() if w.session is session]:
-            self.waiters.pop(tk)
+    def drop_waiters(self, session: EngineSession) -> list[Waiter]:
+        """Forget ``session``'s acquires, releasing what they pinned; returns those owed a reply."""
+        dropped = [w for w in self.waiters.values() if w.session is session]
+        for w in dropped:
+            unpin_waiter(w, self.node.mgr)
+            self.waiters.pop(w.ticket)
+        return [w for w in dropped if w.blocking]
 
     def op_acquire(self, session: EngineSession, args: Any) -> Any:
         mgr = self.node.mgr

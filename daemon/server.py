@@ -30,6 +30,7 @@ from kvtier.protocol.wire import ProtocolError
 
 from .acquire import Pending
 from .config import ConfigError, KvtierConfig, reload_hot
+from .dirlock import DirLock
 from .events import encode_batch, seq_frame
 from .metrics import Exporter
 from .service import Service
@@ -61,19 +62,21 @@ class Server:
     def _bind(self) -> None:
         self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.runtime_dir, 0o700)
-        info = self.runtime_dir / INFO_FILE
-        if info.exists():
+        self.locks = [DirLock(self.runtime_dir, "runtime directory")]  # before touching anything in it
+        tc = self.cfg.tiers
+        if tc.nvme_bytes:
+            os.makedirs(tc.nvme_dir, mode=0o700, exist_ok=True)
             try:
-                pid = json.loads(info.read_text()).get("pid", 0)
-                os.kill(pid, 0)
-                raise RuntimeError(f"a kvtier daemon (pid {pid}) already serves {self.runtime_dir}")
-            except (ProcessLookupError, ValueError, json.JSONDecodeError):
-                pass  # stale file of a dead daemon
+                self.locks.append(DirLock(tc.nvme_dir, "NVMe directory"))
+            except BaseException:
+                self.locks[0].release()
+                raise
         old_umask = os.umask(0o177)  # socket files are created 0600
         try:
             self.rpc = self.ctx.socket(zmq.ROUTER)
             self.rpc.setsockopt(zmq.LINGER, 0)
-            self.rpc.setsockopt(zmq.MAXMSGSIZE, self.cfg.server.max_message_bytes)
+            # frames up to 4x the limit are read and answered too_large; beyond, the peer is cut off
+            self.rpc.setsockopt(zmq.MAXMSGSIZE, 4 * self.cfg.server.max_message_bytes)
             self.telemetry = self.ctx.socket(zmq.PULL)
             self.telemetry.setsockopt(zmq.LINGER, 0)
             self.telemetry.setsockopt(zmq.MAXMSGSIZE, self.cfg.server.max_message_bytes)
@@ -87,8 +90,6 @@ class Server:
                 os.chmod(path, 0o600)
         finally:
             os.umask(old_umask)
-        if self.cfg.server.tcp_port:
-            self.rpc.bind(f"tcp://127.0.0.1:{self.cfg.server.tcp_port}")
         if self.cfg.metrics.enabled:
             self.exporter = Exporter()
             self.exporter.start(self.cfg.metrics.host, self.cfg.metrics.port)
@@ -290,6 +291,8 @@ class Server:
             info.unlink()
         if self.exporter is not None:
             self.exporter.close()
+        for lock in self.locks:
+            lock.release()
 
 
 __all__ = ["Server"]

@@ -12,7 +12,6 @@ live in ``BlockOps`` and ``ResidencyOps``, built with the node.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import Counter
 from typing import Any, Callable, Optional
@@ -22,8 +21,10 @@ import numpy as np
 from kvtier.protocol import wire as P
 from kvtier.protocol.wire import ProtocolError
 
+from .acquire import Pending
 from .block_ops import BlockOps
 from .config import KvtierConfig
+from .liveness import Fence, own_pid_namespace, pid_alive, pid_checkable
 from .node import Node, build_node
 from .residency import ResidencyOps
 from .session import EngineSession
@@ -31,19 +32,6 @@ from .stats import snapshot
 from .telemetry import ingest
 
 log = logging.getLogger("kvtier.service")
-PID_MAX = (1 << 22)  # Linux's largest pid_max; a larger pid cannot name a process
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0 or pid > PID_MAX:
-        return True  # remote, unknown or not a pid of this host: heartbeats alone decide
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True
-    return True
 
 
 class Service:
@@ -55,6 +43,9 @@ class Service:
         self.residency: Optional[ResidencyOps] = None
         self.engines: dict[str, EngineSession] = {}
         self.counters: Counter[str] = Counter()
+        self.fences: list[Fence] = []  # silent engines' pins, kept until their process is gone
+        self.orphans: list[tuple[Pending, ProtocolError]] = []  # waiters of reclaimed engines, still owed a reply
+        self.pid_ns = own_pid_namespace()
         self.node_ops: dict[str, Callable[[EngineSession, Any], Any]] = {}
         self.ops: dict[str, Callable[[Optional[EngineSession], Any], Any]] = {
             "ping": self.op_ping, "heartbeat": self.op_ping, "stats": self.op_stats, "unregister": self.op_unregister,
@@ -107,7 +98,8 @@ class Service:
         if engine_id in self.engines:  # a restarted engine: its old holdings are void
             self.reclaim(engine_id, "re-registered")
         self.engines[engine_id] = EngineSession(engine_id, args.pid, args.block_tokens, dict(args.layout),
-                                                self.clock(), node.mgr.table.max_blocks)
+                                                self.clock(), node.mgr.table.max_blocks,
+                                                pid_checkable(args.pid, args.pid_ns, self.pid_ns))
         self.counters["registers"] += 1
         return node.hbm_info() | {"heartbeat_timeout_s": self.cfg.server.heartbeat_timeout_s}
 
@@ -127,38 +119,64 @@ class Service:
         return {"reclaimed": self.reclaim(session.engine_id, "unregistered")}
 
     def reclaim(self, engine_id: str, why: str) -> int:
-        """Drop an engine's pins, waiters and references; other engines are untouched."""
+        """Drop an engine's pins, waiters and references; other engines are untouched.
+
+        A silent engine (``why == "timeout"``) whose process may still run is fenced:
+        its pins and references stay in the table until its process is gone (see
+        ``liveness``), so no other engine is handed a slot it may still be writing."""
         session = self.engines.pop(engine_id, None)
         if session is None or self.node is None:
             return 0
         assert self.blocks is not None and self.residency is not None  # built with the node
-        mgr = self.node.mgr
-        self.residency.drop_waiters(session)
-        self.blocks.drop_waiters(session)
+        gone = ProtocolError(P.UNKNOWN_ENGINE, f"engine {engine_id!r} was reclaimed ({why})")
+        for w in [*self.residency.drop_waiters(session), *self.blocks.drop_waiters(session)]:
+            self.orphans.append((w, gone))
         held = np.flatnonzero(session.pins)
-        while held.size:  # unpin through the manager, so blocks that die on release are reaped
-            mgr.unpin_many(held)
-            session.pins[held] -= 1
-            held = held[session.pins[held] > 0]
-        n_blocks = 0
-        for b, n in session.refs.items():
-            for _ in range(n):
-                mgr.free(b, allow_pinned=True)  # another engine may hold a shared block pinned
-            n_blocks += 1
         self.counters[f"reclaimed_{why.replace('-', '_')}"] += 1
-        return n_blocks
+        may_write = why == "timeout" and (not session.pid_checkable or pid_alive(session.pid))
+        if may_write and held.size:  # keep what it holds until it surely cannot write any more
+            pins = np.repeat(held, session.pins[held])
+            self.fences.append(Fence(engine_id, session.pid if session.pid_checkable else None, pins,
+                                     dict(session.refs), self.clock()))
+            self.counters["fenced_pins"] += int(pins.size)
+            return len(session.refs)
+        self._unpin(held, session.pins[held])
+        return self._free_refs(session.refs)
+
+    def _free_refs(self, refs: "dict[int, int]") -> int:
+        assert self.node is not None
+        for b, n in refs.items():
+            for _ in range(n):
+                self.node.mgr.free(b, allow_pinned=True)  # another engine may hold a shared block pinned
+        return len(refs)
+
+    def _unpin(self, blocks: np.ndarray, counts: np.ndarray) -> None:
+        """Release ``counts[i]`` pins of ``blocks[i]`` through the manager (dead blocks are reaped)."""
+        assert self.node is not None
+        left = counts.astype(np.int64).copy()
+        while blocks.size:
+            self.node.mgr.unpin_many(blocks)
+            left -= 1
+            blocks, left = blocks[left > 0], left[left > 0]
 
     def check_engines(self) -> list[str]:
-        """Reclaim engines whose heartbeat timed out or whose process died."""
+        """Reclaim engines whose heartbeat timed out or whose process died; lift fences
+        whose engine's process is gone."""
         now = self.clock()
         gone = []
         for eid, s in list(self.engines.items()):
             if now - s.last_seen > self.cfg.server.heartbeat_timeout_s:
                 self.reclaim(eid, "timeout")
                 gone.append(eid)
-            elif not _pid_alive(s.pid):
+            elif s.pid_checkable and not pid_alive(s.pid):
                 self.reclaim(eid, "process-died")
                 gone.append(eid)
+        for f in [f for f in self.fences if f.due(now, self.cfg.server.fence_timeout_s)]:
+            self.fences.remove(f)
+            blocks, counts = np.unique(f.pins, return_counts=True)
+            self._unpin(blocks, counts)
+            self._free_refs(f.refs)
+            self.counters["fences_lifted"] += 1
         return gone
 
     def excuse_stall(self, seconds: float) -> None:
@@ -196,10 +214,13 @@ class Service:
         return did
 
     def advance(self) -> list[tuple[Any, Any]]:
-        """Waiting acquires and allocs that finished: (waiter, result or ProtocolError)."""
+        """Waiting acquires and allocs that finished: (waiter, result or ProtocolError),
+        reclaimed engines' waiters first (they are told so)."""
+        out: list[tuple[Any, Any]] = self.orphans
+        self.orphans = []
         if self.residency is None or self.blocks is None:
-            return []
-        return [*self.residency.advance_waiters(), *self.blocks.advance_allocs()]
+            return out
+        return [*out, *self.residency.advance_waiters(), *self.blocks.advance_allocs()]
 
     def busy(self) -> bool:
         """Is there work the owner loop should come back for within a millisecond?"""

@@ -21,6 +21,7 @@ class EngineSession:
     layout: dict
     last_seen: float
     max_blocks: int = 0
+    pid_checkable: bool = True  # the pid names a process in the daemon's pid namespace
     refs: Counter = field(default_factory=Counter)
     seqs: dict[int, list[int]] = field(default_factory=dict)
     pins: np.ndarray = field(init=False)  # pins per block held by this engine (vectorised on the RPC path)

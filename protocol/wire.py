@@ -66,8 +66,10 @@ class PingArgs(_Args):
 
 
 class RegisterArgs(_Args):
-    pid: StrictInt = Field(ge=0)
+    pid: StrictInt = Field(ge=0, le=(1 << 63) - 1)
     """Engine process id: the daemon reclaims its blocks when it dies."""
+    pid_ns: StrictInt = Field(default=0, ge=0, le=(1 << 63) - 1)
+    """Inode of the engine's pid namespace: the daemon judges ``pid`` only in its own (0: unknown)."""
     block_bytes: StrictInt = Field(gt=0, le=1 << 30)
     """Bytes of one block (all layers, K and V, ``block_tokens`` tokens)."""
     block_tokens: StrictInt = Field(default=16, gt=0, le=1 << 20)
