@@ -21,7 +21,7 @@ import numpy as np
 import zmq
 
 from kvtier.protocol import wire as P
-from kvtier.protocol.runtime import default_runtime_dir, read_info
+from kvtier.protocol.runtime import default_runtime_dir, read_info, read_token
 from kvtier.protocol.shm import attach_shm, release_shm
 
 if TYPE_CHECKING:  # torch is loaded when a region is mapped, so the CLI and a stats call never pay for it
@@ -216,6 +216,10 @@ class TierClient:
         if self.reclaimed and op != "register":
             raise EngineReclaimed("unknown_engine", self.reclaimed)
         rid = next(self._ids)
+        if op in P.ADMIN_OPS or op == "stats":  # the owner's capability, where this process can read it
+            token = read_token(self.runtime_dir)
+            if token is not None:
+                args = {**(args or {}), "token": token}
         payload = P.pack({"v": P.VERSION, "id": rid, "op": op, "engine": self.engine_id,
                           "args": {k: v for k, v in (args or {}).items() if v is not None}})
         timeout = self.timeout_s if timeout_s is None else timeout_s
@@ -261,10 +265,14 @@ class TierClient:
 
     def register(self, block_bytes: int, block_tokens: int = 16, layout: Optional[dict] = None,
                  hbm_tensor: Optional["torch.Tensor"] = None, hbm_shm_name: Optional[str] = None,
-                 hbm_slots: int = 0) -> dict:
-        """Attach to the daemon. Without a region, map the daemon's HBM pool (``self.hbm``)."""
+                 hbm_slots: int = 0, namespace: str = "") -> dict:
+        """Attach to the daemon. Without a region, map the daemon's HBM pool (``self.hbm``).
+
+        ``namespace``: this engine's key space (a model name, plus a tenant or cache salt
+        where prefixes must not be shared); engines of different namespaces never see
+        each other's blocks, keys or reuse."""
         args: dict[str, Any] = {"pid": os.getpid(), "pid_ns": _pid_namespace(), "block_bytes": int(block_bytes),
-                                "block_tokens": int(block_tokens),
+                                "block_tokens": int(block_tokens), "namespace": namespace,
                                 "layout": layout or {}}
         if hbm_shm_name:
             args |= {"hbm_kind": "shm", "hbm_name": hbm_shm_name, "hbm_slots": int(hbm_slots)}
@@ -388,6 +396,10 @@ class TierClient:
 
     def reload(self) -> dict:
         return self._call("reload")
+
+    def clear(self) -> int:
+        """Drop every cached block (the daemon owner's: needs its admin token); returns how many."""
+        return int(self._call("clear")["dropped"])
 
     def check(self) -> dict:
         """Ask the daemon to verify its metadata invariants (raises RequestRejected if broken)."""

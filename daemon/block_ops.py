@@ -19,6 +19,7 @@ from kvtier.tiers.types import HBM, OPEN
 
 from .acquire import AllocWaiter
 from .config import KvtierConfig
+from .namespaces import scoped_keys
 from .node import Node
 from .session import EngineSession
 
@@ -52,10 +53,10 @@ class BlockOps:
 
     def _try_alloc(self, session: EngineSession, args: Any) -> Optional[dict]:
         mgr, placement = self.node.mgr, self.node.placement
-        blocks = mgr.alloc(args.n, full=True)  # the engine writes the slot directly: all of it is payload
+        blocks = mgr.alloc(args.n, full=True, ns=session.ns)  # the engine writes all of each slot
         if blocks is None:
             placement.make_room(HBM, args.n, urgent=True)
-            blocks = mgr.alloc(args.n, full=True)
+            blocks = mgr.alloc(args.n, full=True, ns=session.ns)
         if blocks is None:
             return None
         session.add_refs(blocks, args.seq)
@@ -96,7 +97,7 @@ class BlockOps:
         node = self.node
         mgr, t = node.mgr, node.mgr.table
         blocks = node.ids(args.blocks, "blocks")
-        keys = node.ids(args.keys, "keys", np.uint64)
+        keys = scoped_keys(node.ids(args.keys, "keys", np.uint64), session.ns)
         if blocks.size != keys.size:
             raise ProtocolError(P.BAD_REQUEST, f"{blocks.size} blocks but {keys.size} keys")
         if np.unique(blocks).size != blocks.size:
@@ -133,7 +134,7 @@ class BlockOps:
     def op_ref(self, session: EngineSession, args: Any) -> dict:
         mgr = self.node.mgr
         keys = self.node.ids(args.keys, "keys", np.uint64)
-        found = mgr.table.keys.get_many(keys).astype(np.int64)
+        found = self.node.lookup(session, keys)
         hit = found[found >= 0]
         if hit.size:
             mgr.ref_many(hit)

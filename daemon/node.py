@@ -29,6 +29,7 @@ from kvtier.tiers.types import HBM
 from .acquire import Prefetcher
 from .config import KvtierConfig
 from .events import EventCollector
+from .namespaces import scoped_keys
 from .placement import Placement
 from .session import EngineSession
 
@@ -54,15 +55,28 @@ class Node:
     def ids(self, value: Any, what: str, dtype: type = np.int64) -> np.ndarray:
         return P.ids(value, dtype, self.max_batch_blocks, what)
 
+    def lookup(self, session: EngineSession, keys: np.ndarray) -> np.ndarray:
+        """Blocks of ``session``'s namespace sealed under ``keys`` (-1 where none)."""
+        found = self.mgr.table.keys.get_many(scoped_keys(keys, session.ns)).astype(np.int64)
+        hit = found >= 0
+        found[hit] = np.where(self.mgr.namespace[found[hit]] == session.ns, found[hit], -1)
+        return found
+
     def resolve(self, session: EngineSession, args: Any, allow_keys: bool = True) -> np.ndarray:
-        """Blocks / keys / seqs of a request as unique live block ids."""
-        parts = [self.ids(getattr(args, "blocks", None), "blocks")]
+        """Blocks / keys / seqs of a request as unique live block ids of the engine's namespace."""
+        named = self.ids(getattr(args, "blocks", None), "blocks")
+        if named.size:
+            named = self.mgr.check_blocks(named)
+            other = self.mgr.namespace[named] != session.ns
+            if other.any():  # another namespace's block: as if it did not exist
+                raise ProtocolError(P.INVALID, f"unknown block {int(named[np.argmax(other)])}")
+        parts = [named]
         if allow_keys and getattr(args, "keys", None) is not None:
             keys = self.ids(args.keys, "keys", np.uint64)
-            found = self.mgr.table.keys.get_many(keys)
+            found = self.lookup(session, keys)
             if np.any(found < 0):
                 raise ProtocolError(P.INVALID, f"unknown key {int(keys[np.argmax(found < 0)]):#x}")
-            parts.append(found.astype(np.int64))
+            parts.append(found)
         if getattr(args, "seqs", None):
             parts.append(session.seq_blocks(args.seqs))
         if len(parts) > 1:

@@ -42,10 +42,10 @@ class ResidencyOps:
         self.stall_sum = 0.0
 
     def drop_waiters(self, session: EngineSession) -> list[Waiter]:
-        """Forget ``session``'s acquires, releasing what they pinned; returns those owed a reply."""
+        """Forget ``session``'s acquires; returns those owed a reply. Their pins are
+        counted in the session's and released (or fenced) with them."""
         dropped = [w for w in self.waiters.values() if w.session is session]
         for w in dropped:
-            unpin_waiter(w, self.node.mgr)
             self.waiters.pop(w.ticket)
         return [w for w in dropped if w.blocking]
 

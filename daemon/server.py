@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import signal
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ import msgpack
 import zmq
 
 from kvtier.protocol import wire as P
-from kvtier.protocol.runtime import EVENTS_TOPIC, INFO_FILE, endpoints
+from kvtier.protocol.runtime import EVENTS_TOPIC, INFO_FILE, TOKEN_FILE, endpoints
 from kvtier.protocol.wire import ProtocolError
 
 from .acquire import Pending
@@ -39,12 +40,22 @@ log = logging.getLogger("kvtier.server")
 STALL_S = 1.0  # a loop turn this late means the owner was away: engines are not blamed for it
 
 
+def _write_private(path: Path, text: str) -> None:
+    """Write ``path`` (0600) through a fresh temp file: never through a planted file or symlink."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 class Server:
     def __init__(self, cfg: KvtierConfig, config_path: Optional[str] = None, overrides: Sequence[str] = ()) -> None:
         self.cfg = cfg
         self.config_path = config_path
         self.overrides = list(overrides)
-        self.service = Service(cfg)
+        self.service = Service(cfg, admin_token=secrets.token_hex(32))
         self.stop_requested = False
         self.reload_requested = False
         self.exporter: Optional[Exporter] = None
@@ -98,10 +109,9 @@ class Server:
     def _write_info(self) -> None:
         info = {"pid": os.getpid(), **self.endpoints, "metrics_port": self.exporter.port if self.exporter else None,
                 "metrics_host": self.cfg.metrics.host, "config": self.config_path, "started": time.time()}
-        tmp = self.runtime_dir / (INFO_FILE + ".tmp")
-        tmp.write_text(json.dumps(info))
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, self.runtime_dir / INFO_FILE)
+        assert self.service.admin_token is not None  # set in __init__
+        _write_private(self.runtime_dir / TOKEN_FILE, self.service.admin_token)
+        _write_private(self.runtime_dir / INFO_FILE, json.dumps(info))
 
     def install_signals(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stop_requested", True))
@@ -167,7 +177,7 @@ class Server:
         self._publish_events()
         if now - self._last_snapshot > 1.0 and self.exporter is not None:
             self._last_snapshot = now
-            self.exporter.publish(svc.op_stats(None, None))
+            self.exporter.publish(svc.stats())
 
     def _excuse_stall(self) -> None:
         """Engines are not blamed for time the owner loop itself was away (a long
@@ -196,10 +206,10 @@ class Server:
         try:
             req, args = P.decode_request(payload, self.cfg.server.max_message_bytes)
             rid = req.id
-            if req.op == "reload":
+            if req.op == "reload" and svc.is_admin(args):
                 result: Any = self.reload()
             elif req.op == "stats":
-                result = svc.op_stats(None, None) | {"metrics_port": self.exporter.port if self.exporter else None}
+                result = svc.op_stats(None, args) | {"metrics_port": self.exporter.port if self.exporter else None}
             else:
                 result = svc.handle(req, args)
             if isinstance(result, Pending):
@@ -286,9 +296,8 @@ class Server:
             path = self.endpoints[name][len("ipc://"):]
             if os.path.exists(path):
                 os.unlink(path)
-        info = self.runtime_dir / INFO_FILE
-        if info.exists():
-            info.unlink()
+        for name in (INFO_FILE, TOKEN_FILE):
+            (self.runtime_dir / name).unlink(missing_ok=True)
         if self.exporter is not None:
             self.exporter.close()
         for lock in self.locks:

@@ -11,6 +11,7 @@ live in ``BlockOps`` and ``ResidencyOps``, built with the node.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 from collections import Counter
@@ -25,6 +26,7 @@ from .acquire import Pending
 from .block_ops import BlockOps
 from .config import KvtierConfig
 from .liveness import Fence, own_pid_namespace, pid_alive, pid_checkable
+from .namespaces import Namespaces
 from .node import Node, build_node
 from .residency import ResidencyOps
 from .session import EngineSession
@@ -35,8 +37,10 @@ log = logging.getLogger("kvtier.service")
 
 
 class Service:
-    def __init__(self, cfg: KvtierConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, cfg: KvtierConfig, clock: Callable[[], float] = time.monotonic,
+                 admin_token: Optional[str] = None) -> None:
         self.cfg = cfg
+        self.admin_token = admin_token  # None: no check (in-process use); the server always sets one
         self.clock = clock
         self.node: Optional[Node] = None
         self.blocks: Optional[BlockOps] = None
@@ -46,6 +50,7 @@ class Service:
         self.fences: list[Fence] = []  # silent engines' pins, kept until their process is gone
         self.orphans: list[tuple[Pending, ProtocolError]] = []  # waiters of reclaimed engines, still owed a reply
         self.pid_ns = own_pid_namespace()
+        self.namespaces = Namespaces()
         self.node_ops: dict[str, Callable[[EngineSession, Any], Any]] = {}
         self.ops: dict[str, Callable[[Optional[EngineSession], Any], Any]] = {
             "ping": self.op_ping, "heartbeat": self.op_ping, "stats": self.op_stats, "unregister": self.op_unregister,
@@ -57,6 +62,8 @@ class Service:
         """Run one validated request: a result dict, or a ``Pending`` to answer later."""
         if req.op == "register":
             return self.op_register(req.engine, args)
+        if req.op in P.ADMIN_OPS and not self.is_admin(args):
+            raise ProtocolError(P.FORBIDDEN, f"{req.op} needs the daemon owner's token (admin.token in its runtime dir)")
         session = None
         if req.op not in P.NO_ENGINE_OPS:
             session = self.engines.get(req.engine)
@@ -80,8 +87,20 @@ class Service:
 
         return {"pong": True, "version": __version__, "protocol": P.VERSION, "time": time.time()}
 
+    def is_admin(self, args: Any) -> bool:
+        token = getattr(args, "token", None)
+        return self.admin_token is None or (token is not None and hmac.compare_digest(token, self.admin_token))
+
     def op_stats(self, session: Optional[EngineSession], args: Any) -> dict:
-        return snapshot(self.cfg, self.counters, self.engines, self.node, self.residency, self.clock)
+        return self.stats(full=self.is_admin(args))
+
+    def stats(self, full: bool = True) -> dict:
+        """The stats snapshot; without ``full``, other engines' ids and pids are left out."""
+        out = snapshot(self.cfg, self.counters, self.engines, self.node, self.residency, self.clock)
+        if not full:
+            out["engines"] = [{"engine": "(needs the admin token)", "pid": 0, "live_blocks": 0, "pins": 0,
+                               "sequences": 0}] * len(out["engines"])
+        return out
 
     def op_register(self, engine_id: str, args: Any) -> dict:
         if not engine_id:
@@ -97,9 +116,10 @@ class Service:
                 raise ProtocolError(P.CONFLICT, "the daemon already manages another HBM region")
         if engine_id in self.engines:  # a restarted engine: its old holdings are void
             self.reclaim(engine_id, "re-registered")
+        ns = self.namespaces.id(args.namespace)
         self.engines[engine_id] = EngineSession(engine_id, args.pid, args.block_tokens, dict(args.layout),
                                                 self.clock(), node.mgr.table.max_blocks,
-                                                pid_checkable(args.pid, args.pid_ns, self.pid_ns))
+                                                pid_checkable(args.pid, args.pid_ns, self.pid_ns), ns)
         self.counters["registers"] += 1
         return node.hbm_info() | {"heartbeat_timeout_s": self.cfg.server.heartbeat_timeout_s}
 

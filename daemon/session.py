@@ -22,6 +22,7 @@ class EngineSession:
     last_seen: float
     max_blocks: int = 0
     pid_checkable: bool = True  # the pid names a process in the daemon's pid namespace
+    ns: int = 0  # key namespace (``namespaces.Namespaces`` id)
     refs: Counter = field(default_factory=Counter)
     seqs: dict[int, list[int]] = field(default_factory=dict)
     pins: np.ndarray = field(init=False)  # pins per block held by this engine (vectorised on the RPC path)

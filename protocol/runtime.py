@@ -11,8 +11,10 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 INFO_FILE = "daemon.json"
+TOKEN_FILE = "admin.token"  # the daemon owner's capability, mode 0600
 EVENTS_TOPIC = b"kv-events"
 
 
@@ -46,4 +48,14 @@ def read_info(runtime_dir: str) -> dict:
         return json.load(f)
 
 
-__all__ = ["INFO_FILE", "EVENTS_TOPIC", "default_runtime_dir", "default_data_dir", "endpoints", "read_info"]
+def read_token(runtime_dir: str) -> Optional[str]:
+    """The daemon's admin token, where this process may read it (None elsewhere)."""
+    try:
+        with open(Path(runtime_dir) / TOKEN_FILE) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+__all__ = ["TOKEN_FILE", "read_token", "INFO_FILE", "EVENTS_TOPIC", "default_runtime_dir", "default_data_dir",
+           "endpoints", "read_info"]

@@ -44,6 +44,7 @@ CONFLICT = "conflict"            # e.g. a layout that disagrees with the daemon'
 INVALID = "invalid"              # a well-formed request that misuses state (unknown block, double free)
 INTERNAL = "internal"
 CORRUPT = "corrupt"              # a block's only copy failed its checksum: it cannot be served
+FORBIDDEN = "forbidden"          # an admin op without the daemon owner's token
 IO_ERROR = "io_error"            # a block could not be read back after repeated I/O errors
 
 
@@ -68,6 +69,8 @@ class PingArgs(_Args):
 class RegisterArgs(_Args):
     pid: StrictInt = Field(ge=0, le=(1 << 63) - 1)
     """Engine process id: the daemon reclaims its blocks when it dies."""
+    namespace: StrictStr = Field(default="", max_length=255)
+    """Key space of this engine (model, plus tenant or cache salt): blocks never cross namespaces."""
     pid_ns: StrictInt = Field(default=0, ge=0, le=(1 << 63) - 1)
     """Inode of the engine's pid namespace: the daemon judges ``pid`` only in its own (0: unknown)."""
     block_bytes: StrictInt = Field(gt=0, le=1 << 30)
@@ -130,18 +133,21 @@ class HintArgs(_Args):
     """Seconds until the engine expects to acquire these (earliest first)."""
 
 
-class ReloadArgs(_Args):
-    pass
+class AdminArgs(_Args):
+    token: Optional[StrictStr] = Field(default=None, max_length=128)
+    """The daemon owner's capability (``admin.token`` in the runtime dir): clear, reload and check need it;
+    stats without it leaves out other engines' details."""
 
 
 ARGS: dict[str, type[_Args]] = {
-    "ping": PingArgs, "heartbeat": PingArgs, "stats": PingArgs, "unregister": PingArgs, "clear": PingArgs,
-    "check": PingArgs,
+    "ping": PingArgs, "heartbeat": PingArgs, "stats": AdminArgs, "unregister": PingArgs, "clear": AdminArgs,
+    "check": AdminArgs,
     "register": RegisterArgs, "alloc": AllocArgs, "seal": SealArgs, "ref": RefArgs,
     "acquire": AcquireArgs, "acquire_poll": AcquirePollArgs, "release": BlocksArgs, "free": BlocksArgs,
-    "hint": HintArgs, "reload": ReloadArgs,
+    "hint": HintArgs, "reload": AdminArgs,
 }
 NO_ENGINE_OPS = frozenset({"ping", "stats", "reload", "register", "clear", "check"})
+ADMIN_OPS = frozenset({"clear", "reload", "check"})  # the daemon owner's: they need ``token``
 
 
 class Request(BaseModel):
@@ -248,5 +254,5 @@ def error(rid: int, code: str, message: str) -> bytes:
     return pack({"v": VERSION, "id": rid, "ok": False, "error": {"code": code, "message": message}})
 
 
-__all__ = ["VERSION", "ProtocolError", "ARGS", "NO_ENGINE_OPS", "decode_request", "request_id", "ids", "id_bytes",
+__all__ = ["VERSION", "ProtocolError", "ARGS", "NO_ENGINE_OPS", "ADMIN_OPS", "decode_request", "request_id", "ids", "id_bytes",
            "ok", "error", "pack"]

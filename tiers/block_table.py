@@ -162,6 +162,13 @@ class BlockTable:
         self.state[b] = SEALED
         self.keys.insert(int(self.key[b]), b)
 
+    def seal_unindexed(self, b: int, key: int, checksum: int) -> None:
+        """Seal ``b`` under ``key`` without indexing it (the key is another namespace's)."""
+        self.key[b] = np.uint64(int(key) & ((1 << 64) - 1))
+        self.checksum[b] = np.uint64(checksum)
+        self.state[b] = SEALED
+        self.detached[b] = True
+
     def detach_key(self, b: int) -> None:
         """Unindex a sealed block's key but keep the block (its holders keep their
         reference): a lookup misses, and the next seal of the key makes a new block

@@ -75,10 +75,12 @@ class TierManager(TierMoves):
         self._index_on_close = True
 
     # -- lifecycle ---------------------------------------------------------
-    def alloc(self, n: int, full: bool = False) -> Optional[np.ndarray]:
+    def alloc(self, n: int, full: bool = False, ns: int = 0) -> Optional[np.ndarray]:
         """n new OPEN blocks with HBM slots, all or nothing (None if no room).
 
-        ``full``: the engine writes the slots directly, so all of each is payload."""
+        ``full``: the engine writes the slots directly, so all of each is payload.
+        ``ns``: the blocks' namespace; a slot that last held another namespace's
+        bytes is zeroed first, so nobody reads what another tenant left there."""
         t = self.table
         if n < 0:
             raise ValueError("n must be >= 0")
@@ -89,6 +91,13 @@ class TierManager(TierMoves):
         t.copies[out] |= np.uint8(1 << HBM)
         if full:
             t.nbytes[out] = self.block_bytes
+        self.namespace[out] = ns
+        slots = t.slot[HBM, out]
+        foreign = slots[self.hbm_slot_ns[slots] != ns]
+        if foreign.size:
+            self.hbm.zero(foreign)
+            self.hbm_slot_ns[foreign] = ns
+            self.counters["slots_zeroed"] += int(foreign.size)
         t.refresh_evictable_many(out)
         return out
 
@@ -132,7 +141,8 @@ class TierManager(TierMoves):
         if existing >= 0 and self.corrupt[existing]:
             t.detach_key(existing)  # normally done at quarantine already
             existing = -1
-        if existing >= 0:
+        foreign = existing >= 0 and self.namespace[existing] != self.namespace[b]
+        if existing >= 0 and not foreign:
             if t.pins[b]:
                 raise ValueError(f"block {b} is pinned; release it before folding it into shared block {existing}")
             t.refcount[existing] += t.refcount[b]
@@ -143,7 +153,10 @@ class TierManager(TierMoves):
         slot = int(t.slot[HBM, b])
         data = self.hbm.slot_tensor(slot) if self.hbm.is_cuda else self.hbm.host_view(slot)
         t.nbytes[b] = length
-        t.seal(b, key, block_checksum(data, length))
+        if foreign:  # two namespaces' scoped keys collided (2^-64): sealed, but never shared
+            t.seal_unindexed(b, key, block_checksum(data, length))
+        else:
+            t.seal(b, key, block_checksum(data, length))
         self._emit("stored", b, Tier.HBM)
         return b
 

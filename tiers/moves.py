@@ -83,6 +83,8 @@ class TierMoves:
         self.corrupt = self.table.add_column("corrupt", np.bool_)  # reset when the entry is reused
         self.io_failures = self.table.add_column("io_failures", np.uint8)
         self.inflight = self.table.add_column("inflight_tid", np.int64)  # transfer moving the block (0: none)
+        self.namespace = self.table.add_column("namespace", np.uint16)  # whose block: set at alloc, never crossed
+        self.hbm_slot_ns = np.zeros(hbm_slots, dtype=np.uint16)  # namespace whose bytes an HBM slot last held
 
     # -- events ------------------------------------------------------------
     def _emit(self, kind: str, b: int, tier: int) -> None:
@@ -199,6 +201,8 @@ class TierMoves:
         self.inflight[blocks] = 0
         good, bad = blocks[c.ok], blocks[~c.ok]
         t.copies[good] |= np.uint8(1 << d)
+        if d == HBM:
+            self.hbm_slot_ns[t.slot[HBM, good]] = self.namespace[good]
         self.io_failures[good] = 0  # failures count consecutive attempts only
         if c.checksums is not None:  # open blocks written back: checksum now known
             t.checksum[good] = c.checksums[c.ok]

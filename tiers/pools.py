@@ -122,6 +122,11 @@ class HbmPool(SlotPool):
             raise ValueError("HBM pool lives on a CUDA device; use slot_tensor()")
         return self._np[slot, : self.block_bytes]
 
+    def zero(self, slots: np.ndarray) -> None:
+        """Zero whole slots (before they hold another namespace's block)."""
+        idx = torch.as_tensor(np.asarray(slots, dtype=np.int64), device=self.tensor.device)
+        self.tensor.index_fill_(0, idx, 0)
+
     def host_slot(self, slot: int) -> np.ndarray:
         """The whole slot (stride bytes, page aligned) of a host-memory pool, for direct I/O."""
         if self._np is None:

@@ -84,3 +84,28 @@ def test_a_reclaimed_engine_is_told_and_stops_writing(tmp_path):
         assert not np.isin(["slow"], [e["engine"] for e in s["engines"]]).any()
     finally:
         assert d.stop() == 0, d.read_log()
+
+
+def test_admin_ops_need_the_owner_token(tmp_path):
+    from kvtier.client.tier_client import RequestRejected, TierClient
+
+    d = DaemonProcess(tmp_path / "a", *SMALL)
+    try:
+        token = d.runtime_dir / "admin.token"
+        assert token.stat().st_mode & 0o777 == 0o600
+        with d.client(engine_id="owner", heartbeat_s=None) as owner:
+            owner.register(block_bytes=4096)
+            # an engine that has the socket but not the runtime dir's token (a container, say)
+            with TierClient(endpoint=d.info["rpc"], runtime_dir=str(tmp_path / "b"), engine_id="guest",
+                            heartbeat_s=None) as guest:
+                for call in (guest.clear, guest.reload, guest.check):
+                    with pytest.raises(RequestRejected) as e:
+                        call()
+                    assert e.value.code == "forbidden"
+                seen = guest.stats()["engines"]
+                assert seen and all(e["pid"] == 0 and e["engine"] != "owner" for e in seen)
+            assert owner.check()["ok"] and owner.clear() == 0
+            assert {e["engine"] for e in owner.stats()["engines"]} == {"owner"}
+    finally:
+        assert d.stop() == 0, d.read_log()
+    assert not token.exists()

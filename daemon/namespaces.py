@@ -1,0 +1,56 @@
+"""Namespaces: engines of different models or tenants never meet in one key space.
+
+An engine registers into a namespace (a model name, optionally with a tenant or
+cache salt: any string). Inside the daemon a key is scoped to its namespace
+(the default namespace "" keeps keys as they are, so a single-model node and
+its KV events are unchanged); every block records its namespace and is found by
+key, or named by id, only from its own namespace. HBM slots are zeroed before a
+block of another namespace is allocated into them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+MAX_NAMESPACES = 1 << 16  # the block column is uint16
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijection of 64-bit words, vectorised."""
+    x = x.copy()
+    x ^= x >> np.uint64(30)
+    x *= _M1
+    x ^= x >> np.uint64(27)
+    x *= _M2
+    x ^= x >> np.uint64(31)
+    return x
+
+
+def scoped_keys(keys: np.ndarray, ns: int) -> np.ndarray:
+    """Keys of namespace ``ns`` as the daemon indexes them (``ns`` 0: unchanged)."""
+    if ns == 0:
+        return keys
+    with np.errstate(over="ignore"):
+        return _mix(keys.astype(np.uint64) ^ _mix(np.array([ns], dtype=np.uint64))[0])
+
+
+class Namespaces:
+    """Namespace name -> small id, assigned at first use, for the life of the daemon."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {"": 0}
+
+    def id(self, name: str) -> int:
+        got = self._ids.get(name)
+        if got is None:
+            if len(self._ids) >= MAX_NAMESPACES:
+                raise ValueError(f"more than {MAX_NAMESPACES} namespaces")
+            got = self._ids[name] = len(self._ids)
+        return got
+
+    def names(self) -> dict[int, str]:
+        return {v: k for k, v in self._ids.items()}
+
+
+__all__ = ["Namespaces", "scoped_keys", "MAX_NAMESPACES"]

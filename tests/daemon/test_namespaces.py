@@ -1,0 +1,98 @@
+"""Namespaces: blocks, keys and bytes never cross between engines of different models or tenants."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvtier.daemon.config import load_config
+from kvtier.daemon.namespaces import scoped_keys
+from kvtier.daemon.service import Service
+from kvtier.protocol import wire as P
+
+BB = 4096
+
+
+@pytest.fixture
+def svc(tmp_path):
+    cfg = load_config(environ={}, overrides=[
+        f"tiers.hbm_bytes={4 * BB}", "tiers.dram_bytes=0", "tiers.nvme_bytes=0", 'policy.name="lru"',
+        f'server.runtime_dir="{tmp_path}/run"', "metrics.enabled=false"])
+    s = Service(cfg)
+    yield s
+    s.close()
+
+
+def call(svc, op, engine, **args):
+    req, a = P.decode_request(P.pack({"v": 1, "id": 1, "op": op, "engine": engine, "args": args}), 1 << 20)
+    return svc.handle(req, a)
+
+
+def ids(b):
+    return np.frombuffer(b, dtype="<i8").tolist()
+
+
+def _sealed(svc, engine, key, fill):
+    r = call(svc, "alloc", engine, n=1, seq=key, pin=True)
+    b, slot = ids(r["blocks"])[0], ids(r["slots"])[0]
+    svc.node.mgr.hbm.tensor[slot, :BB] = fill
+    c = ids(call(svc, "seal", engine, blocks=[b], keys=P.id_bytes(np.array([key], np.uint64), np.uint64),
+                 seq=key)["blocks"])[0]
+    call(svc, "release", engine, blocks=[c])
+    return c
+
+
+def _keys(*k):
+    return P.id_bytes(np.array(k, dtype=np.uint64), np.uint64)
+
+
+def test_equal_keys_in_two_namespaces_are_two_blocks(svc):
+    call(svc, "register", "a", pid=0, block_bytes=BB, namespace="model-a")
+    call(svc, "register", "b", pid=0, block_bytes=BB, namespace="model-b")
+    a = _sealed(svc, "a", 7, 11)
+    assert ids(call(svc, "ref", "b", keys=_keys(7))["blocks"]) == [-1]  # no membership oracle across
+    b = _sealed(svc, "b", 7, 22)  # its own block: no fold into a's
+    assert b != a
+    assert ids(call(svc, "ref", "a", keys=_keys(7))["blocks"]) == [a]
+    assert ids(call(svc, "ref", "b", keys=_keys(7))["blocks"]) == [b]
+    m = svc.node.mgr
+    assert m.read(a) == bytes([11]) * BB and m.read(b) == bytes([22]) * BB
+    assert call(svc, "check", "a")["ok"]
+
+
+def test_a_block_of_another_namespace_cannot_be_named(svc):
+    call(svc, "register", "a", pid=0, block_bytes=BB, namespace="model-a")
+    call(svc, "register", "b", pid=0, block_bytes=BB, namespace="model-b")
+    a = _sealed(svc, "a", 9, 1)
+    for op, extra in (("acquire", {"timeout_s": 1.0}), ("hint", {"deadline_s": 0.1})):
+        with pytest.raises(P.ProtocolError) as e:
+            call(svc, op, "b", blocks=[a], **extra)
+        assert e.value.code == P.INVALID and "unknown block" in e.value.message
+        with pytest.raises(P.ProtocolError):
+            call(svc, op, "b", keys=_keys(9), **extra)
+    r = call(svc, "acquire", "a", blocks=[a], timeout_s=1.0)  # its own engine still can
+    assert r["done"]
+
+
+def test_a_slot_is_zeroed_before_another_namespace_gets_it(svc):
+    call(svc, "register", "a", pid=0, block_bytes=BB, namespace="tenant-a")
+    call(svc, "register", "b", pid=0, block_bytes=BB, namespace="tenant-b")
+    r = call(svc, "alloc", "a", n=4, seq=1, pin=True)
+    slots = ids(r["slots"])
+    hbm = svc.node.mgr.hbm.tensor
+    for s in slots:
+        hbm[s, :] = 0x5A  # a secret, in every slot
+    call(svc, "release", "a", blocks=ids(r["blocks"]))
+    call(svc, "free", "a", seqs=[1])
+    zeroed = svc.counters.get("slots_zeroed", 0)
+    got = ids(call(svc, "alloc", "b", n=4, seq=1, pin=True)["slots"])
+    assert sorted(got) == sorted(slots)
+    assert all(int(hbm[s].max()) == 0 for s in got), "another namespace's bytes were left in a slot"
+    assert svc.node.mgr.counters["slots_zeroed"] >= 4 + zeroed
+
+
+def test_the_default_namespace_keeps_keys_as_engines_send_them():
+    keys = np.array([0, 7, 2 ** 63, 2 ** 64 - 1], dtype=np.uint64)
+    assert np.array_equal(scoped_keys(keys, 0), keys)  # one model per node: events carry the engine's keys
+    other = scoped_keys(keys, 1)
+    assert len(set(other.tolist())) == 4 and not set(other.tolist()) & set(keys.tolist())
