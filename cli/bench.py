@@ -13,6 +13,7 @@ BENCHES: dict[str, str] = {
     "tiers": "kvtier.bench.tiers",
     "rpc": "kvtier.bench.rpc",
     "e2e": "kvtier.bench.e2e",
+    "soak": "kvtier.bench.soak",
 }
 
 
