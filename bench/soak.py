@@ -81,8 +81,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 time.sleep(1.0)
         results = []
         for p in procs:
-            out, _ = p.communicate()
-            lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+            text, _ = p.communicate()
+            lines = [ln for ln in text.splitlines() if ln.startswith("{")]
             results.append(json.loads(lines[-1]) if lines else {"crashed": True, "returncode": p.returncode})
         with d.client(engine_id="soak-check", heartbeat_s=None) as c:
             c.check()

@@ -65,11 +65,11 @@ def main() -> None:
                     next_seq += 1
                 elif op < 0.8:  # read a held sequence back and check every byte
                     seq = int(rng.choice(list(held)))
-                    blocks, keys = held[seq]
+                    held_blocks, keys = held[seq]
                     got, slots = c.acquire(seqs=[seq], timeout_s=10)
                     by_block = dict(zip(got.tolist(), slots.tolist()))
                     try:
-                        for b, k in zip(blocks, keys):
+                        for b, k in zip(held_blocks, keys):
                             if not torch.equal(c.slot_view(by_block[b]), pattern(k)):
                                 out["mismatches"] += 1
                             out["verified_blocks"] += 1
