@@ -16,7 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvtier.protocol.runtime import default_data_dir, default_runtime_dir
 
@@ -86,6 +86,13 @@ class TiersConfig(_Section):
     """...until it is back below this fraction."""
     max_blocks: int = Field(default=0, ge=0)
     """Block-table size; 0 = the total slot count of all tiers."""
+
+    @model_validator(mode="after")
+    def _nvme_dir_given(self) -> "TiersConfig":
+        # caught here, not at the first register: an empty path would put slabs in the daemon's cwd
+        if self.nvme_bytes > 0 and not self.nvme_dir.strip():
+            raise ValueError("tiers.nvme_dir is empty but tiers.nvme_bytes > 0 (give a directory, or set nvme_bytes = 0)")
+        return self
 
 
 class PolicyConfig(_Section):

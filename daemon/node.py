@@ -9,6 +9,7 @@ holds one ``Optional[Node]``; everything below it can rely on a full node.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from dataclasses import dataclass
@@ -19,9 +20,11 @@ import numpy as np
 import torch
 
 from kvtier.protocol import wire as P
-from kvtier.protocol.shm import attach_shm, release_shm
+from kvtier.protocol.runtime import ensure_private_dir
+from kvtier.protocol.shm import attach_shm, release_shm, unlink_on_error
 from kvtier.protocol.wire import ProtocolError
 from kvtier.scoring.importance import ImportanceScores
+from kvtier.tiers.io_backends import select_backend
 from kvtier.tiers.manager import TierManager
 from kvtier.tiers.pools import round_up
 from kvtier.tiers.types import HBM
@@ -138,30 +141,84 @@ def _map_cuda_region(args: Any, stride: int) -> torch.Tensor:
     return tensor
 
 
-def build_node(cfg: KvtierConfig, args: Any, clock: Callable[[], float]) -> Node:
-    """The node for the first engine's geometry (``register`` arguments)."""
+def _tier_error(e: OSError) -> ProtocolError:
+    """A failed tier build as the engine sees it: ``no_space`` for ENOSPC (a smaller
+    pool or more room fixes it), ``invalid`` for anything else (the config does)."""
+    code = P.NO_SPACE if e.errno == errno.ENOSPC else P.INVALID
+    where = f"{e.filename}: " if e.filename else ""
+    return ProtocolError(code, f"cannot build the tiers: {where}{e.strerror or e}")
+
+
+def _build_manager(cfg: KvtierConfig, args: Any, hbm_tensor: Optional[torch.Tensor], hbm_slots: int,
+                   stride: int, clock: Callable[[], float]) -> TierManager:
+    """The tier manager, or nothing: on failure its I/O threads are stopped and an
+    NVMe directory made here (still empty) is removed; the caller unlinks pools."""
     tc = cfg.tiers
-    stride = round_up(args.block_bytes)
-    hbm_tensor, hbm_shm = None, None
-    hbm_slots = tc.hbm_bytes // stride
-    if args.hbm_kind == "shm":
-        hbm_shm, hbm_tensor = _map_shm_region(args, stride)
-        hbm_slots = args.hbm_slots
-    elif args.hbm_kind == "cuda_ipc":
-        hbm_tensor, hbm_slots = _map_cuda_region(args, stride), args.hbm_slots
     dram_slots, nvme_slots = tc.dram_bytes // stride, tc.nvme_bytes // stride
+    nvme_dir, made_dir = None, False
+    if nvme_slots:
+        made_dir = not os.path.lexists(tc.nvme_dir)
+        nvme_dir = str(ensure_private_dir(tc.nvme_dir))  # refuses a symlink or someone else's directory
+    backend = select_backend(tc.io_backend, tc.io_threads)
     try:
-        if tc.nvme_bytes:
-            os.makedirs(tc.nvme_dir, mode=0o700, exist_ok=True)
-        mgr = TierManager(
-            args.block_bytes, hbm_slots, dram_slots, nvme_slots, nvme_dir=tc.nvme_dir if nvme_slots else None,
-            max_blocks=tc.max_blocks or max(1, hbm_slots + dram_slots + nvme_slots), io_backend=tc.io_backend,
-            io_threads=tc.io_threads, mover_workers=tc.mover_workers, queue_depth=tc.mover_queue_depth, hbm_tensor=hbm_tensor,
+        return TierManager(
+            args.block_bytes, hbm_slots, dram_slots, nvme_slots, nvme_dir=nvme_dir,
+            max_blocks=tc.max_blocks or max(1, hbm_slots + dram_slots + nvme_slots), io_backend=backend,
+            mover_workers=tc.mover_workers, queue_depth=tc.mover_queue_depth, hbm_tensor=hbm_tensor,
             dram_numa_node=tc.dram_numa_node, recover_payloads=tc.recovery_verify == "payload", clock=clock)
     except BaseException:
+        backend.shutdown()
+        if made_dir and nvme_dir is not None:
+            try:
+                os.rmdir(nvme_dir)
+            except OSError:
+                pass  # not empty: something else wrote there
+        raise
+
+
+def build_node(cfg: KvtierConfig, args: Any, clock: Callable[[], float]) -> Node:
+    """The node for the first engine's geometry (``register`` arguments).
+
+    All or nothing: a failure releases what was built (shared-memory pools
+    unlinked, new slab files removed, threads stopped) and raises a
+    ProtocolError naming the path and the reason, so a failed register can be
+    retried without leaking memory or disk."""
+    try:
+        return _build_node(cfg, args, clock)
+    except OSError as e:
+        raise _tier_error(e) from None
+    except ValueError as e:  # a bad NUMA node, a region of the wrong size
+        raise ProtocolError(P.INVALID, f"cannot build the tiers: {e}") from None
+
+
+def _build_node(cfg: KvtierConfig, args: Any, clock: Callable[[], float]) -> Node:
+    stride = round_up(args.block_bytes)
+    hbm_tensor, hbm_shm = None, None
+    hbm_slots = cfg.tiers.hbm_bytes // stride
+    try:
+        with unlink_on_error():  # the pools of a manager that failed half-way
+            if args.hbm_kind == "shm":
+                hbm_shm, hbm_tensor = _map_shm_region(args, stride)
+                hbm_slots = args.hbm_slots
+            elif args.hbm_kind == "cuda_ipc":
+                hbm_tensor, hbm_slots = _map_cuda_region(args, stride), args.hbm_slots
+            mgr = _build_manager(cfg, args, hbm_tensor, hbm_slots, stride, clock)
+    except BaseException:
+        if hbm_shm is not None:
+            release_shm(hbm_shm, unlink=False)  # the engine's region: unmapped, never unlinked
+        raise
+    try:
+        return _complete_node(cfg, args, mgr, hbm_tensor, hbm_shm, clock)
+    except BaseException:
+        mgr.close()
         if hbm_shm is not None:
             release_shm(hbm_shm, unlink=False)
         raise
+
+
+def _complete_node(cfg: KvtierConfig, args: Any, mgr: TierManager, hbm_tensor: Optional[torch.Tensor],
+                   hbm_shm: Optional[shared_memory.SharedMemory], clock: Callable[[], float]) -> Node:
+    """The deciding objects over a built manager."""
     if mgr.nvme is not None:
         log.info("NVMe tier: %d cached blocks recovered (%s, %d slots discarded)", mgr.recovered,
                  mgr.recovered_from or "nothing to recover", mgr.discarded)
@@ -183,5 +240,6 @@ def build_node(cfg: KvtierConfig, args: Any, clock: Callable[[], float]) -> Node
     return Node(mgr=mgr, placement=placement, scores=scores, events=events, prefetcher=prefetcher,
                 block_tokens=args.block_tokens, layers=layers, max_batch_blocks=cfg.server.max_batch_blocks,
                 hbm_shm=hbm_shm, hbm_handle=handle)
+
 
 __all__ = ["Node", "build_node"]

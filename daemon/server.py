@@ -26,7 +26,7 @@ import msgpack
 import zmq
 
 from kvtier.protocol import wire as P
-from kvtier.protocol.runtime import EVENTS_TOPIC, INFO_FILE, TOKEN_FILE, endpoints
+from kvtier.protocol.runtime import EVENTS_TOPIC, INFO_FILE, TOKEN_FILE, endpoints, ensure_private_dir, write_private_file
 from kvtier.protocol.wire import ProtocolError
 
 from .acquire import Pending
@@ -38,16 +38,6 @@ from .service import Service
 
 log = logging.getLogger("kvtier.server")
 STALL_S = 1.0  # a loop turn this late means the owner was away: engines are not blamed for it
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Write ``path`` (0600) through a fresh temp file: never through a planted file or symlink."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 class Server:
@@ -71,13 +61,12 @@ class Server:
 
     # -- setup -------------------------------------------------------------------
     def _bind(self) -> None:
-        self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self.runtime_dir, 0o700)
+        ensure_private_dir(self.runtime_dir)  # 0700, ours, not a symlink: or UnsafeDirError naming path and owner
         self.locks = [DirLock(self.runtime_dir, "runtime directory")]  # before touching anything in it
         tc = self.cfg.tiers
         if tc.nvme_bytes:
-            os.makedirs(tc.nvme_dir, mode=0o700, exist_ok=True)
             try:
+                ensure_private_dir(tc.nvme_dir)
                 self.locks.append(DirLock(tc.nvme_dir, "NVMe directory"))
             except BaseException:
                 self.locks[0].release()
@@ -110,8 +99,8 @@ class Server:
         info = {"pid": os.getpid(), **self.endpoints, "metrics_port": self.exporter.port if self.exporter else None,
                 "metrics_host": self.cfg.metrics.host, "config": self.config_path, "started": time.time()}
         assert self.service.admin_token is not None  # set in __init__
-        _write_private(self.runtime_dir / TOKEN_FILE, self.service.admin_token)
-        _write_private(self.runtime_dir / INFO_FILE, json.dumps(info))
+        write_private_file(self.runtime_dir / TOKEN_FILE, self.service.admin_token.encode())
+        write_private_file(self.runtime_dir / INFO_FILE, json.dumps(info).encode())
 
     def install_signals(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stop_requested", True))

@@ -3,13 +3,21 @@
 Shared by both sides: the daemon writes ``daemon.json`` (endpoints, pid) into
 its runtime directory; ``TierClient`` and the CLI read it. Kept apart from the
 daemon's config so an engine process never imports the daemon.
+
+Defaults follow the XDG base-directory spec: runtime files in
+``$XDG_RUNTIME_DIR/kvtier`` (else ``/tmp/kvtier-UID``), NVMe slabs in
+``$XDG_DATA_HOME/kvtier`` (else ``~/.local/share/kvtier``). A directory in a
+shared place can be pre-created by another local user, who could then plant
+files or symlinks in it, so the daemon takes none before ``ensure_private_dir``
+has checked it.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
-import tempfile
+import stat
 from pathlib import Path
 from typing import Optional
 
@@ -18,21 +26,112 @@ TOKEN_FILE = "admin.token"  # the daemon owner's capability, mode 0600
 EVENTS_TOPIC = b"kv-events"
 
 
-def _user_dir(env: str, fallback: str) -> str:
+class UnsafeDirError(PermissionError):
+    """A directory kvtier would use is not safely this user's (a symlink, not a
+    directory, or owned by someone else); the message names it and why."""
+
+    def __str__(self) -> str:
+        return f"{self.filename}: {self.strerror}"
+
+
+def _xdg(env: str) -> str | None:
+    """An XDG variable's value if usable (the spec: ignore a relative path)."""
     base = os.environ.get(env)
-    if base and os.path.isdir(base) and os.access(base, os.W_OK):
-        return os.path.join(base, "kvtier")
-    return os.path.join(tempfile.gettempdir(), f"kvtier-{os.getuid()}", fallback)
+    return base if base and os.path.isabs(base) else None
 
 
 def default_runtime_dir() -> str:
-    """Per-user runtime directory (sockets): $XDG_RUNTIME_DIR/kvtier or /tmp/kvtier-UID/run."""
-    return _user_dir("XDG_RUNTIME_DIR", "run")
+    """Per-user runtime directory (sockets): $XDG_RUNTIME_DIR/kvtier or /tmp/kvtier-UID.
+
+    The fallback sits directly in the sticky /tmp: no one else can rename or
+    remove it there, and ``ensure_private_dir`` refuses it if someone else made it."""
+    base = _xdg("XDG_RUNTIME_DIR")
+    if base and os.path.isdir(base):  # set but missing (su, sudo, cron): fall back
+        return os.path.join(base, "kvtier")
+    return f"/tmp/kvtier-{os.getuid()}"
 
 
 def default_data_dir() -> str:
-    """Per-user data directory (NVMe slabs): $XDG_DATA_HOME/kvtier or /tmp/kvtier-UID/data."""
-    return _user_dir("XDG_DATA_HOME", "data")
+    """Per-user data directory (NVMe slabs): $XDG_DATA_HOME/kvtier or ~/.local/share/kvtier."""
+    base = _xdg("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(base, "kvtier")
+
+
+def _owner(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def _mkdir_p(p: Path) -> None:
+    """``mkdir -p`` with the leaf 0700; a file where a parent should be is ENOTDIR naming ``p``."""
+    try:
+        os.mkdir(p, 0o700)
+    except FileNotFoundError:
+        try:
+            os.makedirs(p.parent, exist_ok=True)
+        except (FileExistsError, NotADirectoryError) as e:
+            raise NotADirectoryError(errno.ENOTDIR, f"{os.strerror(errno.ENOTDIR)} ({e.filename} is in the way)",
+                                     str(p)) from None
+        os.mkdir(p, 0o700)
+
+
+def ensure_private_dir(path: "str | os.PathLike[str]") -> Path:
+    """``path`` as a directory only this user can write, created 0700 if missing.
+
+    An existing one must be a real directory (not a symlink) owned by this uid;
+    if it is group/other-writable it is ours, so its mode is reset to 0700. Anything
+    else raises ``UnsafeDirError``. Missing parents are created as ``mkdir -p`` does.
+    The checks run on an O_NOFOLLOW descriptor, so the directory checked is the one fixed."""
+    p = Path(path)
+    if not str(path):
+        raise UnsafeDirError(errno.EPERM, "an empty path is not a directory", str(path))
+    try:
+        _mkdir_p(p)
+    except FileExistsError:
+        pass  # checked below, whoever made it
+    st = os.lstat(p)
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafeDirError(errno.EPERM, f"is a symlink (to {os.readlink(p)!r}), not a directory; refusing to use it", str(p))
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeDirError(errno.EPERM, "exists and is not a directory; refusing to use it", str(p))
+    fd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise UnsafeDirError(errno.EPERM, f"is owned by {_owner(st.st_uid)}, not by {_owner(os.geteuid())} who runs "
+                                    "kvtier; refusing to use it (remove it or choose another directory)", str(p))
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+    return p
+
+
+def write_private_file(path: "str | os.PathLike[str]", data: bytes) -> None:
+    """Replace ``path`` atomically with ``data``, mode 0600, through a temp file that
+    is created new (O_EXCL) and never through a link (O_NOFOLLOW): nothing planted
+    in the directory can redirect the write or keep a handle on the file."""
+    p = Path(path)
+    tmp = p.with_name(f"{p.name}.{os.getpid()}.tmp")
+    try:
+        os.unlink(tmp)  # a leftover of a crashed process with this pid (unlink does not follow links)
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
 
 
 def endpoints(runtime_dir: str) -> dict[str, str]:
@@ -57,5 +156,5 @@ def read_token(runtime_dir: str) -> Optional[str]:
         return None
 
 
-__all__ = ["TOKEN_FILE", "read_token", "INFO_FILE", "EVENTS_TOPIC", "default_runtime_dir", "default_data_dir",
-           "endpoints", "read_info"]
+__all__ = ["TOKEN_FILE", "read_token", "INFO_FILE", "EVENTS_TOPIC", "UnsafeDirError", "default_runtime_dir",
+           "default_data_dir", "ensure_private_dir", "write_private_file", "endpoints", "read_info"]

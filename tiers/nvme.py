@@ -95,14 +95,55 @@ class NvmeStore:
         self.slots_per_file = int(slots_per_file)
         self.backend = backend
         os.makedirs(directory, mode=0o700, exist_ok=True)
-        self._handles = []
-        n_files = (self.n_slots + self.slots_per_file - 1) // self.slots_per_file
-        for i in range(n_files):
-            count = min(self.slots_per_file, self.n_slots - i * self.slots_per_file)
-            path = os.path.join(directory, f"slab-{i:04d}.kvt")
-            self._handles.append(backend.open(path, count * self.slot_bytes))
+        self._handles: list = []
+        self.created: list[str] = []  # slab files this store made (not there before it opened them)
+        grown: list[tuple[str, int]] = []  # existing slabs it extended, with their sizes before
+        try:
+            for i in range(self.n_files):
+                count = min(self.slots_per_file, self.n_slots - i * self.slots_per_file)
+                path = os.path.join(directory, f"slab-{i:04d}.kvt")
+                self._open_slab(path, count * self.slot_bytes, grown)
+        except BaseException:
+            self._undo_open(grown)
+            raise
         self.seq = 0
         self.unreadable = 0  # slots whose read failed during recovery
+
+    @property
+    def n_files(self) -> int:
+        return (self.n_slots + self.slots_per_file - 1) // self.slots_per_file
+
+    def _open_slab(self, path: str, size: int, grown: list[tuple[str, int]]) -> None:
+        """Open (create, preallocate) one slab; an OSError names the file (posix_fallocate's does not)."""
+        try:
+            before = os.stat(path).st_size
+        except FileNotFoundError:
+            self.created.append(path)
+        else:
+            if before < size:
+                grown.append((path, before))
+        try:
+            self._handles.append(self.backend.open(path, size))
+        except OSError as e:
+            if e.filename:
+                raise
+            raise OSError(e.errno, e.strerror or str(e), path) from None
+
+    def _undo_open(self, grown: list[tuple[str, int]]) -> None:
+        """Undo a failed open: a slab partly preallocated before ENOSPC holds the
+        filesystem's free space, so new files go and extended ones shrink back."""
+        self.close()
+        for path in self.created:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        for path, size in grown:
+            try:
+                os.truncate(path, size)
+            except OSError:
+                pass
+        self.created = []
 
     @property
     def capacity_bytes(self) -> int:

@@ -193,20 +193,27 @@ class DramPool(SlotPool):
         shm_name: Optional[str] = None,
     ) -> None:
         super().__init__(n_slots, block_bytes)
-        self._shm = create_shm(self.capacity_bytes, shm_name)
+        if numa_node is not None and numa_node not in numa_nodes():
+            raise ValueError(f"NUMA node {numa_node} does not exist (have {numa_nodes()})")
+
+        def bind(shm: shared_memory.SharedMemory) -> None:  # before create_shm reserves the pages
+            if numa_node is not None and self.capacity_bytes:
+                assert shm.buf is not None  # a segment just created is mapped
+                _bind_numa(np.frombuffer(shm.buf, dtype=np.uint8).ctypes.data, self.capacity_bytes, numa_node)
+
+        self._shm = create_shm(self.capacity_bytes, shm_name, prepare=bind)
         self.array = np.ndarray((self.n_slots, self.slot_stride), dtype=np.uint8, buffer=self._shm.buf)
-        if numa_node is not None:
-            if numa_node not in numa_nodes():
-                release_shm(self._shm, True)
-                raise ValueError(f"NUMA node {numa_node} does not exist (have {numa_nodes()})")
-            if self.capacity_bytes:
-                _bind_numa(self.array.ctypes.data, self.capacity_bytes, numa_node)
         self.numa_node = numa_node
         self.pinned = False
         want_pin = torch.cuda.is_available() if pin is None else pin
         if want_pin and self.capacity_bytes:
-            cudart = torch.cuda.cudart()
-            rc = cudart.cudaHostRegister(self.array.ctypes.data, self.capacity_bytes, 0)
+            try:
+                cudart = torch.cuda.cudart()
+                rc = cudart.cudaHostRegister(self.array.ctypes.data, self.capacity_bytes, 0)
+            except BaseException:  # a pool that failed to build is closed by no one: unlink its segment now
+                self.array = None  # type: ignore[assignment]  # drop the view so the mapping can close
+                release_shm(self._shm, True)
+                raise
             self.pinned = int(rc) == 0 if not isinstance(rc, tuple) else int(rc[0]) == 0
         self.tensor = torch.from_numpy(self.array)
 
