@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass, fields
@@ -48,8 +49,23 @@ def plan_tiers(opts: DemoOptions, layout: KVLayout) -> dict[str, int]:
             "dram_blocks": max(2, hbm // 2), "nvme_blocks": 2 * total + 16, "session_blocks": per_session}
 
 
+def check_policy(name: str) -> None:
+    """Refuse an unknown policy before a model is built and a daemon started (it would refuse it)."""
+    from pydantic import ValidationError
+
+    from kvtier.daemon.config import PolicyConfig
+
+    try:
+        PolicyConfig(name=name)
+    except ValidationError as e:
+        raise ValueError(f"--policy: {e.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+
+
 def run_demo(opts: DemoOptions, progress: Callable[[int, int, str], None] = lambda done, total, what: None,
              keep: bool = False, env: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    """Run the demo; its temp directory (sockets, NVMe slabs, log) is removed unless ``keep``
+    leaves the daemon running in it. A ``workdir`` of the caller's is never removed."""
+    check_policy(opts.policy)
     # One compute thread for the engine (both runs): on a real node the engine computes on
     # the GPU and the daemon's movers use host cores; on a small CPU box they must not fight.
     torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) // 2)))
@@ -58,6 +74,45 @@ def run_demo(opts: DemoOptions, progress: Callable[[int, int, str], None] = lamb
     plan = plan_tiers(opts, layout)
     root = Path(opts.workdir or tempfile.mkdtemp(prefix="kvtier-demo-"))
     root.mkdir(parents=True, exist_ok=True)
+    try:
+        run = _run(opts, model, layout, plan, root, progress, keep, env)
+    finally:
+        if not keep and opts.workdir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    stats, cmp, ref_s, tier_s, decode_tokens = run.stats, run.cmp, run.ref_s, run.tier_s, run.decode_tokens
+    svc = stats.get("service", {})
+    return {
+        "options": asdict(opts), "plan": plan, "block_bytes": layout.block_bytes,
+        "bit_exact": cmp.bit_exact, "turns_checked": cmp.turns, "steps_checked": cmp.steps,
+        "mismatched_turns": cmp.mismatched_turns, "decode_tokens": decode_tokens,
+        "tokens_per_s_untiered": decode_tokens / ref_s if ref_s else 0.0,
+        "tokens_per_s_tiered": decode_tokens / tier_s if tier_s else 0.0,
+        "ratio": (ref_s / tier_s) if tier_s else 0.0,
+        "prefetch_on_time": stats.get("prefetch_on_time_ratio", 0.0), "stall_s": stats.get("acquire_stall_s_total", 0.0),
+        "acquires": svc.get("acquires", 0), "tiers": stats.get("tiers", []), "paths": stats.get("paths", {}),
+        "prefetch": stats.get("prefetch", {}),
+        "calibration": stats.get("calibration", {}), "segments": stats.get("segments", {}),
+        "importance_mean": stats.get("importance_mean", 0.0), "daemon": {"runtime_dir": run.runtime_dir, "pid": run.pid,
+                                                                 "kept": keep},
+    }
+
+
+@dataclass
+class _Run:
+    """What the turns produced: the comparison, forward seconds per engine, the daemon's final stats."""
+
+    stats: dict[str, Any]
+    cmp: Comparison
+    ref_s: float
+    tier_s: float
+    decode_tokens: int
+    runtime_dir: str
+    pid: int
+
+
+def _run(opts: DemoOptions, model: Any, layout: KVLayout, plan: dict[str, int], root: Path,
+         progress: Callable[[int, int, str], None], keep: bool, env: Optional[dict[str, str]]) -> _Run:
+    """Both engines through every turn against a daemon started in ``root``."""
     stride = layout.block_bytes + (-layout.block_bytes) % 4096
     dram = plan["dram_blocks"] * stride if opts.dram else 0
     daemon = DaemonProcess(root, f"tiers.hbm_bytes={plan['hbm_blocks'] * stride}", f"tiers.dram_bytes={dram}",
@@ -96,21 +151,7 @@ def run_demo(opts: DemoOptions, progress: Callable[[int, int, str], None] = lamb
         if not keep:
             client.close()
             daemon.stop()
-    svc = stats.get("service", {})
-    return {
-        "options": asdict(opts), "plan": plan, "block_bytes": layout.block_bytes,
-        "bit_exact": cmp.bit_exact, "turns_checked": cmp.turns, "steps_checked": cmp.steps,
-        "mismatched_turns": cmp.mismatched_turns, "decode_tokens": decode_tokens,
-        "tokens_per_s_untiered": decode_tokens / ref_s if ref_s else 0.0,
-        "tokens_per_s_tiered": decode_tokens / tier_s if tier_s else 0.0,
-        "ratio": (ref_s / tier_s) if tier_s else 0.0,
-        "prefetch_on_time": stats.get("prefetch_on_time_ratio", 0.0), "stall_s": stats.get("acquire_stall_s_total", 0.0),
-        "acquires": svc.get("acquires", 0), "tiers": stats.get("tiers", []), "paths": stats.get("paths", {}),
-        "prefetch": stats.get("prefetch", {}),
-        "calibration": stats.get("calibration", {}), "segments": stats.get("segments", {}),
-        "importance_mean": stats.get("importance_mean", 0.0), "daemon": {"runtime_dir": str(daemon.runtime_dir),
-                                                                 "pid": daemon.proc.pid, "kept": keep},
-    }
+    return _Run(stats, cmp, ref_s, tier_s, decode_tokens, str(daemon.runtime_dir), daemon.proc.pid)
 
 
-__all__ = ["DemoOptions", "run_demo", "plan_tiers"]
+__all__ = ["DemoOptions", "check_policy", "run_demo", "plan_tiers"]

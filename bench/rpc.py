@@ -11,13 +11,14 @@ fast as the client can, counted by the daemon.
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -36,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blocks", type=int, default=128, help="blocks per acquire")
     p.add_argument("--iters", type=int, default=2000, help="round trips per measurement")
     p.add_argument("--telemetry-messages", type=int, default=500, help="telemetry messages of 1024 blocks")
+    p.add_argument("--keep", action="store_true", help="keep the temp directory (daemon log, sockets)")
 
 
 def _p50_us(samples: list[float]) -> float:
@@ -73,14 +75,25 @@ def _interleaved(endpoint: str, request: bytes, reply_len: int, iters: int,
 
 
 def run(args: argparse.Namespace) -> dict:
+    """The measurement in a temp directory of its own, removed afterwards unless ``--keep``."""
     from rich.console import Console
 
+    con = Console(stderr=True)
+    root = Path(tempfile.mkdtemp(prefix="kvtier-bench-rpc-"))
+    try:
+        return _measure(args, root, con)
+    finally:
+        if args.keep:
+            con.print(f"kept {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _measure(args: argparse.Namespace, root: Path, con: Any) -> dict:
     from kvtier.bench.spawn import DaemonProcess
     from kvtier.protocol import wire as P
 
-    con = Console(stderr=True)
     n = args.blocks
-    root = Path(tempfile.mkdtemp(prefix="kvtier-bench-rpc-"))
     d = DaemonProcess(root, "tiers.hbm_bytes=16777216", "tiers.dram_bytes=16777216", "tiers.nvme_bytes=0",
                       "server.heartbeat_timeout_s=60")
     try:

@@ -12,7 +12,9 @@ sides of a ratio alike. Ratios are what matter.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -37,7 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="repetitions; raw and kvtier run back to back, each first in every other rep (median per-rep ratio)")
     p.add_argument("--copy-rounds", type=int, default=3,
                    help="HBM<->DRAM copy measurements per repetition (cheap, and the noisiest figure)")
-    p.add_argument("--nvme-dir", default=None, help="directory on the NVMe device (default: a temp dir)")
+    p.add_argument("--nvme-dir", default=None, help="directory on the NVMe device; the bench works in a temp "
+                                                    "dir inside it (default: in $KVTIER_BENCH_DIR or /tmp)")
+    p.add_argument("--keep", action="store_true", help="keep the temp dir (slab and raw O_DIRECT files)")
     p.add_argument("--io-backend", default="auto", help="auto | posix | kvikio")
     p.add_argument("--io-threads", type=int, default=8)
     p.add_argument("--batch-mib", type=int, default=64,
@@ -257,12 +261,12 @@ def run(args: argparse.Namespace) -> dict:
     from rich.table import Table
 
     console = Console(stderr=True)
-    tmp = None
-    directory = args.nvme_dir
-    if directory is None:
-        tmp = tempfile.TemporaryDirectory(prefix="kvtier-bench-", dir=os.environ.get("KVTIER_BENCH_DIR"))
-        directory = tmp.name
-    os.makedirs(directory, exist_ok=True)
+    # the files go in a temp dir of our own, inside --nvme-dir when given: nothing of the run is left
+    # behind (a --nvme-dir the bench had to create goes too) unless --keep
+    made = args.nvme_dir is not None and not os.path.exists(args.nvme_dir)
+    if args.nvme_dir is not None:
+        os.makedirs(args.nvme_dir, exist_ok=True)
+    directory = tempfile.mkdtemp(prefix="kvtier-bench-", dir=args.nvme_dir or os.environ.get("KVTIER_BENCH_DIR"))
     sizes = {}
     try:
         for kib in args.block_kib:
@@ -274,8 +278,13 @@ def run(args: argparse.Namespace) -> dict:
             sizes[f"{kib}KiB"] = {"block_bytes": block, "blocks": n, **mv}
         meta = metadata_bytes_per_block(args.metadata_blocks)
     finally:
-        if tmp is not None:
-            tmp.cleanup()
+        if args.keep:
+            console.print(f"kept {directory}")
+        else:
+            shutil.rmtree(directory, ignore_errors=True)
+            if made:
+                with contextlib.suppress(OSError):  # empty now, unless someone else wrote into it meanwhile
+                    os.rmdir(args.nvme_dir)
     # headline ratios: the worse block size, so a target holds for both
     ratios = {k: min(s["ratios"][k] for s in sizes.values()) for k in ("dram_copy", "nvme_write", "nvme_read")}
     targets = {"dram_copy": 0.9, "nvme_write": 0.85, "nvme_read": 0.85}

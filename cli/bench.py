@@ -21,7 +21,9 @@ def configure(name: str, p: argparse.ArgumentParser) -> None:
     bsub = p.add_subparsers(dest="bench", metavar="BENCH")
     for bench, modname in BENCHES.items():
         mod = importlib.import_module(modname)
-        bp = bsub.add_parser(bench, help=(mod.__doc__ or "").strip().splitlines()[0])
+        summary = (mod.__doc__ or "").strip().splitlines()[0]
+        # argparse %-formats help strings: a literal "25%" in a docstring would crash --help
+        bp = bsub.add_parser(bench, help=summary.replace("%", "%%"), description=summary)
         bp.add_argument("--json", metavar="PATH", help="write the results as JSON here")
         mod.add_arguments(bp)
         bp.set_defaults(func=lambda a, m=mod: _run(m, a))

@@ -19,7 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("kvtier.cli.demo", "run a real model through a real daemon and verify bit-exact outputs"),
     "serve": ("kvtier.cli.serve", "run the tiering daemon in the foreground"),
     "stats": ("kvtier.cli.serve", "show a running daemon's tiers, engines and counters"),
-    "reload": ("kvtier.cli.serve", "re-read the config of a running daemon ([policy], [scoring], [predictor])"),
+    "reload": ("kvtier.cli.serve", "re-read the config of a running daemon; list what changed and what needs a restart"),
+    "clear": ("kvtier.cli.serve", "drop every cached block of a running daemon (live blocks stay)"),
     "config": ("kvtier.cli.config", "show, validate or describe the configuration"),
     "replay": ("kvtier.cli.replay", "replay traces through policies; compare with LRU and Belady"),
     "bench": ("kvtier.cli.bench", "benchmarks against a raw baseline measured in the same run"),
@@ -49,22 +50,48 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     return parser
 
 
+# Expected failures, by class (module.qualname, matched along the MRO): bad input, a missing or
+# busy file or port, an unreachable daemon, a directory another daemon holds. They print one line;
+# anything else is a bug and keeps its traceback. Names, not classes: nothing is imported for this.
+EXPECTED: frozenset[str] = frozenset({
+    "builtins.ValueError",  # bad arguments, ConfigError, pydantic's ValidationError
+    "builtins.OSError",  # files, ports (FileNotFoundError, PermissionError, TimeoutError ...)
+    "kvtier.client.tier_client.KvtierError",  # no daemon, no reply, a rejected request
+    "kvtier.daemon.dirlock.DirInUse",  # another daemon holds the runtime or NVMe directory
+    "kvtier.cli.output.CliError",
+})
+
+
+def _expected(e: BaseException) -> bool:
+    return any(f"{c.__module__}.{c.__qualname__}" in EXPECTED for c in type(e).__mro__)
+
+
+def _one_line(e: BaseException) -> str:
+    """The message of ``e`` on one line (config errors list one problem a line)."""
+    if isinstance(e, OSError) and e.strerror:
+        text = f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+    else:
+        text = str(e) or type(e).__name__
+    return "; ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(argv)
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
     try:
-        rc = args.func(args)
+        parser = build_parser(argv)
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
+        return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError, PermissionError) as e:
-        print(f"kvtier: error: {e}", file=sys.stderr)
-        return 2
-    return int(rc or 0)
+    except Exception as e:
+        if not _expected(e):
+            raise
+        print(f"kvtier: error: {_one_line(e)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -8,6 +8,10 @@ import sys
 from typing import Any
 
 
+class CliError(Exception):
+    """An expected failure: ``kvtier`` prints its message as one line and exits 1, no traceback."""
+
+
 def write_json(path: str | None, result: dict[str, Any]) -> None:
     """Write ``result`` to ``path`` (no-op without one) via a temp file and rename."""
     if not path:
@@ -22,4 +26,4 @@ def write_json(path: str | None, result: dict[str, Any]) -> None:
     print(f"wrote {path}", file=sys.stderr)
 
 
-__all__ = ["write_json"]
+__all__ = ["CliError", "write_json"]

@@ -1,11 +1,14 @@
-"""``kvtier serve``, ``kvtier stats`` and ``kvtier reload``: run and watch a daemon."""
+"""``kvtier serve``, ``stats``, ``reload`` and ``clear``: run, watch and steer a daemon."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
-import sys
+import os
+from typing import Any, Callable
+
+from kvtier.cli.output import CliError
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
@@ -32,8 +35,17 @@ def _reload_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_reload)
 
 
+def _clear_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--runtime-dir", help="socket directory of the daemon (default: the per-user one)")
+    p.set_defaults(func=cmd_clear)
+
+
+ARGUMENTS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
+    "serve": _serve_args, "stats": _stats_args, "reload": _reload_args, "clear": _clear_args}
+
+
 def configure(name: str, p: argparse.ArgumentParser) -> None:
-    {"serve": _serve_args, "stats": _stats_args, "reload": _reload_args}[name](p)
+    ARGUMENTS[name](p)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -52,28 +64,44 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _client(runtime_dir: "str | None"):
-    from kvtier.client.tier_client import TierClient
-
-    return TierClient(runtime_dir=runtime_dir, engine_id="kvtier-cli", heartbeat_s=None, timeout_s=10.0)
-
-
-def _ask(runtime_dir: "str | None", op: str, failure: str) -> "dict | None":
-    """One call to a live daemon; None (after a message) when it fails."""
-    from kvtier.client.tier_client import KvtierError
-
+def _pid_alive(pid: int) -> bool:
     try:
-        with _client(runtime_dir) as c:
-            return getattr(c, op)()
-    except KvtierError as e:
-        print(f"kvtier: {failure}{e}", file=sys.stderr)
-        return None
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True  # another user's process, or a pid we cannot judge: let the socket decide
+    return True
+
+
+def _ask(runtime_dir: "str | None", op: str, args: "dict | None" = None, timeout_s: float = 10.0,
+         rejected: str = "") -> dict:
+    """One call to a live daemon. A daemon.json whose process is gone (a crash left it) is
+    answered at once instead of waiting out the timeout on a socket nobody reads."""
+    from kvtier.client.tier_client import RequestRejected, TierClient
+    from kvtier.protocol.runtime import INFO_FILE, default_runtime_dir, read_info
+
+    rt = runtime_dir or default_runtime_dir()
+    try:
+        pid = int(read_info(rt).get("pid") or 0)
+    except FileNotFoundError:
+        raise CliError(f"no kvtier daemon in {rt} (start one with `kvtier serve`)") from None
+    except (OSError, ValueError) as e:
+        raise CliError(f"cannot read {os.path.join(rt, INFO_FILE)}: {e}") from None
+    if pid > 0 and not _pid_alive(pid):
+        raise CliError(f"the kvtier daemon is not running: pid {pid} in {os.path.join(rt, INFO_FILE)} is gone "
+                       "(it did not stop cleanly; `kvtier serve` replaces its files)")
+    with TierClient(runtime_dir=rt, engine_id="kvtier-cli", heartbeat_s=None, timeout_s=timeout_s) as c:
+        try:
+            # no public TierClient method for every node op (clear): the generic call is the RPC itself
+            result: dict[str, Any] = c._call(op, args)
+        except RequestRejected as e:
+            raise CliError(f"{op} rejected: {e.message}{rejected}") from None
+    return result
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    s = _ask(args.runtime_dir, "stats", "")
-    if s is None:
-        return 1
+    s = _ask(args.runtime_dir, "stats")
     if args.json:
         print(json.dumps(s, indent=2, sort_keys=True, default=str))
         return 0
@@ -106,8 +134,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
         e.add_row(row["engine"], str(row["pid"]), str(row["live_blocks"]), str(row["pins"]), str(row["sequences"]))
     con.print(e)
     svc = s.get("service", {})
+    on_time = f"{s['prefetch_on_time_ratio']:.3f}" if svc.get("acquires") else "-"
     con.print(f"blocks: {s.get('blocks', {})}  acquires: {svc.get('acquires', 0)}  "
-              f"on-time: {s.get('prefetch_on_time_ratio', 1.0):.3f}  stall: {s.get('acquire_stall_s_total', 0):.3f} s  "
+              f"on-time: {on_time}  stall: {s.get('acquire_stall_s_total', 0):.3f} s  "
               f"calibration: {s.get('calibration') or '-'}")
     pf = s.get("prefetch", {})
     if pf:
@@ -117,11 +146,25 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_reload(args: argparse.Namespace) -> int:
-    r = _ask(args.runtime_dir, "reload", "reload rejected, the daemon keeps its config: ")
-    if r is None:
-        return 1
-    print(f"reloaded: {', '.join(r.get('changed') or []) or 'no changes'}")
+    """Every changed key, and whether it took effect or waits for a restart."""
+    r = _ask(args.runtime_dir, "reload", rejected="; the daemon keeps its running config")
+    applied, restart = r.get("keys") or [], r.get("restart") or []
+    if not applied and not restart:
+        print("reloaded: no changes")
+    for key in applied:
+        print(f"{key}: applied")
+    for key in restart:
+        print(f"{key}: needs a restart (the daemon keeps running with the old value)")
     for note in r.get("notes", []):
         print(f"note: {note}")
     return 0
 
+
+def cmd_clear(args: argparse.Namespace) -> int:
+    """Drop every cached block; a daemon no engine has registered with holds none."""
+    if not _ask(args.runtime_dir, "stats").get("tiers"):
+        print("cleared 0 cached blocks (no engine has registered yet)")
+        return 0
+    n = int(_ask(args.runtime_dir, "clear").get("dropped", 0))
+    print(f"cleared {n} cached block{'s' if n != 1 else ''}")
+    return 0

@@ -164,6 +164,7 @@ class BlockOps:
     def op_clear(self, session: Optional[EngineSession], args: Any) -> dict:
         """Drop every cached (unreferenced, idle) block: AllBlocksCleared."""
         dropped = self.node.mgr.drop_cached()
+        self.counters["cleared_blocks"] += dropped  # kvtier_blocks_dropped_total counts these too
         self.node.events.all_cleared()
         return {"dropped": dropped}
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import tomllib
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Sequence
@@ -22,6 +23,7 @@ from kvtier.protocol.runtime import default_data_dir, default_runtime_dir
 
 ENV_PREFIX = "KVTIER_"
 HOT_SECTIONS = ("policy", "scoring", "predictor")  # reloadable without restart
+RESTART_SECTIONS = ("server", "tiers", "metrics")  # sockets, pools and the exporter are built once, at start
 
 
 class _Section(BaseModel):
@@ -308,21 +310,48 @@ def load_config(path: "str | Path | None" = None, environ: Optional[Mapping[str,
     return validate(data, source, text)
 
 
-def reload_hot(current: KvtierConfig, path: "str | Path | None", environ: Optional[Mapping[str, str]] = None,
-               overrides: Sequence[str] = ()) -> tuple[KvtierConfig, list[str]]:
-    """Re-read the sources; take only the hot sections. Returns (new config, changed sections).
+def changed_keys(old: KvtierConfig, new: KvtierConfig) -> list[str]:
+    """``section.field`` of every field whose value differs, in declaration order."""
+    out = []
+    for section in KvtierConfig.model_fields:
+        a, b = getattr(old, section), getattr(new, section)
+        out += [f"{section}.{name}" for name in type(a).model_fields if getattr(a, name) != getattr(b, name)]
+    return out
 
-    Raises ConfigError (and the caller keeps ``current``) when anything is invalid.
-    """
+
+@dataclass
+class ReloadPlan:
+    """What a reload does: the config to run, and every changed key sorted by whether it applies now."""
+
+    config: KvtierConfig  # the running config with the hot sections of the fresh one
+    sections: list[str]  # hot sections that changed (the service reconfigures these)
+    applied: list[str]  # changed keys in effect from now on
+    restart: list[str]  # changed keys of restart-only sections: kept at their running value
+
+
+def plan_reload(current: KvtierConfig, path: "str | Path | None", environ: Optional[Mapping[str, str]] = None,
+                overrides: Sequence[str] = ()) -> ReloadPlan:
+    """Re-read the sources; take only the hot sections, and name every other change instead of
+    dropping it silently. Raises ConfigError (the caller keeps ``current``) when anything is invalid."""
     fresh = load_config(path, environ, overrides)
     merged = current.model_copy(deep=True)
-    changed = []
+    sections = []
     for name in HOT_SECTIONS:
         if getattr(fresh, name) != getattr(current, name):
-            changed.append(name)
+            sections.append(name)
         setattr(merged, name, getattr(fresh, name))
-    return merged, changed
+    keys = changed_keys(current, fresh)
+    applied = [k for k in keys if k.split(".", 1)[0] in HOT_SECTIONS]
+    return ReloadPlan(merged, sections, applied, [k for k in keys if k not in applied])
 
 
-__all__ = ["ConfigError", "KvtierConfig", "HOT_SECTIONS", "load_config", "reload_hot", "validate",
+def reload_hot(current: KvtierConfig, path: "str | Path | None", environ: Optional[Mapping[str, str]] = None,
+               overrides: Sequence[str] = ()) -> tuple[KvtierConfig, list[str]]:
+    """``plan_reload`` as (new config, changed hot sections)."""
+    plan = plan_reload(current, path, environ, overrides)
+    return plan.config, plan.sections
+
+
+__all__ = ["ConfigError", "KvtierConfig", "HOT_SECTIONS", "RESTART_SECTIONS", "ReloadPlan", "changed_keys",
+           "load_config", "plan_reload", "reload_hot", "validate",
            "default_runtime_dir", "default_data_dir"]

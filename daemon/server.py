@@ -30,7 +30,7 @@ from kvtier.protocol.runtime import EVENTS_TOPIC, INFO_FILE, TOKEN_FILE, endpoin
 from kvtier.protocol.wire import ProtocolError
 
 from .acquire import Pending
-from .config import ConfigError, KvtierConfig, reload_hot
+from .config import ConfigError, KvtierConfig, plan_reload
 from .dirlock import DirLock
 from .events import encode_batch, seq_frame
 from .metrics import Exporter
@@ -71,6 +71,14 @@ class Server:
             except BaseException:
                 self.locks[0].release()
                 raise
+        if self.cfg.metrics.enabled:  # before any socket file: a busy port leaves nothing behind
+            self.exporter = Exporter()
+            try:
+                self.exporter.start(self.cfg.metrics.host, self.cfg.metrics.port)
+            except BaseException:
+                for lock in self.locks:
+                    lock.release()
+                raise
         old_umask = os.umask(0o177)  # socket files are created 0600
         try:
             self.rpc = self.ctx.socket(zmq.ROUTER)
@@ -90,9 +98,6 @@ class Server:
                 os.chmod(path, 0o600)
         finally:
             os.umask(old_umask)
-        if self.cfg.metrics.enabled:
-            self.exporter = Exporter()
-            self.exporter.start(self.cfg.metrics.host, self.cfg.metrics.port)
         self._write_info()
 
     def _write_info(self) -> None:
@@ -254,17 +259,24 @@ class Server:
             self.pub.send_multipart([EVENTS_TOPIC, seq_frame(self._event_seq), encode_batch(batch)])
 
     def reload(self) -> dict:
-        """Re-read config sources; apply [policy]/[scoring]/[predictor] or keep all on error."""
-        new, changed = reload_hot(self.cfg, self.config_path, overrides=self.overrides)
-        notes = []
+        """Re-read config sources; apply [policy]/[scoring]/[predictor] or keep all on error.
+
+        Every changed key is named: ``keys`` took effect, ``restart`` waits for a restart
+        ([server], [tiers], [metrics], and policy.name once a node runs); ``changed`` lists
+        the reconfigured sections."""
+        plan = plan_reload(self.cfg, self.config_path, overrides=self.overrides)
+        new, notes = plan.config, []
         if new.policy.name != self.cfg.policy.name and self.service.node is not None:
             notes.append(f"policy.name {new.policy.name!r} takes effect on restart; "
                          f"running {self.cfg.policy.name!r} with the new parameters")
             new.policy.name = self.cfg.policy.name
-        self.service.apply_hot(new, changed)
+            plan.applied.remove("policy.name")
+            plan.restart.append("policy.name")
+        self.service.apply_hot(new, plan.sections)
         self.cfg = new
-        log.info("reloaded: %s", ", ".join(changed) or "no changes")
-        return {"changed": changed, "notes": notes}
+        log.info("reloaded: %s; needs a restart: %s", ", ".join(plan.applied) or "no changes",
+                 ", ".join(plan.restart) or "nothing")
+        return {"changed": plan.sections, "keys": plan.applied, "restart": plan.restart, "notes": notes}
 
     # -- stop --------------------------------------------------------------------------
     def shutdown(self) -> None:

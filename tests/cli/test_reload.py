@@ -1,0 +1,56 @@
+"""Reload names every changed key and says which ones wait for a restart."""
+
+from __future__ import annotations
+
+from kvtier.bench.spawn import DaemonProcess
+from kvtier.daemon.config import changed_keys, load_config, plan_reload
+
+from .helpers import kvtier
+
+
+def test_changed_keys_are_section_dot_field():
+    a = load_config(environ={})
+    b = load_config(environ={}, overrides=["tiers.dram_bytes=4096", "scoring.ema=0.5", "metrics.port=1234"])
+    assert changed_keys(a, b) == ["tiers.dram_bytes", "scoring.ema", "metrics.port"]
+    assert changed_keys(a, a) == []
+
+
+def test_plan_reload_applies_hot_keys_and_names_restart_ones(tmp_path):
+    cur = load_config(environ={})
+    p = tmp_path / "k.toml"
+    p.write_text("[scoring]\nema = 0.5\n[policy]\nsamples = 8\n[tiers]\nhbm_bytes = 4096\n"
+                 "[server]\nheartbeat_timeout_s = 3.0\n[metrics]\nenabled = false\n")
+    plan = plan_reload(cur, p, environ={})
+    assert plan.applied == ["policy.samples", "scoring.ema"]
+    assert plan.restart == ["server.heartbeat_timeout_s", "tiers.hbm_bytes", "metrics.enabled"]
+    assert plan.sections == ["policy", "scoring"]
+    assert plan.config.scoring.ema == 0.5 and plan.config.policy.samples == 8
+    assert plan.config.tiers.hbm_bytes == cur.tiers.hbm_bytes and plan.config.metrics.enabled  # kept running
+
+
+def test_kvtier_reload_lists_keys_against_a_live_daemon(tmp_path):
+    cfg = tmp_path / "k.toml"
+    cfg.write_text("[scoring]\nema = 0.3\n")
+    d = DaemonProcess(tmp_path, "tiers.hbm_bytes=65536", "tiers.dram_bytes=65536", "tiers.nvme_bytes=0",
+                      config=str(cfg))
+    rt = str(d.runtime_dir)
+    try:
+        r = kvtier("reload", "--runtime-dir", rt, timeout=30)
+        assert (r.returncode, r.stdout) == (0, "reloaded: no changes\n"), r.stderr
+        cfg.write_text("[scoring]\nema = 0.6\n[tiers]\nio_threads = 3\n[metrics]\nhost = \"0.0.0.0\"\n")
+        r = kvtier("reload", "--runtime-dir", rt, timeout=30)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.splitlines() == [
+            "scoring.ema: applied",
+            "tiers.io_threads: needs a restart (the daemon keeps running with the old value)",
+            "metrics.host: needs a restart (the daemon keeps running with the old value)"]
+        with d.client(heartbeat_s=None) as c:
+            assert c.stats()["config_hot"]["scoring"]["ema"] == 0.6
+        cfg.write_text("[scoring]\nema = 9\n")
+        r = kvtier("reload", "--runtime-dir", rt, timeout=30)
+        assert r.returncode == 1 and "Traceback" not in r.stderr
+        (line,) = r.stderr.strip().splitlines()
+        assert line.startswith("kvtier: error: reload rejected: ") and "scoring.ema" in line
+        assert line.endswith("the daemon keeps its running config")
+    finally:
+        assert d.stop() == 0
