@@ -264,11 +264,13 @@ class TieredCache(Cache):
             todo = list(range(len(row.keys), full))
             keys = []
             parent = row.keys[-1] if row.keys else 0
+            by_kv = [j for j in todo if len(row.tokens) < (j + 1) * T]  # no token ids (e.g. generate())
+            kv = dict(zip(by_kv, self._block_bytes([row.slots[j] for j in by_kv])))
             for j in todo:
-                if len(row.tokens) >= (j + 1) * T:
+                if j in kv:  # keyed by its K/V bytes
+                    payload = kv[j]
+                else:
                     payload = np.asarray(row.tokens[j * T: (j + 1) * T], dtype=np.int64).tobytes()
-                else:  # no token ids (e.g. generate()): key the block by its K/V bytes
-                    payload = self.pool[row.slots[j]].contiguous().view(torch.uint8).numpy().tobytes()
                 parent = chain_key(parent, payload, self.namespace)
                 keys.append(parent)
             blocks = [row.blocks[j] for j in todo]
@@ -278,6 +280,16 @@ class TieredCache(Cache):
                     got, slots = self.client.acquire(blocks=[c])
                     row.blocks[j], row.slots[j] = c, int(slots[0])
             row.keys.extend(keys)
+
+    def _block_bytes(self, slots: list[int]) -> list[bytes]:
+        """The K/V bytes of ``slots`` for their keys. A device pool is copied to the host
+        explicitly, one copy for all of them (a numpy view of a device tensor raises),
+        so a CUDA pool keys a block exactly as a host pool does (same bytes, same key)."""
+        if not slots:
+            return []
+        rows = self.pool[torch.as_tensor(slots, dtype=torch.long, device=self.pool.device)]
+        host = rows.contiguous().view(torch.uint8).cpu().numpy()
+        return [host[i].tobytes() for i in range(len(slots))]
 
     # -- transformers Cache API ---------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -26,12 +26,13 @@ import torch
 
 from .nvme import NvmeStore
 from .paths import PATHS
-from .pools import DramPool, HbmPool
+from .pools import BounceBuffers, DramPool, HbmPool
 from .transfer import Completion, Transfer
 from .types import Tier
 
 MAX_DIRECT_RUNS = 16  # GPU: up to this many runs go as direct copies; more, as one gather + scatter
 MAX_MERGED = 64  # descriptors one copy may merge: bounds how long a merged copy holds the lane
+BOUNCE_BYTES = 64 << 20  # pinned host buffers for NVMe -> HBM without GPUDirect (4 to 64 slots)
 
 
 def _mergeable(t: Transfer) -> bool:
@@ -67,6 +68,10 @@ class Mover:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self.stream = torch.cuda.Stream() if hbm.is_cuda else None
+        # NVMe -> device reads that cannot go GPUDirect bounce through these (allocated
+        # once, pinned; a pageable buffer per block would make every copy synchronous)
+        self.bounce = (BounceBuffers(min(64, max(4, BOUNCE_BYTES // hbm.slot_stride)), hbm.slot_stride)
+                       if hbm.is_cuda and nvme is not None else None)
         self.tls = threading.local()  # per worker: blocks whose NVMe read was retried in this batch
         counts = {"copy": 1, "io": max(1, workers)}
         self._threads = [(lane, threading.Thread(target=self._run, args=(self._lanes[lane],),
@@ -145,6 +150,8 @@ class Mover:
             self._lanes[lane].put(None)
         for _, t in self._threads:
             t.join()
+        if self.bounce is not None:
+            self.bounce.close()
 
     # -- worker side -------------------------------------------------------
     def _run(self, todo: "queue.Queue[Optional[Transfer]]") -> None:
@@ -207,12 +214,15 @@ class Mover:
         if self.stream is not None:
             self.stream.synchronize()
 
-    def copy_rows(self, dst: torch.Tensor, dst_idx: np.ndarray, src: torch.Tensor, src_idx: np.ndarray) -> None:
+    def copy_rows(self, dst: torch.Tensor, dst_idx: np.ndarray, src: torch.Tensor, src_idx: np.ndarray,
+                  sync: bool = True) -> None:
         """Copy rows ``src[src_idx]`` to ``dst[dst_idx]``. Runs where both sides are
         consecutive slots go as one large copy each: on CPU torch splits a large run
         over its intra-op threads (a numpy copy uses one core); on a GPU a run is one
         DMA straight between the device pool and the pinned host pool. Scattered
-        rows on a GPU go as one gather, one transfer and one scatter instead."""
+        rows on a GPU go as one gather, one transfer and one scatter instead. On a
+        GPU, ``sync=False`` leaves the copy queued on ``stream`` (the caller records
+        an event after it); on CPU copies are always done on return."""
         runs = _runs(dst_idx, src_idx)
         if self.stream is None:
             for di, si, k in runs:
@@ -227,7 +237,8 @@ class Mover:
                 src_rows = torch.as_tensor(src_idx, device=src.device)
                 rows = src.index_select(0, src_rows).to(dst.device, non_blocking=True)
                 dst.index_copy_(0, dst_rows, rows)
-        self.sync()
+        if sync:
+            self.sync()
 
 
 def _runs(dst_idx: np.ndarray, src_idx: np.ndarray) -> list[tuple[int, int, int]]:

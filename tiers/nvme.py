@@ -21,6 +21,7 @@ from typing import Callable, Optional
 
 import numpy as np
 import torch
+import xxhash
 
 from kvtier.kernels.checksum import block_checksum
 
@@ -29,7 +30,9 @@ from .io_backends import IOBackend
 from .pools import ALIGN, round_up
 
 MAGIC = b"KVTSLOT1"
-VERSION = 1
+# 2: payload checksums by kernels.checksum's device-computable value (1: xxh3). A slot of
+# another version decodes as no header: recovery discards it and the slot is reused.
+VERSION = 2
 HEADER_BYTES = ALIGN
 FLAG_SEALED = 1
 _HDR = struct.Struct("<8sIIQQQQ")  # magic, version, flags, key, length, checksum, seq
@@ -49,9 +52,15 @@ class SlotHeader:
         return bool(self.flags & FLAG_SEALED)
 
 
+def _header_crc(body: bytes) -> int:
+    """The header's own checksum: host bytes only, so xxh3 (a recovery scan checks
+    one per slot, and a numpy call per 48 bytes would cost more than the read)."""
+    return xxhash.xxh3_64_intdigest(body)
+
+
 def encode_header(h: SlotHeader, out: np.ndarray) -> None:
     body = _HDR.pack(MAGIC, VERSION, h.flags, h.key, h.length, h.checksum, h.seq)
-    crc = block_checksum(body)
+    crc = _header_crc(body)
     out[:] = 0
     raw = body + _HDR_CRC.pack(crc)
     out[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
@@ -63,7 +72,7 @@ def decode_header(buf: np.ndarray) -> Optional[SlotHeader]:
     if magic != MAGIC or version != VERSION:
         return None
     (crc,) = _HDR_CRC.unpack_from(raw, _HDR.size)
-    if crc != block_checksum(raw[: _HDR.size]):
+    if crc != _header_crc(raw[: _HDR.size]):
         return None
     return SlotHeader(key, length, checksum, seq, flags)
 
@@ -199,9 +208,15 @@ class NvmeStore:
                                  FLAG_SEALED if sealed else 0), hdr)
         return self.backend.pwrite(handle, [hdr, self._payload(data)], off)
 
-    def read(self, slot: int, out: np.ndarray) -> "Future[int]":
-        """Read the payload (stride bytes) into ``out``."""
+    def read(self, slot: int, out: "np.ndarray | torch.Tensor") -> "Future[int]":
+        """Read the payload (stride bytes) into ``out``: host memory, or (kvikio) a
+        contiguous device slot, read device-direct."""
         handle, off = self._locate(slot)
+        if isinstance(out, torch.Tensor):
+            if not out.is_cuda:
+                out = out.numpy()
+            elif not out.is_contiguous():
+                raise ValueError("a device read target must be one contiguous slot")
         if out.nbytes != self.data_stride:
             raise ValueError(f"read buffer must be {self.data_stride} bytes, got {out.nbytes}")
         return self.backend.pread(handle, [out], off + HEADER_BYTES)

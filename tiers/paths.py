@@ -10,7 +10,7 @@ checksums of the bytes written. Paths see the mover only through ``CopyEngine``.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol, Sequence, Union
 
 import numpy as np
 import torch
@@ -19,7 +19,7 @@ from kvtier.kernels.checksum import block_checksum
 
 from .aligned import aligned_empty
 from .nvme import NvmeStore
-from .pools import DramPool, HbmPool
+from .pools import BounceBuffers, DramPool, HbmPool
 from .transfer import Transfer
 from .types import CorruptBlockError, Tier
 
@@ -31,13 +31,16 @@ class CopyEngine(Protocol):
     dram: DramPool
     nvme: Optional[NvmeStore]
     stream: "Optional[torch.cuda.Stream]"
+    bounce: Optional[BounceBuffers]  # pinned host buffers: NVMe -> device without GPUDirect
     tls: threading.local  # per worker: ``retried``, the blocks read a second time
 
-    def copy_rows(self, dst: torch.Tensor, dst_idx: np.ndarray, src: torch.Tensor, src_idx: np.ndarray) -> None: ...
+    def copy_rows(self, dst: torch.Tensor, dst_idx: np.ndarray, src: torch.Tensor, src_idx: np.ndarray,
+                  sync: bool = True) -> None: ...
 
     def sync(self) -> None: ...
 
 
+Buf = Union[np.ndarray, torch.Tensor]  # host bytes, or a device slot (kvikio reads and checks it there)
 PathFn = Callable[[CopyEngine, Transfer, np.ndarray, dict], Optional[np.ndarray]]
 PATHS: dict[tuple[Tier, Tier], PathFn] = {}
 
@@ -49,7 +52,7 @@ def path(src: Tier, dst: Tier) -> Callable[[PathFn], PathFn]:
     return deco
 
 
-def _verify(t: Transfer, i: int, buf: np.ndarray, ok: np.ndarray, errors: dict) -> None:
+def _verify(t: Transfer, i: int, buf: Buf, ok: np.ndarray, errors: dict) -> None:
     length = int(t.lengths[i])
     if block_checksum(buf, length) == int(t.checksums[i]):
         ok[i] = True
@@ -90,9 +93,23 @@ def _dram_to_hbm(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict) -> No
         ok[:] = True
         return
     part = m.hbm.block_bytes // t.chunks
-    for c in range(t.chunks):
-        cols = slice(c * part, (c + 1) * part)
-        m.copy_rows(m.hbm.tensor[:, cols], t.dst_slots, m.dram.tensor[:, cols], t.src_slots)
+    cols = [slice(c * part, (c + 1) * part) for c in range(t.chunks)]
+    if m.stream is None:  # host pool: each part is in place when its copy returns
+        for c, col in enumerate(cols):
+            m.copy_rows(m.hbm.tensor[:, col], t.dst_slots, m.dram.tensor[:, col], t.src_slots)
+            t.progress[0] = c + 1
+        ok[:] = True
+        return
+    # device pool: every part queued on the mover's stream at once, an event after each;
+    # progress follows the events (no stream synchronisation per part)
+    events = []
+    for col in cols:
+        m.copy_rows(m.hbm.tensor[:, col], t.dst_slots, m.dram.tensor[:, col], t.src_slots, sync=False)
+        ev = torch.cuda.Event()
+        ev.record(m.stream)
+        events.append(ev)
+    for c, ev in enumerate(events):
+        ev.synchronize()
         t.progress[0] = c + 1
     ok[:] = True
 
@@ -139,11 +156,14 @@ def _hbm_to_nvme(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict) -> np
     return _write_nvme(m, t, ok, errors, staged)
 
 
-def _read_nvme(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict,
-               target: Callable[[int], np.ndarray], finish: Optional[Callable[[int, np.ndarray], None]] = None) -> None:
+def _read_nvme(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict, target: Callable[[int], Buf],
+               finish: Optional[Callable[[int, Buf], None]] = None, which: Optional[Sequence[int]] = None) -> None:
+    """Read blocks ``which`` (default all) of ``t`` into ``target(dst slot)``, verify
+    each (a failure is read once more), then ``finish(dst slot, buffer)`` the good ones."""
     assert m.nvme is not None
     futs, bufs = [], {}
-    for i in range(t.blocks.size):
+    todo = range(t.blocks.size) if which is None else which
+    for i in todo:
         buf = target(int(t.dst_slots[i]))
         bufs[i] = buf
         try:
@@ -158,7 +178,7 @@ def _read_nvme(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict,
 
     _wait_all(t, futs, ok, errors, on_ok=check)
     retried: set = getattr(m.tls, "retried", set())
-    for i in np.flatnonzero(~ok).tolist():  # one more read each: only a failure that repeats condemns the copy
+    for i in [i for i in todo if not ok[i]]:  # one more read each: only a failure that repeats condemns the copy
         b = int(t.blocks[i])
         retried.add(b)
         try:
@@ -180,16 +200,56 @@ def _nvme_to_hbm(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict) -> No
         # read straight into the (not yet valid) HBM slot, verify in place
         _read_nvme(m, t, ok, errors, m.hbm.host_slot)
         return
+    assert m.nvme is not None
+    if m.nvme.backend.name == "kvikio":
+        # GPUDirect: into the (not yet valid) device slot, verified there by the device
+        # checksum; kvikio's read has landed when its future completes
+        _read_nvme(m, t, ok, errors, lambda s: m.hbm.tensor[s])
+        return
+    assert m.bounce is not None
 
-    def finish(slot: int, host: np.ndarray) -> None:
-        # on the mover's stream, which _sync() waits for: a copy from pageable memory
-        # can return before its DMA lands, and an engine may read the slot as soon as
-        # the completion says it is valid
+    def land(slot: int, host: np.ndarray) -> Optional[torch.cuda.Event]:
+        # on the mover's stream, which _sync() waits for: an engine may read the slot
+        # as soon as the completion says it is valid; the event frees the buffer
         with torch.cuda.stream(m.stream):
             m.hbm.tensor[slot].copy_(torch.from_numpy(host), non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(m.stream)
+        return ev
 
-    _read_nvme(m, t, ok, errors, lambda s: aligned_empty(m.hbm.slot_stride), finish)
+    read_bounced(m, t, ok, errors, m.bounce, land)
     m.sync()
 
 
-__all__ = ["CopyEngine", "PATHS", "PathFn"]
+def read_bounced(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict, pool: BounceBuffers,
+                 land: Callable[[int, np.ndarray], Optional[torch.cuda.Event]]) -> None:
+    """NVMe -> device through ``pool``'s host buffers, as many blocks at a time as
+    buffers are free: each is read and verified in host memory exactly as on the
+    CPU path, then ``land(dst slot, buffer)`` starts its copy to the device and
+    returns the event that frees the buffer (None: the copy is already done)."""
+    todo = list(range(t.blocks.size))
+    while todo:
+        held = pool.take(len(todo))
+        window, todo = todo[: len(held)], todo[len(held):]
+        _bounce_window(m, t, ok, errors, pool, land, dict(zip((int(t.dst_slots[i]) for i in window), held)), window)
+
+
+def _bounce_window(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict, pool: BounceBuffers,
+                   land: Callable[[int, np.ndarray], Optional[torch.cuda.Event]], buf_of: dict[int, int],
+                   window: list[int]) -> None:
+    """One window of ``read_bounced``: ``buf_of`` maps each dst slot to its buffer,
+    and every buffer goes back, with its copy's event, whatever happens."""
+    done: dict[int, Optional[torch.cuda.Event]] = {}
+
+    def finish(slot: int, host: Buf) -> None:
+        assert isinstance(host, np.ndarray)
+        done[slot] = land(slot, host)
+
+    try:
+        _read_nvme(m, t, ok, errors, lambda s: pool.array[buf_of[s]], finish, which=window)
+    finally:
+        for slot, b in buf_of.items():
+            pool.give(b, done.get(slot))
+
+
+__all__ = ["CopyEngine", "PATHS", "PathFn", "read_bounced"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import queue
 from multiprocessing import shared_memory
 from typing import Optional
 
@@ -179,6 +180,61 @@ def numa_nodes() -> list[int]:
         return [0]
 
 
+def host_register(array: np.ndarray) -> bool:
+    """Page-lock ``array`` for the GPU's DMA engines (cudaHostRegister); False where it fails."""
+    rc = torch.cuda.cudart().cudaHostRegister(array.ctypes.data, array.nbytes, 0)
+    return int(rc) == 0 if not isinstance(rc, tuple) else int(rc[0]) == 0
+
+
+class BounceBuffers:
+    """Host buffers of one slot each, allocated once, page aligned (O_DIRECT reads
+    land in them) and page-locked where CUDA exists (so a copy to the device is a
+    true async DMA). NVMe -> HBM promotions without GPUDirect read and verify here,
+    then copy to the device; a buffer goes back with the event of that copy and is
+    handed out again only once the event is done."""
+
+    def __init__(self, count: int, stride: int, pin: Optional[bool] = None) -> None:
+        if count <= 0 or stride <= 0:
+            raise ValueError("count and stride must be > 0")
+        self.stride = int(stride)
+        raw = np.empty(count * self.stride + ALIGN, dtype=np.uint8)  # page aligned, as aligned_empty
+        off = (-raw.ctypes.data) % ALIGN
+        self.array = raw[off: off + count * self.stride].reshape(count, self.stride)
+        want_pin = torch.cuda.is_available() if pin is None else pin
+        self.pinned = bool(want_pin) and host_register(self.array)
+        self._free: "queue.SimpleQueue[int]" = queue.SimpleQueue()
+        self._pending: list[Optional[torch.cuda.Event]] = [None] * count
+        for i in range(count):
+            self._free.put(i)
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def take(self, n: int) -> list[int]:
+        """At least one buffer (waits for the first) and at most ``n``: a taker never
+        waits while it holds buffers, so concurrent takers cannot deadlock."""
+        out = [self._free.get()]
+        while len(out) < n:
+            try:
+                out.append(self._free.get_nowait())
+            except queue.Empty:
+                break
+        for i in out:
+            ev, self._pending[i] = self._pending[i], None
+            if ev is not None:
+                ev.synchronize()  # the last copy out of this buffer has landed
+        return out
+
+    def give(self, i: int, copy_done: Optional[torch.cuda.Event] = None) -> None:
+        self._pending[i] = copy_done
+        self._free.put(i)
+
+    def close(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.array.ctypes.data)
+            self.pinned = False
+
+
 class DramPool(SlotPool):
     """Host slot pool in POSIX shared memory."""
 
@@ -204,17 +260,15 @@ class DramPool(SlotPool):
         self._shm = create_shm(self.capacity_bytes, shm_name, prepare=bind)
         self.array = np.ndarray((self.n_slots, self.slot_stride), dtype=np.uint8, buffer=self._shm.buf)
         self.numa_node = numa_node
-        self.pinned = False
         want_pin = torch.cuda.is_available() if pin is None else pin
+        self.pinned = False
         if want_pin and self.capacity_bytes:
             try:
-                cudart = torch.cuda.cudart()
-                rc = cudart.cudaHostRegister(self.array.ctypes.data, self.capacity_bytes, 0)
+                self.pinned = host_register(self.array)
             except BaseException:  # a pool that failed to build is closed by no one: unlink its segment now
                 self.array = None  # type: ignore[assignment]  # drop the view so the mapping can close
                 release_shm(self._shm, True)
                 raise
-            self.pinned = int(rc) == 0 if not isinstance(rc, tuple) else int(rc[0]) == 0
         self.tensor = torch.from_numpy(self.array)
 
     @property

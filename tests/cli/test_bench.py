@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from kvtier.cli.main import main
 
 
@@ -12,8 +14,11 @@ def test_bench_tiers_writes_ratios(tmp_path):
     assert main(["bench", "tiers", "--block-kib", "64", "--total-mib", "2", "--reps", "1",
                  "--metadata-blocks", "1000", "--nvme-dir", str(tmp_path / "nvme"), "--json", str(out)]) == 0
     r = json.loads(out.read_text())
-    assert set(r["ratios"]) == {"dram_copy", "nvme_write", "nvme_read"}
-    assert all(v > 0 for v in r["ratios"].values()) and r["metadata_bytes_per_block"] <= 256
+    host = ("dram_copy", "nvme_write", "nvme_read")
+    gpu = ("h2d", "d2h", "kvikio_read", "kvikio_write")
+    assert set(r["ratios"]) == {*host, *gpu}
+    assert all(r["ratios"][k] > 0 for k in host) and r["metadata_bytes_per_block"] <= 256
+    assert all((r["ratios"][k] is None) == (not torch.cuda.is_available()) for k in ("h2d", "d2h"))
     size = r["sizes"]["64KiB"]
     assert size["dram_copy_vs_torch_copy"] > 0 and size["memcpy_tier_gbps"] > 0
     samples = size["samples_s"]  # copies: --copy-rounds (3) a repetition; the rest once

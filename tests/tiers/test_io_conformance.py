@@ -157,3 +157,145 @@ def test_header_only_recovery_never_serves_a_torn_payload(backend, nvme_dir):
         assert m.recovered == 1 and m.discarded == 1 and m.lookup(70) < 0
     finally:
         m.close()
+
+
+def _xxh3_checksum(buf, length=None) -> int:
+    """The payload checksum of header version 1 (xxh3-64), to write old-format slabs."""
+    import xxhash
+
+    mv = np.asarray(buf).reshape(-1).view(np.uint8).data
+    return xxhash.xxh3_64_intdigest(mv if length is None else mv[:length])
+
+
+def test_recovery_discards_slots_of_an_older_version(backend, nvme_dir, monkeypatch):
+    """Version-1 slots (xxh3 payload checksums) are discarded at recovery, cleanly:
+    nothing recovered, nothing raised, and the slots are written and found again."""
+    import kvtier.tiers.nvme as nvme
+
+    monkeypatch.setattr(nvme, "VERSION", 1)
+    st = NvmeStore(nvme_dir, 4, 8192, backend, slots_per_file=4)
+    for s in range(4):
+        st.write(s, pattern(s, 8192), key=60 + s, length=8192, checksum=_xxh3_checksum(pattern(s, 8192)),
+                 sealed=True).result()
+    st.close()
+    monkeypatch.undo()
+    assert nvme.VERSION >= 2
+    st = NvmeStore(nvme_dir, 4, 8192, backend, slots_per_file=4)
+    try:
+        for verify in (True, False):
+            found, discarded = st.recover(verify_payload=verify)
+            assert found == [] and discarded == 4 and st.unreadable == 0
+        st.write(1, pattern(7, 8192), key=99, length=8192, checksum=0, sealed=True).result()
+        found, discarded = st.recover(verify_payload=False)
+        assert [(r.slot, r.header.key) for r in found] == [(1, 99)] and discarded == 3
+    finally:
+        st.close()
+
+
+@pytest.mark.parametrize("recover_payloads", [True, False])
+def test_manager_starts_empty_over_old_format_slabs(backend, nvme_dir, monkeypatch, recover_payloads):
+    """A tier left by the xxh3 version (slots and the clean stop's index) comes up
+    empty and usable: the old index fails its checksum, the scan discards the slots."""
+    import kvtier.tiers.manager as manager_mod
+    import kvtier.tiers.nvme as nvme
+    import kvtier.tiers.paths as paths
+    import kvtier.tiers.slot_index as slot_index
+    from kvtier.tiers.manager import TierManager
+
+    for mod in (manager_mod, paths, slot_index, nvme):
+        monkeypatch.setattr(mod, "block_checksum", _xxh3_checksum)
+    monkeypatch.setattr(nvme, "VERSION", 1)
+    m = TierManager(8192, 4, 0, 4, nvme_dir=nvme_dir, io_backend=backend.name)
+    blocks = m.alloc(3)
+    for i, b in enumerate(blocks.tolist()):
+        m.write(b, pattern(20 + i, 8192))
+        m.seal(b, 80 + i)
+    m.demote(blocks, "hbm", "nvme")
+    m.wait()
+    assert not m.last_errors
+    m.close()  # clean stop: writes the slot index
+    monkeypatch.undo()
+    m = TierManager(8192, 4, 0, 4, nvme_dir=nvme_dir, io_backend=backend.name, recover_payloads=recover_payloads)
+    try:
+        assert m.recovered == 0 and m.discarded == 3 and m.lookup(80) < 0
+        b = int(m.alloc(1)[0])
+        m.write(b, pattern(5, 8192))
+        key = m.seal(b, 90)
+        m.demote([key], "hbm", "nvme")
+        m.wait()
+        m.promote([key], "hbm")
+        m.wait()
+        assert not m.last_errors and m.read(key) == pattern(5, 8192).tobytes()
+        m.check_invariants()
+    finally:
+        m.close()
+
+
+def test_bounced_promotion_through_few_buffers(nvme_dir, monkeypatch):
+    """The NVMe -> HBM path a GPU without GPUDirect takes (read_bounced), run on CPU:
+    7 blocks through 2 reused host buffers, one of them corrupt on disk, land bit
+    exact; the corrupt one fails its checksum twice and every buffer comes back."""
+    from kvtier.tiers import paths
+    from kvtier.tiers.manager import TierManager
+    from kvtier.tiers.pools import BounceBuffers
+    from kvtier.tiers.types import Tier
+
+    m = TierManager(8192, 8, 0, 8, nvme_dir=nvme_dir, io_backend="posix", io_threads=2)
+    try:
+        pool = BounceBuffers(2, m.hbm.slot_stride, pin=False)
+        landed: list[int] = []
+
+        def land(slot: int, host: np.ndarray) -> None:
+            m.hbm.host_slot(slot)[:] = host
+            landed.append(slot)
+
+        monkeypatch.setitem(paths.PATHS, (Tier.NVME, Tier.HBM),
+                            lambda mv, t, ok, errors: paths.read_bounced(mv, t, ok, errors, pool, land))
+        blocks = m.alloc(7)
+        for i, b in enumerate(blocks.tolist()):
+            m.write(b, pattern(40 + i, 8192))
+            m.seal(b, 400 + i)
+        m.demote(blocks, "hbm", "nvme")
+        m.wait()
+        bad = int(blocks[4])
+        store = m.nvme
+        assert store is not None
+        handle, off = store._locate(int(m.table.slot[2, bad]))
+        with open(handle.path, "r+b") as f:
+            f.seek(off + HEADER_BYTES + 17)
+            f.write(b"\xff\x00\xff")
+        m.promote(blocks, "hbm")
+        m.wait()
+        assert set(m.last_errors) == {bad} and "checksum" in m.last_errors[bad]
+        assert len(landed) == 6 and sorted(pool.take(5)) == [0, 1]
+        for i, b in enumerate(blocks.tolist()):
+            if b != bad:
+                assert m.table.has_copy(b, 0) and m.read(b) == pattern(40 + i, 8192).tobytes()
+        m.check_invariants()
+    finally:
+        m.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not kvikio_status()[0], reason=kvikio_status()[1])
+def test_kvikio_device_buffers_round_trip(nvme_dir):
+    """GPUDirect: a device slot written and read back device-direct, checked on the device."""
+    import torch
+
+    from kvtier.kernels.checksum import block_checksum
+
+    be = select_backend("kvikio", threads=4)
+    st = NvmeStore(nvme_dir, 3, 12_000, be)
+    try:
+        src = torch.from_numpy(np.resize(pattern(8, 12_000), st.data_stride)).cuda()
+        want = block_checksum(pattern(8, 12_000))
+        assert block_checksum(src, 12_000) == want
+        st.write(2, src, key=8, length=12_000, checksum=want, sealed=True).result()
+        out = torch.zeros(st.data_stride, dtype=torch.uint8, device="cuda")
+        st.read(2, out).result()
+        assert torch.equal(out, src) and block_checksum(out, 12_000) == want
+        found, _ = st.recover()
+        assert [(r.slot, r.header.checksum) for r in found] == [(2, want)]
+    finally:
+        st.close()
+        be.shutdown()
