@@ -21,8 +21,20 @@ import numpy as np
 import zmq
 
 from kvtier.protocol import wire as P
-from kvtier.protocol.runtime import default_runtime_dir, read_info, read_token
+from kvtier.protocol.runtime import default_runtime_dir, pid_namespace, read_info, read_token
 from kvtier.protocol.shm import attach_shm, release_shm
+
+from .replies import (
+    AcquireHandle,
+    DaemonUnavailable,
+    EngineReclaimed,
+    KvtierError,
+    RequestRejected,
+    RequestTimeout,
+    pack_ids,
+    pack_keys,
+    unpack_ids,
+)
 
 if TYPE_CHECKING:  # torch is loaded when a region is mapped, so the CLI and a stats call never pay for it
     from multiprocessing.shared_memory import SharedMemory
@@ -30,137 +42,6 @@ if TYPE_CHECKING:  # torch is loaded when a region is mapped, so the CLI and a s
     import torch
 
 ArrayLike: TypeAlias = "np.ndarray | Sequence[int]"
-
-
-class KvtierError(RuntimeError):
-    pass
-
-
-class DaemonUnavailable(KvtierError):
-    pass
-
-
-class RequestTimeout(KvtierError):
-    pass
-
-
-class RequestRejected(KvtierError):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
-class EngineReclaimed(RequestRejected):
-    """The daemon judged this engine gone (silent too long) and took back its blocks.
-
-    The client stops: its HBM mapping is dropped, so nothing more is written into
-    slots that may belong to another engine now, and every later call raises this.
-    Register a new client to start over."""
-
-
-_U64_MAX = (1 << 64) - 1
-
-
-def pack_keys(x: Any) -> Optional[bytes]:
-    """Content keys as exact little-endian uint64 bytes (None stays None).
-
-    Never through ``np.asarray`` of a Python list: a list mixing keys >= 2**63
-    with smaller ones becomes float64 there and loses low bits, so two distinct
-    keys fold into one block. A Python int must lie in [0, 2**64); a negative,
-    too large or non-integer key raises ValueError instead of wrapping or
-    rounding. Numpy integers are taken as 64-bit patterns: an int64 array is the
-    signed view of uint64 keys (as vLLM's block hashes and our KV events are),
-    which is lossless."""
-    if x is None:
-        return None
-    if isinstance(x, np.ndarray) and x.dtype.kind in "iu":
-        arr = x.reshape(-1)
-        if arr.dtype.kind == "i":
-            arr = arr.astype(np.int64).view(np.uint64)
-        return np.ascontiguousarray(arr, dtype="<u8").tobytes()
-    if isinstance(x, np.ndarray):
-        if x.dtype != object:
-            raise ValueError(f"keys must be integers, got a {x.dtype} array")
-        items: Any = x.reshape(-1).tolist()
-    elif isinstance(x, (int, np.integer, float, np.floating, str, bytes)):
-        items = [x]
-    else:
-        items = list(x)
-    vals: list[int] = []
-    for v in items:
-        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
-            raise ValueError(f"key {v!r} is not an integer; keys are uint64")
-        if isinstance(v, np.signedinteger):
-            v = int(np.int64(v).view(np.uint64))  # a 64-bit pattern, as for int64 arrays
-        v = int(v)
-        if not 0 <= v <= _U64_MAX:
-            raise ValueError(f"key {v} is outside [0, 2**64)")
-        vals.append(v)
-    return np.array(vals, dtype="<u8").tobytes()
-
-
-def _arr(x: Any, dtype: type = np.int64) -> Optional[bytes]:
-    """Block ids (int64) or, with ``dtype=np.uint64``, keys (exact: see ``pack_keys``)."""
-    if np.dtype(dtype) == np.uint64:
-        return pack_keys(x)
-    return None if x is None else P.id_bytes(np.asarray(x).reshape(-1), dtype)
-
-
-def _ids(b: bytes, dtype: type = np.int64) -> np.ndarray:
-    return np.frombuffer(b, dtype=np.dtype(dtype).newbyteorder("<")).astype(dtype)
-
-
-def _pid_namespace() -> int:
-    """Inode of this process's pid namespace, so the daemon knows whether our pid means anything to it."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-class AcquireHandle:
-    """A non-blocking acquire: poll readiness per block, compute on what is ready."""
-
-    def __init__(self, client: "TierClient", reply: dict, blocks_hint: int) -> None:
-        self.client = client
-        self.ticket = reply["ticket"]
-        self._last = reply
-        self.n = blocks_hint
-        self.layers = int(reply.get("layers", 1))
-
-    @property
-    def done(self) -> bool:
-        return bool(self._last.get("done"))
-
-    def poll(self) -> np.ndarray:
-        """Boolean readiness per requested block (in request order, unique-sorted)."""
-        if not self.done:
-            self._last = self.client._call("acquire_poll", {"ticket": self.ticket})
-        if self.done:
-            return np.ones(len(self._last["blocks"]) // 8, dtype=bool)
-        return np.frombuffer(self._last["ready"], dtype=bool).copy()
-
-    def layers_ready(self) -> tuple[np.ndarray, np.ndarray]:
-        """(layers landed per block, HBM slot per block or -1): layer l of a block may be
-        read from its slot once layers_ready > l, while later layers are still arriving."""
-        self.poll()
-        if self.done:
-            n = len(self._last["blocks"]) // 8
-            return np.full(n, self.layers, dtype=np.int64), _ids(self._last["slots"])
-        self.layers = int(self._last.get("layers", 1))
-        return _ids(self._last["layers_ready"]), _ids(self._last["slots"])
-
-    def wait(self, timeout_s: Optional[float] = None, interval_s: float = 0.0005) -> tuple[np.ndarray, np.ndarray]:
-        end = None if timeout_s is None else time.monotonic() + timeout_s
-        while not self.done:
-            self.poll()
-            if self.done:
-                break
-            if end is not None and time.monotonic() > end:
-                raise RequestTimeout(f"acquire ticket {self.ticket} not ready after {timeout_s} s")
-            time.sleep(interval_s)
-        return _ids(self._last["blocks"]), _ids(self._last["slots"])
 
 
 class TierClient:
@@ -271,7 +152,7 @@ class TierClient:
         ``namespace``: this engine's key space (a model name, plus a tenant or cache salt
         where prefixes must not be shared); engines of different namespaces never see
         each other's blocks, keys or reuse."""
-        args: dict[str, Any] = {"pid": os.getpid(), "pid_ns": _pid_namespace(), "block_bytes": int(block_bytes),
+        args: dict[str, Any] = {"pid": os.getpid(), "pid_ns": pid_namespace(), "block_bytes": int(block_bytes),
                                 "block_tokens": int(block_tokens), "namespace": namespace,
                                 "layout": layout or {}}
         if hbm_shm_name:
@@ -335,12 +216,12 @@ class TierClient:
         if seq is None and not pin and self.lease_size and n <= self.lease_size:
             if len(self._lease) < n:
                 r = self._alloc_retry(self.lease_size + n - len(self._lease), None)
-                self._lease.extend(_ids(r["blocks"]).tolist())
+                self._lease.extend(unpack_ids(r["blocks"]).tolist())
             out = np.asarray(self._lease[:n], dtype=np.int64)
             del self._lease[:n]
             return out, self._slots_of(out)
         r = self._alloc_retry(n, seq, pin)
-        return _ids(r["blocks"]), _ids(r["slots"])
+        return unpack_ids(r["blocks"]), unpack_ids(r["slots"])
 
     def _slots_of(self, blocks: np.ndarray) -> np.ndarray:
         return np.asarray([self._lease_slot.pop(b) for b in blocks.tolist()], dtype=np.int64)
@@ -350,45 +231,45 @@ class TierClient:
         r = self._call("alloc", {"n": int(n), "seq": seq, "pin": pin or None, "wait": True,
                                  "timeout_s": self.timeout_s}, timeout_s=self.timeout_s + 5.0)
         if seq is None and not pin:
-            self._lease_slot.update(zip(_ids(r["blocks"]).tolist(), _ids(r["slots"]).tolist()))
+            self._lease_slot.update(zip(unpack_ids(r["blocks"]).tolist(), unpack_ids(r["slots"]).tolist()))
         return r
 
     def seal(self, blocks: ArrayLike, keys: ArrayLike, nbytes: Optional[int] = None,
              seq: Optional[int] = None) -> np.ndarray:
         """Seal full blocks under content keys; returns canonical ids (shared prefixes fold)."""
-        r = self._call("seal", {"blocks": _arr(blocks), "keys": pack_keys(keys), "nbytes": nbytes, "seq": seq})
-        return _ids(r["blocks"])
+        r = self._call("seal", {"blocks": pack_ids(blocks), "keys": pack_keys(keys), "nbytes": nbytes, "seq": seq})
+        return unpack_ids(r["blocks"])
 
     def ref(self, keys: ArrayLike, seq: Optional[int] = None) -> np.ndarray:
         """Reference sealed blocks by key (prefix hits); -1 where a key is unknown."""
-        return _ids(self._call("ref", {"keys": pack_keys(keys), "seq": seq})["blocks"])
+        return unpack_ids(self._call("ref", {"keys": pack_keys(keys), "seq": seq})["blocks"])
 
     def acquire(self, blocks: Optional[ArrayLike] = None, keys: Optional[ArrayLike] = None,
                 seqs: Optional[Sequence[int]] = None, timeout_s: Optional[float] = None) -> tuple[np.ndarray, np.ndarray]:
         """Pin blocks resident in HBM (promoting as needed); returns (sorted unique blocks, slots)."""
         wait = (timeout_s if timeout_s is not None else self.timeout_s)
-        r = self._call("acquire", {"blocks": _arr(blocks), "keys": pack_keys(keys),
+        r = self._call("acquire", {"blocks": pack_ids(blocks), "keys": pack_keys(keys),
                                    "seqs": list(seqs) if seqs is not None else None, "timeout_s": timeout_s},
                        timeout_s=wait + 5.0)
-        return _ids(r["blocks"]), _ids(r["slots"])
+        return unpack_ids(r["blocks"]), unpack_ids(r["slots"])
 
     def acquire_async(self, blocks: Optional[ArrayLike] = None, keys: Optional[ArrayLike] = None,
                       seqs: Optional[Sequence[int]] = None, timeout_s: Optional[float] = None) -> AcquireHandle:
-        r = self._call("acquire", {"blocks": _arr(blocks), "keys": pack_keys(keys),
+        r = self._call("acquire", {"blocks": pack_ids(blocks), "keys": pack_keys(keys),
                                    "seqs": list(seqs) if seqs is not None else None, "timeout_s": timeout_s,
                                    "wait": False})
         return AcquireHandle(self, r, 0)
 
     def release(self, blocks: Optional[ArrayLike] = None, seqs: Optional[Sequence[int]] = None) -> int:
-        return self._call("release", {"blocks": _arr(blocks), "seqs": list(seqs) if seqs else None})["released"]
+        return self._call("release", {"blocks": pack_ids(blocks), "seqs": list(seqs) if seqs else None})["released"]
 
     def free(self, blocks: Optional[ArrayLike] = None, seqs: Optional[Sequence[int]] = None) -> int:
-        return self._call("free", {"blocks": _arr(blocks), "seqs": list(seqs) if seqs else None})["freed"]
+        return self._call("free", {"blocks": pack_ids(blocks), "seqs": list(seqs) if seqs else None})["freed"]
 
     def hint(self, blocks: Optional[ArrayLike] = None, keys: Optional[ArrayLike] = None,
              seqs: Optional[Sequence[int]] = None, deadline_s: float = 0.0) -> int:
         """Tell the daemon what will be acquired within ``deadline_s`` so it can prefetch."""
-        return self._call("hint", {"blocks": _arr(blocks), "keys": pack_keys(keys),
+        return self._call("hint", {"blocks": pack_ids(blocks), "keys": pack_keys(keys),
                                    "seqs": list(seqs) if seqs else None, "deadline_s": float(deadline_s)})["hinted"]
 
     def stats(self) -> dict:
@@ -421,11 +302,11 @@ class TierClient:
 
     def report_attention(self, blocks: ArrayLike, mass: "np.ndarray | Sequence[float]") -> None:
         """Attention mass per block of one sequence for the last step (fire-and-forget)."""
-        self._telemetry({"v": P.VERSION, "engine": self.engine_id, "kind": "attention", "blocks": _arr(blocks),
+        self._telemetry({"v": P.VERSION, "engine": self.engine_id, "kind": "attention", "blocks": pack_ids(blocks),
                          "mass": np.ascontiguousarray(mass, dtype="<f4").tobytes()})
 
     def report_segment(self, blocks: ArrayLike, tag: str) -> None:
-        self._telemetry({"v": P.VERSION, "engine": self.engine_id, "kind": "segment", "blocks": _arr(blocks),
+        self._telemetry({"v": P.VERSION, "engine": self.engine_id, "kind": "segment", "blocks": pack_ids(blocks),
                          "tag": tag})
 
     # -- teardown ----------------------------------------------------------------------------
@@ -437,7 +318,7 @@ class TierClient:
             self._hb_thread.join(timeout=5)
         try:
             if self._lease and self.info and not unregister:
-                self._call("free", {"blocks": _arr(self._lease)}, timeout_s=5.0)
+                self._call("free", {"blocks": pack_ids(self._lease)}, timeout_s=5.0)
             if unregister and self.info:
                 self._call("unregister", timeout_s=5.0)
         except KvtierError:

@@ -17,15 +17,12 @@ from typing import Optional
 
 import numpy as np
 
+from kvtier.protocol.runtime import pid_namespace
+
 PID_MAX = 1 << 22  # Linux's largest pid_max: a larger pid names no process
 
 
-def own_pid_namespace() -> int:
-    """Inode of this process's pid namespace (0 where /proc does not say)."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
+own_pid_namespace = pid_namespace  # this daemon's
 
 
 def pid_checkable(pid: int, pid_ns: int, own_ns: int) -> bool:

@@ -147,6 +147,15 @@ def read_info(runtime_dir: str) -> dict:
         return json.load(f)
 
 
+def pid_namespace() -> int:
+    """Inode of this process's pid namespace (0 where /proc does not say): an engine sends it
+    so the daemon judges its pid only when both live in one pid namespace."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 def read_token(runtime_dir: str) -> Optional[str]:
     """The daemon's admin token, where this process may read it (None elsewhere)."""
     try:
@@ -156,5 +165,5 @@ def read_token(runtime_dir: str) -> Optional[str]:
         return None
 
 
-__all__ = ["TOKEN_FILE", "read_token", "INFO_FILE", "EVENTS_TOPIC", "UnsafeDirError", "default_runtime_dir",
+__all__ = ["TOKEN_FILE", "read_token", "pid_namespace", "INFO_FILE", "EVENTS_TOPIC", "UnsafeDirError", "default_runtime_dir",
            "default_data_dir", "ensure_private_dir", "write_private_file", "endpoints", "read_info"]
