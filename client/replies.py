@@ -8,14 +8,13 @@ float64 array); ids as little-endian int64.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from kvtier.protocol import wire as P
 
-if TYPE_CHECKING:
-    from .tier_client import TierClient
+Call = Callable[[str, dict], dict]  # one RPC: (op, args) -> result
 
 
 class KvtierError(RuntimeError):
@@ -100,8 +99,8 @@ def unpack_ids(b: bytes, dtype: type = np.int64) -> np.ndarray:
 class AcquireHandle:
     """A non-blocking acquire: poll readiness per block, compute on what is ready."""
 
-    def __init__(self, client: "TierClient", reply: dict, blocks_hint: int) -> None:
-        self.client = client
+    def __init__(self, call: Call, reply: dict, blocks_hint: int) -> None:
+        self.call = call  # the client's RPC
         self.ticket = reply["ticket"]
         self._last = reply
         self.n = blocks_hint
@@ -114,7 +113,7 @@ class AcquireHandle:
     def poll(self) -> np.ndarray:
         """Boolean readiness per requested block (in request order, unique-sorted)."""
         if not self.done:
-            self._last = self.client._call("acquire_poll", {"ticket": self.ticket})
+            self._last = self.call("acquire_poll", {"ticket": self.ticket})
         if self.done:
             return np.ones(len(self._last["blocks"]) // 8, dtype=bool)
         return np.frombuffer(self._last["ready"], dtype=bool).copy()

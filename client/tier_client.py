@@ -258,7 +258,7 @@ class TierClient:
         r = self._call("acquire", {"blocks": pack_ids(blocks), "keys": pack_keys(keys),
                                    "seqs": list(seqs) if seqs is not None else None, "timeout_s": timeout_s,
                                    "wait": False})
-        return AcquireHandle(self, r, 0)
+        return AcquireHandle(self._call, r, 0)
 
     def release(self, blocks: Optional[ArrayLike] = None, seqs: Optional[Sequence[int]] = None) -> int:
         return self._call("release", {"blocks": pack_ids(blocks), "seqs": list(seqs) if seqs else None})["released"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtier.client.tier_client import _arr, pack_keys
+from kvtier.client.replies import pack_ids, pack_keys
 
 M64 = (1 << 64) - 1
 EDGES = [0, 7, 2**63 - 1, 2**63, M64]
@@ -26,12 +26,12 @@ def unpack(b: bytes) -> list[int]:
 def test_lists_pack_exactly(keys):
     want = [int(k) for k in keys]
     assert unpack(pack_keys(keys)) == want
-    assert unpack(_arr(keys, np.uint64)) == want  # every key-carrying call goes through this
+    assert unpack(pack_ids(keys, np.uint64)) == want  # every key-carrying call goes through this
 
 
 def test_neighbouring_large_keys_stay_distinct():
-    a = unpack(_arr([0xE000000000000001, 7], np.uint64))
-    b = unpack(_arr([0xE000000000000002, 8], np.uint64))
+    a = unpack(pack_ids([0xE000000000000001, 7], np.uint64))
+    b = unpack(pack_ids([0xE000000000000002, 8], np.uint64))
     assert a[0] == 0xE000000000000001 and b[0] == 0xE000000000000002 and a[0] != b[0]
 
 
@@ -62,4 +62,4 @@ def test_rejects_what_is_not_a_uint64(bad):
     with pytest.raises(ValueError):
         pack_keys(bad)
     with pytest.raises(ValueError):
-        _arr(bad, np.uint64)
+        pack_ids(bad, np.uint64)
