@@ -72,6 +72,16 @@ class ClassPriors:
         self.born_epoch[block] = epoch
         self.pending[block] = True
         self._births.append((epoch, block))
+        if len(self._births) > 2 * self.pending.size + 1024:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Keep one birth per pending block (its newest): the queue holds one entry per
+        access, and only the newest of a block counts, so without this it grows with
+        the access rate times the window. Amortised O(1) per event; bound 2 x max_blocks."""
+        live = np.flatnonzero(self.pending)
+        order = np.argsort(self.born_epoch[live], kind="stable")
+        self._births = deque(zip(self.born_epoch[live][order].tolist(), live[order].tolist()))
 
     def advance(self, epoch: float) -> None:
         """Gaps open longer than the window are resolved as 'no reuse'."""

@@ -71,3 +71,13 @@ def test_calibration_metrics():
     t.finish(10.0)  # block 1 never came back: outcome 0
     p, y = t.arrays()
     assert p.tolist() == [0.8, 0.3] and y.tolist() == [1, 0]
+
+
+def test_class_prior_births_stay_bounded_by_blocks_not_accesses():
+    """One block accessed over and over must not grow the birth queue (the daemon's RSS grew so)."""
+    pri = ClassPriors(n_classes=2, max_blocks=16, window_epochs=1e6)
+    for i in range(20_000):
+        pri.event(i % 16, i % 2, float(i))
+    assert len(pri._births) <= 2 * 16 + 1024
+    pri.advance(1e6 + 20_000)  # every gap resolves as "no reuse", exactly once per pending block
+    assert not pri.pending.any() and pri.hist[:, -1].sum() == 16
