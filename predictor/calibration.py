@@ -7,7 +7,6 @@ predictions are held per block, so tracking costs O(1) per access.
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Optional
 
 import numpy as np
@@ -39,6 +38,42 @@ def ece(p: np.ndarray, y: np.ndarray, n_bins: int = 10) -> float:
     return float(np.sum(r["count"] / n * gap))
 
 
+class PairLog:
+    """(prediction, outcome) pairs in numpy: a ring of the newest ``window`` pairs
+    (a daemon: its memory is fixed at start, 9 bytes a pair), or all of them when
+    ``window`` is None (replay: grows by doubling)."""
+
+    def __init__(self, window: Optional[int] = None) -> None:
+        self.window = window
+        cap = int(window) if window else 1024
+        self.p = np.empty(cap, dtype=np.float64)
+        self.y = np.empty(cap, dtype=np.uint8)
+        self.n = 0  # pairs held
+        self.head = 0  # ring: next write position
+
+    def extend(self, p: np.ndarray, y: np.ndarray) -> None:
+        k = p.size
+        if not k:
+            return
+        if self.window is None:
+            if self.n + k > self.p.size:
+                cap = max(2 * self.p.size, self.n + k)
+                self.p = np.concatenate((self.p[: self.n], np.empty(cap - self.n)))
+                self.y = np.concatenate((self.y[: self.n], np.empty(cap - self.n, dtype=np.uint8)))
+            self.p[self.n: self.n + k], self.y[self.n: self.n + k] = p, y
+            self.n += k
+            return
+        w = self.window
+        p, y = p[-w:], y[-w:]
+        idx = (self.head + np.arange(p.size)) % w
+        self.p[idx], self.y[idx] = p, y
+        self.head = int((self.head + p.size) % w)
+        self.n = min(w, self.n + p.size)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.p[: self.n].copy(), self.y[: self.n].astype(np.int64)
+
+
 class CalibrationTracker:
     """Online (prediction, outcome) pairs, resolved per block."""
 
@@ -47,12 +82,11 @@ class CalibrationTracker:
         self.pred = np.full(max_blocks, np.nan)
         self.deadline = np.zeros(max_blocks)
         # a long-running daemon keeps the newest ``window`` pairs; replay keeps all
-        self._p: deque[float] = deque(maxlen=window)
-        self._y: deque[int] = deque(maxlen=window)
+        self.pairs = PairLog(window)
 
     @property
     def n_scored(self) -> int:
-        return len(self._p)
+        return self.pairs.n
 
     def predict(self, block: int, p: float, now: float, horizon: float) -> None:
         self.pred[block] = p
@@ -61,19 +95,17 @@ class CalibrationTracker:
     def access(self, block: int, now: float) -> None:
         p = self.pred[block]
         if p == p:  # not NaN: a prediction is pending
-            self._p.append(float(p))
-            self._y.append(int(now <= self.deadline[block]))
+            self.pairs.extend(np.array([p]), np.array([now <= self.deadline[block]], dtype=np.uint8))
             self.pred[block] = np.nan
 
     def finish(self, now: float) -> None:
         """Resolve pending predictions whose deadline has passed (no reuse)."""
         due = ~np.isnan(self.pred) & (self.deadline < now)
-        self._p.extend(self.pred[due].tolist())
-        self._y.extend([0] * int(due.sum()))
+        self.pairs.extend(self.pred[due], np.zeros(int(due.sum()), dtype=np.uint8))
         self.pred[due] = np.nan
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        return np.asarray(self._p), np.asarray(self._y)
+        return self.pairs.arrays()
 
     def summary(self) -> dict[str, float]:
         p, y = self.arrays()

@@ -81,3 +81,23 @@ def test_class_prior_births_stay_bounded_by_blocks_not_accesses():
     assert len(pri._births) <= 2 * 16 + 1024
     pri.advance(1e6 + 20_000)  # every gap resolves as "no reuse", exactly once per pending block
     assert not pri.pending.any() and pri.hist[:, -1].sum() == 16
+
+
+def test_calibration_pairs_keep_the_newest_window_in_fixed_memory():
+    t = CalibrationTracker(max_blocks=4, window=5)
+    for i in range(12):  # 12 resolved predictions, p = i / 100, outcome = i odd
+        t.predict(0, i / 100, now=float(i), horizon=0.5 if i % 2 else -1.0)
+        t.access(0, now=float(i))
+    p, y = t.arrays()
+    assert sorted(p.tolist()) == [0.07, 0.08, 0.09, 0.10, 0.11] and t.n_scored == 5
+    assert dict(zip(p.tolist(), y.tolist())) == {0.07: 1, 0.08: 0, 0.09: 1, 0.10: 0, 0.11: 1}
+    nbytes = t.pairs.p.nbytes + t.pairs.y.nbytes
+    for i in range(1000):
+        t.predict(1, 0.5, now=0.0, horizon=1.0)
+        t.access(1, now=0.5)
+    assert t.pairs.p.nbytes + t.pairs.y.nbytes == nbytes  # a ring: nothing grows
+    u = CalibrationTracker(max_blocks=2)  # replay: every pair kept
+    for i in range(3000):
+        u.predict(0, 0.25, now=0.0, horizon=1.0)
+        u.access(0, now=2.0)
+    assert u.n_scored == 3000 and u.arrays()[1].sum() == 0
