@@ -92,12 +92,12 @@ def test_calibration_pairs_keep_the_newest_window_in_fixed_memory():
     assert sorted(p.tolist()) == [0.07, 0.08, 0.09, 0.10, 0.11] and t.n_scored == 5
     assert dict(zip(p.tolist(), y.tolist())) == {0.07: 1, 0.08: 0, 0.09: 1, 0.10: 0, 0.11: 1}
     nbytes = t.pairs.p.nbytes + t.pairs.y.nbytes
-    for i in range(1000):
+    for _ in range(1000):
         t.predict(1, 0.5, now=0.0, horizon=1.0)
         t.access(1, now=0.5)
     assert t.pairs.p.nbytes + t.pairs.y.nbytes == nbytes  # a ring: nothing grows
     u = CalibrationTracker(max_blocks=2)  # replay: every pair kept
-    for i in range(3000):
+    for _ in range(3000):
         u.predict(0, 0.25, now=0.0, horizon=1.0)
         u.access(0, now=2.0)
     assert u.n_scored == 3000 and u.arrays()[1].sum() == 0
