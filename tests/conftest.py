@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import numpy as np
@@ -61,3 +62,36 @@ def traces_or_skip(name: str = "conversation_trace.jsonl") -> pathlib.Path:
     return path
 
 
+
+
+SHM = "/dev/shm"
+
+
+def shm_total_or_skip() -> int:
+    """Size of /dev/shm: a reservation above it fails at once (tmpfs checks the size before allocating)."""
+    if not os.path.isdir(SHM):
+        pytest.skip("no /dev/shm on this system")
+    st = os.statvfs(SHM)
+    if st.f_blocks == 0:
+        pytest.skip("/dev/shm has no size limit")
+    return st.f_blocks * st.f_frsize
+
+
+def shm_segments_of(pid: int) -> set[str]:
+    """Shared-memory segments process ``pid`` created (kvtier names them by pid)."""
+    from kvtier.protocol.shm import segment_prefix
+
+    return {n for n in os.listdir(SHM) if n.startswith(segment_prefix(pid))}
+
+
+@pytest.fixture
+def tmpfs_dir():
+    """A directory on tmpfs (/dev/shm), where a too-large file fails at once with ENOSPC."""
+    import shutil
+    import uuid
+
+    shm_total_or_skip()
+    d = pathlib.Path(SHM) / f"kvtier-test-{uuid.uuid4().hex[:8]}"
+    d.mkdir(mode=0o700)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

@@ -6,33 +6,20 @@ Real daemon processes, real /dev/shm, real files. ENOSPC comes from sizes above
 
 from __future__ import annotations
 
-import os
-import shutil
-import uuid
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
 from kvtier.bench.spawn import DaemonProcess
 from kvtier.client.tier_client import RequestRejected
-from kvtier.protocol.shm import segment_prefix
 
-SHM = "/dev/shm"
+from ..conftest import SHM, shm_segments_of, shm_total_or_skip
+
 SMALL = ("tiers.hbm_bytes=65536", "tiers.dram_bytes=65536", "tiers.nvme_bytes=262144")
 
 
-def _shm_total() -> int:
-    if not os.path.isdir(SHM):
-        pytest.skip("no /dev/shm on this system")
-    st = os.statvfs(SHM)
-    if st.f_blocks == 0:
-        pytest.skip("/dev/shm has no size limit")
-    return st.f_blocks * st.f_frsize
 
 
-def _segments_of(pid: int) -> list[str]:
-    return sorted(n for n in os.listdir(SHM) if n.startswith(segment_prefix(pid)))
 
 
 def _fail_register(d: DaemonProcess, block_bytes: int = 4096) -> RequestRejected:
@@ -40,7 +27,7 @@ def _fail_register(d: DaemonProcess, block_bytes: int = 4096) -> RequestRejected
     with d.client(heartbeat_s=None) as c:
         with pytest.raises(RequestRejected) as ei:
             c.register(block_bytes=block_bytes)
-        assert _segments_of(d.proc.pid) == [], d.read_log()
+        assert shm_segments_of(d.proc.pid) == set(), d.read_log()
         assert c.ping()["pong"]
         s = c.stats()
         assert s["tiers"] == []
@@ -52,14 +39,6 @@ def _stop(d: DaemonProcess) -> None:
     assert d.stop() == 0, d.read_log()
 
 
-@pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    """A directory on tmpfs (/dev/shm), where a too-large slab fails at once with ENOSPC."""
-    _shm_total()
-    d = Path(SHM) / f"kvtier-test-{uuid.uuid4().hex[:8]}"
-    d.mkdir(mode=0o700)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def _fail_start(tmp_path: Path, *overrides: str) -> str:
@@ -87,7 +66,7 @@ def test_nvme_dir_that_is_a_symlink_is_refused(tmp_path: Path) -> None:
 
 
 def test_bad_numa_node_is_invalid_and_leaks_no_segment(tmp_path: Path) -> None:
-    _shm_total()
+    shm_total_or_skip()
     d = DaemonProcess(tmp_path, *SMALL, "tiers.dram_numa_node=4000")
     try:
         e = _fail_register(d)
@@ -97,7 +76,7 @@ def test_bad_numa_node_is_invalid_and_leaks_no_segment(tmp_path: Path) -> None:
 
 
 def test_dram_pool_larger_than_dev_shm_is_no_space(tmp_path: Path) -> None:
-    too_big = _shm_total() + (64 << 20)
+    too_big = shm_total_or_skip() + (64 << 20)
     d = DaemonProcess(tmp_path, *SMALL, f"tiers.dram_bytes={too_big}")
     try:
         e = _fail_register(d)
@@ -107,15 +86,15 @@ def test_dram_pool_larger_than_dev_shm_is_no_space(tmp_path: Path) -> None:
         _stop(d)
 
 
-def test_slab_larger_than_its_filesystem_is_no_space_and_removed(tmp_path: Path, shm_dir: Path) -> None:
+def test_slab_larger_than_its_filesystem_is_no_space_and_removed(tmp_path: Path, tmpfs_dir: Path) -> None:
     block = 1 << 20
-    nvme = _shm_total() + (64 << 20)  # one slab file (under 65536 slots) bigger than the tmpfs
-    d = DaemonProcess(tmp_path, *SMALL, f"tiers.nvme_bytes={nvme}", f'tiers.nvme_dir="{shm_dir / "nvme"}"')
+    nvme = shm_total_or_skip() + (64 << 20)  # one slab file (under 65536 slots) bigger than the tmpfs
+    d = DaemonProcess(tmp_path, *SMALL, f"tiers.nvme_bytes={nvme}", f'tiers.nvme_dir="{tmpfs_dir / "nvme"}"')
     try:
         e = _fail_register(d, block_bytes=block)
         assert e.code == "no_space", e
-        assert str(shm_dir / "nvme" / "slab-0000.kvt") in str(e)
-        left = [p.name for p in (shm_dir / "nvme").iterdir()] if (shm_dir / "nvme").exists() else []
+        assert str(tmpfs_dir / "nvme" / "slab-0000.kvt") in str(e)
+        left = [p.name for p in (tmpfs_dir / "nvme").iterdir()] if (tmpfs_dir / "nvme").exists() else []
         assert left in ([], [".kvtier.lock"]), left  # no slab left; the daemon's lock file stays while it runs
     finally:
         _stop(d)

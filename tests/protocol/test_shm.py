@@ -10,25 +10,11 @@ import pytest
 from kvtier.protocol.shm import attach_shm, create_shm, release_shm, segment_prefix
 from kvtier.tiers.pools import DramPool
 
-SHM = "/dev/shm"
-
-
-def _shm_total() -> int:
-    """Size of /dev/shm: a reservation above it fails at once (tmpfs checks the size before allocating)."""
-    if not os.path.isdir(SHM):
-        pytest.skip("no /dev/shm on this system")
-    st = os.statvfs(SHM)
-    if st.f_blocks == 0:
-        pytest.skip("/dev/shm has no size limit")
-    return st.f_blocks * st.f_frsize
-
-
-def _ours() -> set[str]:
-    return {n for n in os.listdir(SHM) if n.startswith(segment_prefix(os.getpid()))}
+from ..conftest import SHM, shm_segments_of, shm_total_or_skip
 
 
 def test_segment_larger_than_dev_shm_fails_at_creation_and_leaves_nothing() -> None:
-    too_big = _shm_total() + (64 << 20)
+    too_big = shm_total_or_skip() + (64 << 20)
     before = set(os.listdir(SHM))
     with pytest.raises(OSError) as ei:
         create_shm(too_big)
@@ -39,12 +25,12 @@ def test_segment_larger_than_dev_shm_fails_at_creation_and_leaves_nothing() -> N
 
 
 def test_dram_pool_larger_than_dev_shm_fails_cleanly() -> None:
-    too_big = _shm_total() + (64 << 20)
-    before = _ours()
+    too_big = shm_total_or_skip() + (64 << 20)
+    before = shm_segments_of(os.getpid())
     with pytest.raises(OSError) as ei:
         DramPool(too_big // 65536 + 1, 65536)
     assert ei.value.errno == errno.ENOSPC
-    assert _ours() == before
+    assert shm_segments_of(os.getpid()) == before
 
 
 def test_created_segment_is_named_for_its_creator_and_reserved() -> None:

@@ -8,43 +8,26 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import pytest
 
-from kvtier.protocol.shm import create_shm, segment_prefix, unlink_on_error
+from kvtier.protocol.shm import create_shm, unlink_on_error
 from kvtier.tiers import pools
 from kvtier.tiers.io_backends import PosixBackend
 from kvtier.tiers.nvme import NvmeStore
 
-SHM = "/dev/shm"
+from ..conftest import shm_segments_of, shm_total_or_skip
+
 BLOCK = 1 << 20
 
 
-def _shm_total() -> int:
-    if not os.path.isdir(SHM):
-        pytest.skip("no /dev/shm on this system")
-    st = os.statvfs(SHM)
-    if st.f_blocks == 0:
-        pytest.skip("/dev/shm has no size limit")
-    return st.f_blocks * st.f_frsize
 
 
-def _ours() -> set[str]:
-    return {n for n in os.listdir(SHM) if n.startswith(segment_prefix(os.getpid()))}
 
 
-@pytest.fixture
-def tmpfs_dir() -> Iterator[Path]:
-    _shm_total()
-    d = Path(SHM) / f"kvtier-test-{uuid.uuid4().hex[:8]}"
-    d.mkdir(mode=0o700)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture
@@ -55,7 +38,7 @@ def backend() -> Iterator[PosixBackend]:
 
 
 def _too_many_slots() -> int:
-    return (_shm_total() + (64 << 20)) // BLOCK  # one slab file larger than the filesystem
+    return (shm_total_or_skip() + (64 << 20)) // BLOCK  # one slab file larger than the filesystem
 
 
 def test_new_slab_that_does_not_fit_is_removed_and_named(tmpfs_dir: Path, backend: PosixBackend) -> None:
@@ -86,30 +69,30 @@ def test_existing_slab_that_cannot_grow_keeps_its_size_and_data(tmpfs_dir: Path,
 
 
 def test_dram_pool_whose_numa_binding_fails_unlinks_its_segment(monkeypatch: pytest.MonkeyPatch) -> None:
-    _shm_total()
+    shm_total_or_skip()
 
     def refuse(addr: int, length: int, node: int) -> None:  # the injected fault
         raise OSError(errno.EINVAL, "mbind refused")
 
     monkeypatch.setattr(pools, "_bind_numa", refuse)
-    before = _ours()
+    before = shm_segments_of(os.getpid())
     with pytest.raises(OSError, match="mbind refused"):
         pools.DramPool(4, 4096, numa_node=pools.numa_nodes()[0])
-    assert _ours() == before
+    assert shm_segments_of(os.getpid()) == before
 
 
 def test_segments_made_in_a_failed_block_are_unlinked() -> None:
-    _shm_total()
-    before = _ours()
+    shm_total_or_skip()
+    before = shm_segments_of(os.getpid())
     kept = None
     with pytest.raises(RuntimeError):
         with unlink_on_error():
             kept = create_shm(4096)
             create_shm(4096)
             raise RuntimeError("a later build step failed")
-    assert kept is not None and _ours() == before
+    assert kept is not None and shm_segments_of(os.getpid()) == before
     with unlink_on_error():
         kept = create_shm(4096)
-    assert kept.name in _ours()  # success: the caller owns it
+    assert kept.name in shm_segments_of(os.getpid())  # success: the caller owns it
     kept.close()
     kept.unlink()
