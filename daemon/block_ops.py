@@ -33,6 +33,8 @@ class BlockOps:
         self.clock = clock
         self.engines = engines  # the service's registry, read only: a waiter of a gone engine is dropped
         self.alloc_waiters: list[AllocWaiter] = []
+        # blocks a session's unfinished acquires have pinned (ResidencyOps'); seal must not take those pins
+        self.acquiring: Callable[[EngineSession], set[int]] = lambda session: set()
 
     # -- alloc ------------------------------------------------------------------------
     def op_alloc(self, session: EngineSession, args: Any) -> Any:
@@ -104,9 +106,12 @@ class BlockOps:
             raise ProtocolError(P.INVALID, "a block is named twice in one request")
         if args.nbytes is not None and args.nbytes > mgr.block_bytes:
             raise ProtocolError(P.INVALID, f"nbytes {args.nbytes} exceeds the block size {mgr.block_bytes}")
+        acquiring = self.acquiring(session)
         for b in blocks.tolist():  # validate all before sealing any
             if session.refs.get(b, 0) <= 0:
                 raise ProtocolError(P.INVALID, f"block {b} is not held by engine {session.engine_id!r}")
+            if b in acquiring:  # sealing may fold it into a shared block and drop our pins: the acquire's too
+                raise ProtocolError(P.INVALID, f"block {b} is in an unfinished acquire; finish it before sealing")
             if t.state[b] != OPEN:
                 raise ProtocolError(P.INVALID, f"block {b} is already sealed")
             if not t.idle_in(np.array([b]), HBM)[0]:

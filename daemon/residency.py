@@ -41,6 +41,14 @@ class ResidencyOps:
         self.stall_counts = np.zeros(len(STALL_BUCKETS) + 1, dtype=np.int64)  # histogram (last: +Inf)
         self.stall_sum = 0.0
 
+    def pinned_by_waiters(self, session: EngineSession) -> set[int]:
+        """Blocks that ``session``'s unfinished acquires have pinned (their pins are the waiters')."""
+        out: set[int] = set()
+        for w in self.waiters.values():
+            if w.session is session:
+                out.update(w.blocks[w.pinned].tolist())
+        return out
+
     def drop_waiters(self, session: EngineSession) -> list[Waiter]:
         """Forget ``session``'s acquires; returns those owed a reply. Their pins are
         counted in the session's and released (or fenced) with them."""

@@ -135,3 +135,32 @@ def test_waiters_of_a_reclaimed_engine_are_told(env):
     out = svc.advance()
     assert len(out) == 1 and out[0][0] is w
     assert isinstance(out[0][1], P.ProtocolError) and out[0][1].code == P.UNKNOWN_ENGINE
+
+
+def test_a_block_in_an_unfinished_acquire_cannot_be_sealed_away(tmp_path):
+    """Sealing folds a block into a shared one and drops the engine's pins on it; pins an
+    unfinished acquire holds must not go with them (its mask would name a freed block)."""
+    cfg = load_config(environ={}, overrides=[
+        f"tiers.hbm_bytes={4 * BB}", f"tiers.dram_bytes={8 * BB}", "tiers.nvme_bytes=0", 'policy.name="lru"',
+        f'server.runtime_dir="{tmp_path}/run"', "metrics.enabled=false"])
+    svc = Service(cfg)
+    try:
+        call(svc, "register", "e", pid=0, block_bytes=BB)
+        shared = ids(call(svc, "alloc", "e", n=1, seq=9, pin=True)["blocks"])
+        call(svc, "seal", "e", blocks=shared, keys=P.id_bytes(np.array([7], np.uint64), np.uint64), seq=9)
+        c = ids(call(svc, "alloc", "e", n=1, seq=2)["blocks"])
+        call(svc, "seal", "e", blocks=c, keys=P.id_bytes(np.array([5], np.uint64), np.uint64), seq=2)
+        svc.node.mgr.demote(c, "hbm", "dram")
+        svc.node.mgr.wait(timeout=10)
+        b = ids(call(svc, "alloc", "e", n=1, seq=1, pin=True)["blocks"])
+        r = call(svc, "acquire", "e", blocks=[b[0], c[0]], wait=False, timeout_s=10)  # b pinned, c on its way
+        assert not r["done"]
+        with pytest.raises(P.ProtocolError) as e:
+            call(svc, "seal", "e", blocks=b, keys=P.id_bytes(np.array([7], np.uint64), np.uint64), seq=1)
+        assert e.value.code == P.INVALID and "unfinished acquire" in e.value.message
+        svc.node.mgr.wait(timeout=10)
+        assert call(svc, "acquire_poll", "e", ticket=r["ticket"])["done"]
+        svc.node.mgr.check_invariants()
+        assert call(svc, "check", "e")["ok"]
+    finally:
+        svc.close()
