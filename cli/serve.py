@@ -12,7 +12,9 @@ from kvtier.cli.output import CliError
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="TOML config (see daemon/defaults/kvtier.toml)")
+    p.add_argument("--config", metavar="FILE",
+                   help="TOML config (see daemon/defaults/kvtier.toml); default: the first that exists of "
+                        "$KVTIER_CONFIG, $XDG_CONFIG_HOME/kvtier/kvtier.toml (~/.config/...), /etc/kvtier/kvtier.toml")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override one config field (repeatable; beats file and environment)")
 
@@ -49,13 +51,14 @@ def configure(name: str, p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvtier.daemon.config import load_config
+    from kvtier.daemon.config import load_config, resolve_config_path
     from kvtier.daemon.server import Server
 
     overrides = list(args.overrides) + ([f"server.runtime_dir={json.dumps(args.runtime_dir)}"] if args.runtime_dir else [])
-    cfg = load_config(args.config, overrides=overrides)
+    config_path = resolve_config_path(args.config)
+    cfg = load_config(config_path, overrides=overrides)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server = Server(cfg, config_path=args.config, overrides=overrides)
+    server = Server(cfg, config_path=config_path, overrides=overrides)  # reload re-reads the discovered file too
     server.install_signals()
     port = server.exporter.port if server.exporter else None
     logging.getLogger("kvtier").info("serving %s (metrics: %s), policy %s", server.endpoints["rpc"],
