@@ -399,5 +399,6 @@ def reload_hot(current: KvtierConfig, path: "str | Path | None", environ: Option
 
 
 __all__ = ["ConfigError", "KvtierConfig", "HOT_SECTIONS", "RESTART_SECTIONS", "ReloadPlan", "changed_keys",
-           "config_sources", "discover_config", "discovery_candidates", "resolve_config_path", "load_config", "plan_reload", "reload_hot", "validate",
+           "config_sources", "discover_config", "discovery_candidates", "resolve_config_path",
+           "load_config", "plan_reload", "reload_hot", "validate",
            "default_runtime_dir", "default_data_dir"]

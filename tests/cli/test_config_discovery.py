@@ -7,7 +7,7 @@ import tomllib
 import pytest
 
 from kvtier.cli.main import main
-from kvtier.daemon.config import ConfigError, SYSTEM_CONFIG, discover_config, discovery_candidates, load_config
+from kvtier.daemon.config import SYSTEM_CONFIG, ConfigError, discover_config, discovery_candidates, load_config
 
 
 @pytest.fixture
@@ -73,7 +73,8 @@ def test_config_flag_wins_over_discovery(clean_env, monkeypatch, capsys):
 
 
 def test_env_and_set_still_beat_the_discovered_file(clean_env, monkeypatch, capsys):
-    monkeypatch.setenv("KVTIER_CONFIG", str(_write(clean_env / "k.toml", "[policy]\nname = \"lru\"\n[server]\nheartbeat_timeout_s = 7.0\n")))
+    body = "[policy]\nname = \"lru\"\n[server]\nheartbeat_timeout_s = 7.0\n"
+    monkeypatch.setenv("KVTIER_CONFIG", str(_write(clean_env / "k.toml", body)))
     monkeypatch.setenv("KVTIER_SERVER__HEARTBEAT_TIMEOUT_S", "9.0")
     out = _shown(capsys, "--set", "policy.name=\"s3fifo\"")
     data = tomllib.loads(out)
