@@ -18,6 +18,8 @@ def configure(name: str, p: argparse.ArgumentParser) -> None:
     add_config_args(show)
     show.add_argument("--format", choices=sorted(FORMATS), default="toml",
                       help="toml (default; unset fields are left out) or json (unset fields as null)")
+    show.add_argument("--sources", action="store_true",
+                      help="print only the config sources in use, lowest precedence first, one a line")
     show.set_defaults(func=cmd_show)
     val = csub.add_parser("validate", help="check a config file; exit 1 naming the bad key and line")
     val.add_argument("file")
@@ -72,10 +74,18 @@ FORMATS: dict[str, Callable[[dict[str, Any]], str]] = {
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from kvtier.daemon.config import load_config
+    from kvtier.daemon.config import config_sources, load_config, resolve_config_path
 
-    cfg = load_config(args.config, overrides=args.overrides)
-    print(FORMATS[args.format](cfg.model_dump(mode="json")), end="")
+    path = resolve_config_path(args.config)
+    cfg = load_config(path, overrides=args.overrides)
+    sources = config_sources(path, overrides=args.overrides)
+    if args.sources:
+        print("\n".join(sources))
+        return 0
+    text = FORMATS[args.format](cfg.model_dump(mode="json"))
+    if args.format == "toml":  # a comment keeps the output a file `kvtier serve --config` takes as is
+        text = "".join(f"# source: {s}\n" for s in sources) + "\n" + text
+    print(text, end="")
     return 0
 
 

@@ -12,7 +12,9 @@ from kvtier.cli.output import CliError
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="TOML config (see daemon/defaults/kvtier.toml)")
+    p.add_argument("--config", metavar="FILE",
+                   help="TOML config (see daemon/defaults/kvtier.toml); default: the first that exists of "
+                        "$KVTIER_CONFIG, $XDG_CONFIG_HOME/kvtier/kvtier.toml (~/.config/...), /etc/kvtier/kvtier.toml")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override one config field (repeatable; beats file and environment)")
 
@@ -20,7 +22,10 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
 def _serve_args(p: argparse.ArgumentParser) -> None:
     add_config_args(p)
     p.add_argument("--runtime-dir", help="socket directory (shortcut for --set server.runtime_dir=...)")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="threshold of the daemon log (the start and stop summary lines are always written)")
+    p.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="json: one object a line with time, level, logger and message")
     p.set_defaults(func=cmd_serve)
 
 
@@ -48,19 +53,46 @@ def configure(name: str, p: argparse.ArgumentParser) -> None:
     ARGUMENTS[name](p)
 
 
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line: time (ISO 8601, UTC), level, logger, message (and exc when there is one)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        import datetime
+
+        out = {"time": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(timespec="milliseconds"),
+               "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def _setup_logging(level: str, fmt: str) -> logging.Logger:
+    """The root handler at ``level``; returns the logger of the start/stop summaries, which passes
+    every record whatever ``level`` says (a supervisor's journal always shows what started and stopped)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if fmt == "json" else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
+    summary = logging.getLogger("kvtier.lifecycle")
+    summary.setLevel(logging.INFO)
+    summary.propagate = False
+    summary.addHandler(handler)  # the handler has no level of its own: INFO goes out under --log-level WARNING
+    return summary
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvtier.daemon.config import load_config
+    from kvtier.daemon.config import config_sources, load_config, resolve_config_path
     from kvtier.daemon.server import Server
 
     overrides = list(args.overrides) + ([f"server.runtime_dir={json.dumps(args.runtime_dir)}"] if args.runtime_dir else [])
-    cfg = load_config(args.config, overrides=overrides)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server = Server(cfg, config_path=args.config, overrides=overrides)
+    config_path = resolve_config_path(args.config)
+    cfg = load_config(config_path, overrides=overrides)
+    summary = _setup_logging(args.log_level, getattr(args, "log_format", "text"))
+    server = Server(cfg, config_path=config_path, overrides=overrides)  # reload re-reads the discovered file too
     server.install_signals()
-    port = server.exporter.port if server.exporter else None
-    logging.getLogger("kvtier").info("serving %s (metrics: %s), policy %s", server.endpoints["rpc"],
-                                     f"http://{cfg.metrics.host}:{port}/metrics" if port else "off", cfg.policy.name)
+    summary.info("%s", server.start_summary(config_sources(config_path, overrides=overrides)))
     server.serve_forever()
+    summary.info("%s", server.stop_summary())
     return 0
 
 

@@ -2,8 +2,11 @@
 
 Sources, lowest to highest precedence: field defaults < the embedded default
 file (``daemon/defaults/kvtier.toml``, the shipped policy) < a TOML file
-(``--config``) < ``KVTIER_<SECTION>__<FIELD>`` environment variables < CLI
-``--set section.field=value`` flags. Errors name the key, the file line where
+(``--config``, or else the first found by ``discover_config``: ``$KVTIER_CONFIG``,
+``$XDG_CONFIG_HOME/kvtier/kvtier.toml`` (``~/.config/...``), ``/etc/kvtier/kvtier.toml``)
+< ``KVTIER_<SECTION>__<FIELD>`` environment variables < CLI
+``--set section.field=value`` flags. ``load_config`` itself reads only the
+file it is given; the commands resolve the path with ``resolve_config_path``. Errors name the key, the file line where
 known, and why; the caller keeps its running config on any error.
 """
 
@@ -293,6 +296,49 @@ def validate(data: Mapping[str, Any], source: str = "config", text: Optional[str
         raise ConfigError("invalid configuration\n  " + "\n  ".join(lines)) from None
 
 
+SYSTEM_CONFIG = "/etc/kvtier/kvtier.toml"
+CONFIG_ENV = "KVTIER_CONFIG"
+
+
+def discovery_candidates(environ: Optional[Mapping[str, str]] = None) -> list[str]:
+    """Where a config file is looked for when none is named, first match wins."""
+    env = os.environ if environ is None else environ
+    out = []
+    if env.get(CONFIG_ENV):
+        out.append(env[CONFIG_ENV])
+    xdg = env.get("XDG_CONFIG_HOME") or os.path.join(env.get("HOME") or os.path.expanduser("~"), ".config")
+    out.append(os.path.join(xdg, "kvtier", "kvtier.toml"))
+    out.append(SYSTEM_CONFIG)
+    return out
+
+
+def discover_config(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The first existing file of ``discovery_candidates``, or None. ``$KVTIER_CONFIG`` naming a
+    file that does not exist is an error, not a silent fall-through to the next candidate."""
+    env = os.environ if environ is None else environ
+    named = env.get(CONFIG_ENV)
+    if named and not os.path.isfile(named):
+        raise ConfigError(f"{CONFIG_ENV}={named}: no such file")
+    return next((c for c in discovery_candidates(env) if os.path.isfile(c)), None)
+
+
+def resolve_config_path(path: "str | Path | None", environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """``--config`` when given, else the discovered file (None: the shipped default alone)."""
+    return str(path) if path is not None else discover_config(environ)
+
+
+def config_sources(path: "str | Path | None", environ: Optional[Mapping[str, str]] = None,
+                   overrides: Sequence[str] = ()) -> list[str]:
+    """The sources ``load_config(path, environ, overrides)`` merges, lowest precedence first."""
+    env = os.environ if environ is None else environ
+    out = ["field defaults", "shipped default (kvtier/daemon/defaults/kvtier.toml)"]
+    if path is not None:
+        out.append(f"file {path}")
+    out += [f"environment {k}" for k in sorted(env) if k.startswith(ENV_PREFIX) and "__" in k]
+    out += [f"--set {o}" for o in overrides]
+    return out
+
+
 def load_config(path: "str | Path | None" = None, environ: Optional[Mapping[str, str]] = None,
                 overrides: Sequence[str] = ()) -> KvtierConfig:
     """Effective config from every source (see module docstring)."""
@@ -353,5 +399,6 @@ def reload_hot(current: KvtierConfig, path: "str | Path | None", environ: Option
 
 
 __all__ = ["ConfigError", "KvtierConfig", "HOT_SECTIONS", "RESTART_SECTIONS", "ReloadPlan", "changed_keys",
+           "config_sources", "discover_config", "discovery_candidates", "resolve_config_path",
            "load_config", "plan_reload", "reload_hot", "validate",
            "default_runtime_dir", "default_data_dir"]

@@ -57,6 +57,8 @@ class Server:
         self._last_check = 0.0
         self._turn_started = time.monotonic()
         self._last_snapshot = 0.0
+        self.started_monotonic = time.monotonic()
+        self.nvme_blocks_kept: Optional[int] = None  # set by shutdown: blocks left on NVMe for the next start
         self._bind()
 
     # -- setup -------------------------------------------------------------------
@@ -290,6 +292,7 @@ class Server:
                 log.error("transfers still pending at shutdown")
             if mgr.nvme is not None:
                 mgr.nvme.sync()
+                self.nvme_blocks_kept = next((int(r["used"]) for r in mgr.tier_usage() if r["tier"] == "nvme"), 0)
         svc.close()
         for sock in (self.rpc, self.telemetry, self.pub):
             sock.close(0)
@@ -303,6 +306,29 @@ class Server:
             self.exporter.close()
         for lock in self.locks:
             lock.release()
+
+    # -- summaries (one log line each, at start and stop) ---------------------------------
+    def start_summary(self, sources: Sequence[str] = ()) -> str:
+        """Version, tier sizes, I/O backend, socket, metrics endpoint and config sources on one line."""
+        from kvtier import __version__
+        from kvtier.tiers.io_backends import kvikio_status
+
+        t = self.cfg.tiers
+        io: str = t.io_backend
+        if io == "auto":
+            io = f"auto ({'kvikio' if kvikio_status()[0] else 'posix'})"
+        mib = lambda n: f"{n / 2**20:.0f} MiB"
+        nvme = f"nvme {mib(t.nvme_bytes)} in {t.nvme_dir}" if t.nvme_bytes else "nvme off"
+        port = self.exporter.port if self.exporter else None
+        metrics = f"http://{self.cfg.metrics.host}:{port}/metrics" if port else "off"
+        return (f"kvtier {__version__} started: pid {os.getpid()}; tiers hbm {mib(t.hbm_bytes)}, dram {mib(t.dram_bytes)}, "
+                f"{nvme}; io {io}; socket {self.endpoints['rpc']}; metrics {metrics}; policy {self.cfg.policy.name}; "
+                f"config {' < '.join(sources) or '-'}")
+
+    def stop_summary(self) -> str:
+        """Blocks kept on NVMe (None: no engine registered, so no tier was built) and uptime."""
+        kept = "no tiers were built" if self.nvme_blocks_kept is None else f"{self.nvme_blocks_kept} blocks kept on NVMe"
+        return f"kvtier stopped: {kept}; uptime {time.monotonic() - self.started_monotonic:.1f} s"
 
 
 __all__ = ["Server"]
