@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import re
 import tomllib
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Sequence
@@ -356,49 +355,6 @@ def load_config(path: "str | Path | None" = None, environ: Optional[Mapping[str,
     return validate(data, source, text)
 
 
-def changed_keys(old: KvtierConfig, new: KvtierConfig) -> list[str]:
-    """``section.field`` of every field whose value differs, in declaration order."""
-    out = []
-    for section in KvtierConfig.model_fields:
-        a, b = getattr(old, section), getattr(new, section)
-        out += [f"{section}.{name}" for name in type(a).model_fields if getattr(a, name) != getattr(b, name)]
-    return out
-
-
-@dataclass
-class ReloadPlan:
-    """What a reload does: the config to run, and every changed key sorted by whether it applies now."""
-
-    config: KvtierConfig  # the running config with the hot sections of the fresh one
-    sections: list[str]  # hot sections that changed (the service reconfigures these)
-    applied: list[str]  # changed keys in effect from now on
-    restart: list[str]  # changed keys of restart-only sections: kept at their running value
-
-
-def plan_reload(current: KvtierConfig, path: "str | Path | None", environ: Optional[Mapping[str, str]] = None,
-                overrides: Sequence[str] = ()) -> ReloadPlan:
-    """Re-read the sources; take only the hot sections, and name every other change instead of
-    dropping it silently. Raises ConfigError (the caller keeps ``current``) when anything is invalid."""
-    fresh = load_config(path, environ, overrides)
-    merged = current.model_copy(deep=True)
-    sections = []
-    for name in HOT_SECTIONS:
-        if getattr(fresh, name) != getattr(current, name):
-            sections.append(name)
-        setattr(merged, name, getattr(fresh, name))
-    keys = changed_keys(current, fresh)
-    applied = [k for k in keys if k.split(".", 1)[0] in HOT_SECTIONS]
-    return ReloadPlan(merged, sections, applied, [k for k in keys if k not in applied])
-
-
-def reload_hot(current: KvtierConfig, path: "str | Path | None", environ: Optional[Mapping[str, str]] = None,
-               overrides: Sequence[str] = ()) -> tuple[KvtierConfig, list[str]]:
-    """``plan_reload`` as (new config, changed hot sections)."""
-    plan = plan_reload(current, path, environ, overrides)
-    return plan.config, plan.sections
-
-
-__all__ = ["ConfigError", "KvtierConfig", "HOT_SECTIONS", "RESTART_SECTIONS", "ReloadPlan", "changed_keys",
-           "config_sources", "discover_config", "discovery_candidates", "resolve_config_path",
-           "load_config", "plan_reload", "reload_hot", "validate",
+__all__ = ["ConfigError", "KvtierConfig", "HOT_SECTIONS", "RESTART_SECTIONS",
+           "config_sources", "discover_config", "discovery_candidates", "resolve_config_path", "load_config", "validate",
            "default_runtime_dir", "default_data_dir"]

@@ -30,10 +30,11 @@ from kvtier.protocol.runtime import EVENTS_TOPIC, INFO_FILE, TOKEN_FILE, endpoin
 from kvtier.protocol.wire import ProtocolError
 
 from .acquire import Pending
-from .config import ConfigError, KvtierConfig, plan_reload
+from .config import ConfigError, KvtierConfig
 from .dirlock import DirLock
 from .events import encode_batch, seq_frame
 from .metrics import Exporter
+from .reload import plan_reload
 from .service import Service
 
 log = logging.getLogger("kvtier.server")

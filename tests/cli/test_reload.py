@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from kvtier.bench.spawn import DaemonProcess
-from kvtier.daemon.config import changed_keys, load_config, plan_reload
+from kvtier.daemon.config import load_config
+from kvtier.daemon.reload import changed_keys, plan_reload
 
 from .helpers import kvtier
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.daemon.config import ConfigError, load_config, reload_hot
+from kvtier.daemon.config import ConfigError, load_config
+from kvtier.daemon.reload import reload_hot
 
 
 def write(tmp_path, text: str):
