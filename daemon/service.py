@@ -116,6 +116,8 @@ class Service:
                 raise ProtocolError(P.CONFLICT, "the daemon already manages another HBM region")
         if engine_id in self.engines:  # a restarted engine: its old holdings are void
             self.reclaim(engine_id, "re-registered")
+        for f in [f for f in self.fences if f.engine_id == engine_id]:
+            self._lift(f)  # the engine starts over: its old client writes no more
         ns = self.namespaces.id(args.namespace)
         self.engines[engine_id] = EngineSession(engine_id, args.pid, args.block_tokens, dict(args.layout),
                                                 self.clock(), node.mgr.table.max_blocks,
@@ -193,12 +195,16 @@ class Service:
                 self.reclaim(eid, "process-died")
                 gone.append(eid)
         for f in [f for f in self.fences if f.due(now, self.cfg.server.fence_timeout_s)]:
-            self.fences.remove(f)
-            blocks, counts = np.unique(f.pins, return_counts=True)
-            self._unpin(blocks, counts)
-            self._free_refs(f.refs)
-            self.counters["fences_lifted"] += 1
+            self._lift(f)
         return gone
+
+    def _lift(self, f: Fence) -> None:
+        """Release what a fenced engine held: its slots may be handed out again."""
+        self.fences.remove(f)
+        blocks, counts = np.unique(f.pins, return_counts=True)
+        self._unpin(blocks, counts)
+        self._free_refs(f.refs)
+        self.counters["fences_lifted"] += 1
 
     def excuse_stall(self, seconds: float) -> None:
         """The owner loop was away ``seconds``: no engine could be heard meanwhile, so none is blamed."""

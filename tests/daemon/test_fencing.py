@@ -164,3 +164,15 @@ def test_a_block_in_an_unfinished_acquire_cannot_be_sealed_away(tmp_path):
         assert call(svc, "check", "e")["ok"]
     finally:
         svc.close()
+
+
+def test_a_fenced_engine_that_registers_again_gets_its_slots_back(env):
+    svc, clock = env
+    call(svc, "register", "e", pid=os.getpid(), pid_ns=own_pid_namespace(), block_bytes=BB)  # alive: fenced
+    mine = set(ids(call(svc, "alloc", "e", n=8, seq=1, pin=True)["slots"]))
+    clock.t += 5
+    assert svc.check_engines() == ["e"] and len(svc.fences) == 1
+    call(svc, "register", "e", pid=os.getpid(), pid_ns=own_pid_namespace(), block_bytes=BB)  # starts over
+    assert not svc.fences and svc.counters["fences_lifted"] == 1
+    assert set(ids(call(svc, "alloc", "e", n=8, seq=1, pin=True)["slots"])) == mine
+    assert call(svc, "check", "e")["ok"]
