@@ -15,6 +15,8 @@ from kvtier.daemon.liveness import own_pid_namespace
 from kvtier.daemon.service import Service
 from kvtier.protocol import wire as P
 
+from .service_calls import call, ids
+
 BB = 4096
 
 
@@ -36,15 +38,6 @@ def env(tmp_path):
     svc = Service(cfg, clock=clock)
     yield svc, clock
     svc.close()
-
-
-def call(svc, op, engine, **args):
-    req, a = P.decode_request(P.pack({"v": 1, "id": 1, "op": op, "engine": engine, "args": args}), 1 << 20)
-    return svc.handle(req, a)
-
-
-def ids(b):
-    return np.frombuffer(b, dtype="<i8").tolist()
 
 
 def _sleeper() -> subprocess.Popen:

@@ -10,6 +10,8 @@ from kvtier.daemon.namespaces import scoped_keys
 from kvtier.daemon.service import Service
 from kvtier.protocol import wire as P
 
+from .service_calls import call, ids
+
 BB = 4096
 
 
@@ -21,15 +23,6 @@ def svc(tmp_path):
     s = Service(cfg)
     yield s
     s.close()
-
-
-def call(svc, op, engine, **args):
-    req, a = P.decode_request(P.pack({"v": 1, "id": 1, "op": op, "engine": engine, "args": args}), 1 << 20)
-    return svc.handle(req, a)
-
-
-def ids(b):
-    return np.frombuffer(b, dtype="<i8").tolist()
 
 
 def _sealed(svc, engine, key, fill):

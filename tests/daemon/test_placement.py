@@ -9,6 +9,9 @@ from kvtier.daemon.config import load_config
 from kvtier.daemon.service import Service
 from kvtier.protocol import wire as P
 
+from .service_calls import call as call_now
+from .service_calls import ids
+
 
 @pytest.fixture
 def svc(tmp_path):
@@ -22,16 +25,11 @@ def svc(tmp_path):
 
 
 def call(svc, op, engine="e", **args):
-    req, a = P.decode_request(P.pack({"v": 1, "id": 1, "op": op, "engine": engine, "args": args}), 1 << 20)
-    out = svc.handle(req, a)
+    out = call_now(svc, op, engine, **args)
     svc.background()
     svc.node.mgr.wait(timeout=10)
     svc.background()
     return out
-
-
-def ids(b):
-    return np.frombuffer(b, dtype="<i8").tolist()
 
 
 def test_lru_victim_is_demoted_first(svc):

@@ -1,0 +1,20 @@
+"""Driving a ``Service`` in process: one request through the real decoder, and packed ids back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvtier.daemon.service import Service
+from kvtier.protocol import wire as P
+
+
+def call(svc: Service, op: str, engine: str = "e", **args: Any) -> Any:
+    """Encode, decode and handle one request exactly as the server would."""
+    req, a = P.decode_request(P.pack({"v": 1, "id": 1, "op": op, "engine": engine, "args": args}), 1 << 20)
+    return svc.handle(req, a)
+
+
+def ids(b: bytes) -> list[int]:
+    return np.frombuffer(b, dtype="<i8").tolist()
