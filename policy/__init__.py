@@ -33,6 +33,6 @@ def make_policy(name: str, capacity: int, max_blocks: int, **params: Any) -> Pol
     return factory(capacity, max_blocks, **params)
 
 
-from kvtier.policy import belady, density, lru, s3fifo, value  # noqa: E402,F401  (registration)
+from kvtier.policy import belady, lru, s3fifo, value  # noqa: E402,F401  (registration)
 
 __all__ = ["POLICIES", "Policy", "make_policy", "register_policy"]

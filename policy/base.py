@@ -66,5 +66,9 @@ class Policy:
     def set_weights(self, blocks: "np.ndarray", weights: "np.ndarray") -> None:
         """Importance weights from the daemon's scoring (policies that use them override)."""
 
+    def calibration(self) -> "dict | None":
+        """Brier/ECE of the policy's scored predictions (None: it makes none)."""
+        return None
+
     def stats(self) -> dict:
         return {}

@@ -127,10 +127,11 @@ def test_write_back_sends_blocks_dram_declines_to_nvme(tmp_path):
     a class DRAM has learned is never reused goes straight to NVMe, and the DRAM
     blocks worth their slots stay."""
     from kvtier.predictor.classes import N_STAGES
+    from kvtier.predictor.reuse_model import N_IRR
 
     cfg = load_config(environ={}, overrides=[
         "tiers.hbm_bytes=16384", "tiers.dram_bytes=16384", "tiers.nvme_bytes=65536",
-        f'tiers.nvme_dir="{tmp_path}/nvme"', "policy.samples=2", "policy.explore_every=1000000",
+        f'tiers.nvme_dir="{tmp_path}/nvme"', "policy.samples=2",
         f'server.runtime_dir="{tmp_path}/run"', "metrics.enabled=false"])
     svc = Service(cfg)
     try:
@@ -141,10 +142,11 @@ def test_write_back_sends_blocks_dram_declines_to_nvme(tmp_path):
         call(svc, "free", blocks=P.id_bytes(blocks))  # cached now: free to skip DRAM
         pl, t = svc.node.placement, svc.node.mgr.table
         dram = pl.policies[1]
-        dram.hits[0, 1] = 500  # class 0 (first access of feature class 0) is read again...
-        dram.evictions[0, 1] = 100
-        dram.evictions[1 * N_STAGES, 1] = 600  # ...feature class 1 never is
-        dram._reconfigure()
+        model = dram.model
+        model.reuses[0, 6] = 500.0  # class 0 (first access of feature class 0) is read again soon...
+        model.accesses[0] = 600.0
+        model.accesses[1 * N_STAGES * N_IRR] = 600.0  # ...feature class 1 never is
+        model.refresh()
         pl.feature_class[blocks[:2]] = 0
         pl.feature_class[blocks[2:]] = 1
         started, stuck = pl._write_back(0, blocks[:2])  # worth DRAM: admitted
