@@ -9,7 +9,11 @@ from kvtier.cli.output import write_json
 
 
 def configure(name: str, p: argparse.ArgumentParser) -> None:
-    p.add_argument("traces", nargs="+", metavar="TRACE", help="Mooncake or Qwen-Bailian JSONL trace")
+    p.add_argument("traces", nargs="+", metavar="TRACE",
+                   help="Mooncake or Qwen-Bailian JSONL trace, or synthetic:FAMILY (zipf, scan, loop, shifting, "
+                        "chat, agent)")
+    p.add_argument("--part", choices=("all", "first", "second"), default="all",
+                   help="replay only the first or second half of each trace's requests (tune on one, report the other)")
     p.add_argument("--capacity", default="1%,2%,5%,10%,20%", help="capacities as %% of unique blocks")
     p.add_argument("--policy", default="lru,s3fifo,kvtier,belady", help="comma-separated policy names")
     p.add_argument("--config", help="kvtier config (TOML); its [policy] section parameterises the policies "
@@ -66,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
 
     from kvtier.policy import POLICIES
     from kvtier.replay.report import parse_fractions, plot, replay
-    from kvtier.replay.traces import load_trace
+    from kvtier.replay.synthetic import PREFIX, synthetic_trace
+    from kvtier.replay.traces import load_trace, split_trace
 
     fractions = parse_fractions(args.capacity)
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
@@ -77,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     reports = []
     for path in args.traces:
-        trace = load_trace(path)
+        trace = split_trace(synthetic_trace(path) if path.startswith(PREFIX) else load_trace(path), args.part)
         total = trace.n_accesses * len(fractions) * len(policies)
         with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
                       TimeRemainingColumn(), console=Console(stderr=True), transient=True) as prog:

@@ -89,6 +89,15 @@ class CalibrationTracker:
         return self.pairs.n
 
     def predict(self, block: int, p: float, now: float, horizon: float) -> None:
+        """Score ``p`` = P(``block`` is accessed within ``horizon`` of ``now``). While an
+        earlier prediction of the block is pending it stands and this one is skipped:
+        replacing it would drop exactly the predictions whose block was not reused
+        (a block is predicted again when it is evicted), biasing the outcomes up."""
+        old = self.pred[block]
+        if old == old:  # not NaN: pending
+            if now <= self.deadline[block]:
+                return
+            self.pairs.extend(np.array([old]), np.zeros(1, dtype=np.uint8))  # its window passed: not reused
         self.pred[block] = p
         self.deadline[block] = now + horizon
 

@@ -36,6 +36,7 @@ import numpy as np
 from kvtier.predictor.classes import N_CLASSES, N_STAGES
 
 N_BUCKETS = 48  # half octaves: distances up to 2^24 accesses, beyond in the last bucket
+PENDING_SAMPLE = 4096  # block ids sampled per refresh to estimate the not-yet-reused accesses
 N_AGES = 256  # linear age buckets of the lookup tables ...
 AGE_STEPS_PER_EVICTION_AGE = 8  # ... 1/8 of the eviction age wide: they cover 32 eviction ages
 
@@ -99,6 +100,7 @@ class ReuseModel:
         self.eviction_age = float(initial_age)  # this cache's mean eviction age, in accesses
         self._ev_sum, self._ev_n = 0.0, 0.0
         self._since = 0
+        self._rng = np.random.default_rng(0)
         # lookups use linear age buckets of a granularity that follows the eviction age (two
         # numpy ops per lookup); the counts keep log-spaced distances (scale-free evidence)
         self.granularity = max(1.0, self.eviction_age / AGE_STEPS_PER_EVICTION_AGE)
@@ -150,47 +152,65 @@ class ReuseModel:
             self.eviction_age = max(1.0, self._ev_sum / self._ev_n)
         self.granularity = max(1.0, self.eviction_age / AGE_STEPS_PER_EVICTION_AGE)
         self._inv_g = 1.0 / self.granularity
-        probs: dict[tuple[str, float], np.ndarray] = {}
+        tau = self.memory_horizons * self.eviction_age
+        pending = self._pending(tau)
+        hazards: dict[str, np.ndarray] = {}
         for k, cand in enumerate(self.candidates):
             w = max(1.0, cand.horizon_multiple * self.eviction_age)
             self.horizons[k] = w
-            self.tables[k] = self._table(cand.partition, w, probs)
-        decay = math.exp(-self.refresh_every / (self.memory_horizons * self.eviction_age))
+            self.tables[k] = self._table(self._hazard(cand.partition, pending, hazards), w)
+        decay = math.exp(-self.refresh_every / tau)
         self.reuses *= decay
         self.accesses *= decay
         self._ev_sum *= decay
         self._ev_n *= decay
 
-    def _table(self, partition: str, w: float, memo: dict[tuple[str, float], np.ndarray]) -> np.ndarray:
-        """Posterior mean P(reuse within w | partition cell, age bucket), shrunk towards the parent."""
-        key = (partition, w)
-        if key in memo:
-            return memo[key]
+    def _pending(self, tau: float) -> np.ndarray:
+        """Accesses not yet followed by a reuse, per (cell, bucket of their age so far):
+        they are right-censored there, not evidence of no reuse. Estimated from a
+        uniform sample of block ids, so a refresh costs O(sample), not O(blocks)."""
+        n = self.last.size
+        ids = self._rng.integers(0, n, size=min(n, PENDING_SAMPLE)) if n > PENDING_SAMPLE else np.arange(n)
+        ids = ids[self.stage[ids] > 0]
+        ages = self.clock - self.last[ids]
+        out = np.zeros((N_CELLS, N_BUCKETS))
+        weight = np.exp(-ages / tau) * (n / max(1, min(n, PENDING_SAMPLE)))  # decayed like the counts
+        np.add.at(out, (self.cell[ids].astype(np.int64), distance_bucket(ages + 1)), weight)
+        return out
+
+    def _hazard(self, partition: str, pending: np.ndarray, memo: dict[str, np.ndarray]) -> np.ndarray:
+        """Posterior mean hazard per (partition cell, distance bucket), indexed by fine cell:
+        reuses in the bucket over accesses still at risk there (Kaplan-Meier), each cell
+        shrunk towards its parent's hazard with ``prior_strength`` pseudo-observations."""
+        if partition in memo:
+            return memo[partition]
         cmap = PARTITIONS[partition]
         n_cells = int(cmap.max()) + 1
         reuses = np.zeros((n_cells, N_BUCKETS))
         np.add.at(reuses, cmap, self.reuses)
+        censored = np.zeros((n_cells, N_BUCKETS))
+        np.add.at(censored, cmap, pending)
         total = np.bincount(cmap, weights=self.accesses, minlength=n_cells)
-        before = np.concatenate((np.zeros((n_cells, 1)), np.cumsum(reuses, axis=1)[:, :-1]), axis=1)
-        tail_log = np.maximum(total[:, None] - before, 0.0)  # reused at distance >= log edge j, or never
-        never = tail_log[:, -1:] - reuses[:, -1:]
-        ages = np.arange(N_AGES) * self.granularity  # each lookup bucket's lower edge
-        start = distance_bucket(ages + 1)
-        end = distance_bucket(ages + 1 + w)  # the bucket where the window from that age ends
-        tail = tail_log[:, start]
-        hits = np.maximum(tail - np.where(end >= N_BUCKETS - 1, never, tail_log[:, end]), 0.0)
+        gone = np.cumsum(reuses + censored, axis=1)  # reused or censored at or before bucket j
+        at_risk = np.maximum(total[:, None] - np.concatenate((np.zeros((n_cells, 1)), gone[:, :-1]), axis=1), 0.0)
         parent = PARENT[partition]
         if parent is None:
-            prior = np.full((n_cells, N_AGES), 0.5)
-            strength = 1.0
+            prior, strength = np.zeros((n_cells, N_BUCKETS)), 1.0
         else:
-            pt = self._table(parent, w, memo)
-            prior = pt[_first_cell_of(cmap, n_cells)]  # pt is indexed by fine cell
-            strength = self.m
-        table = (strength * prior + hits) / (strength + tail)
-        full = table[cmap]  # indexed by the fine cell, so lookups need no mapping
-        memo[key] = full
+            prior, strength = self._hazard(parent, pending, memo)[_first_cell_of(cmap, n_cells)], self.m
+        hazard = (strength * prior + reuses) / (strength + at_risk)
+        full = np.minimum(hazard, 1.0)[cmap]
+        memo[partition] = full
         return full
+
+    def _table(self, hazard: np.ndarray, w: float) -> np.ndarray:
+        """P(reused within the next ``w`` accesses | fine cell, age bucket) from the hazards."""
+        log_surv = np.concatenate((np.zeros((hazard.shape[0], 1)),
+                                   np.cumsum(np.log1p(-np.minimum(hazard, 1 - 1e-12)), axis=1)), axis=1)
+        ages = np.arange(N_AGES) * self.granularity  # each lookup bucket's lower edge
+        start = distance_bucket(ages + 1)
+        end = distance_bucket(ages + 1 + w) + 1  # survival past the bucket where the window ends
+        return 1.0 - np.exp(log_surv[:, end] - log_surv[:, start])
 
     # -- queries -------------------------------------------------------------
     def values(self, k: int, blocks: np.ndarray) -> np.ndarray:

@@ -47,18 +47,36 @@ def test_a_class_reused_soon_is_worth_more_than_one_never_reused():
     assert loop > 0.95 and scan < 0.05
 
 
-def test_a_cell_without_evidence_answers_with_its_parents_rate():
+def test_a_cell_without_evidence_answers_with_its_parents_hazard():
+    """Hazard = reuses in a distance bucket / accesses still at risk there, shrunk towards
+    the parent cell (class x stage -> stage -> all) with ``prior_strength`` observations."""
     cands = (Candidate("class_stage", 4.0),)
     m = ReuseModel(16, candidates=cands, refresh_every=10_000, prior_strength=2.0, initial_age=8.0)
     m.reuses[_cell(0, 1), 4] = 30.0  # class 0, stage 1: 30 of 40 reused at distance 4-5
     m.accesses[_cell(0, 1)] = 40.0
-    m.refresh()
-    # the parents: all cells pooled (prior 0.5, one pseudo-observation), then stage 1
-    pooled = (1.0 * 0.5 + 30.0) / (1.0 + 40.0)
-    stage1 = (2.0 * pooled + 30.0) / (2.0 + 40.0)
+    m.accesses[_cell(1, 1)] = 40.0  # class 1, stage 1: 40, never reused
+    m.refresh()  # no block was accessed, so nothing is pending (censored)
+    pooled = 30.0 / (1.0 + 80.0)
+    stage1 = (2.0 * pooled + 30.0) / (2.0 + 80.0)
+    # at age 0 the window (32 accesses) covers bucket 4, the only one with a hazard
     assert m.tables[0][_cell(0, 1), 0] == pytest.approx((2.0 * stage1 + 30.0) / 42.0)
-    # class 5 was never seen: exactly its stage-1 parent's rate
-    assert m.tables[0][_cell(5, 1), 0] == pytest.approx(stage1)
+    assert m.tables[0][_cell(1, 1), 0] == pytest.approx((2.0 * stage1 + 0.0) / 42.0)
+    assert m.tables[0][_cell(5, 1), 0] == pytest.approx(stage1)  # never seen: its parent's rate
+    # past distance 5.6 (bucket 4) nothing is reused: an older block's window holds no reuse
+    assert m.tables[0][_cell(0, 1), 8] == pytest.approx(0.0)
+
+
+def test_accesses_not_yet_reused_are_censored_not_counted_as_never():
+    """A block accessed 3 accesses ago says nothing about reuse at distance 100."""
+    cands = (Candidate("all", 1.0),)
+    m = ReuseModel(64, candidates=cands, refresh_every=10_000, initial_age=1000.0, memory_horizons=1e9)
+    for b in range(40):  # 40 blocks each read once just now: all pending, all censored young
+        m.access(b, cls=0)
+    m.reuses[_cell(0, 1), 13] = 10.0  # and 10 earlier accesses reused at distance ~100
+    m.accesses[_cell(0, 1)] += 10.0
+    m.refresh()
+    # at risk at distance 100: the 10 old accesses only; without censoring it would be 50
+    assert m.tables[0][_cell(0, 1), 0] == pytest.approx(10.0 / 11.0)
 
 
 def test_counts_decay_with_the_eviction_age_not_a_constant():
