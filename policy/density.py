@@ -31,7 +31,7 @@ from typing import Optional
 import numpy as np
 
 from kvtier.policy import register_policy
-from kvtier.policy.base import Policy
+from kvtier.policy.base import Eligible, Policy
 from kvtier.predictor.classes import N_CLASSES, N_STAGES, stage_class
 from kvtier.predictor.online import OnlineReusePredictor
 
@@ -178,8 +178,36 @@ class HitDensityPolicy(Policy):
         ok |= (blocks * 0x9E3779B1) % self.explore_every == 0
         return ok
 
-    def forget(self, b: int) -> None:
+    def victims(self, n: int, eligible: Optional[Eligible] = None) -> np.ndarray:
+        """The ``n`` lowest densities among ``samples`` x ``n`` residents sampled by a local
+        generator (seeded by the clock: this policy's generator and pool are untouched),
+        or among all residents when there are no more than that. No state changes."""
+        if n <= 0 or self.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        m = self.samples * n
+        if self.size <= m:
+            cand = self.slots[: self.size].copy()
+        else:
+            rng = np.random.default_rng((self.clock, self.size, n))
+            cand = np.unique(self.slots[rng.integers(0, self.size, size=m)])
+        if eligible is not None:
+            cand = cand[np.asarray(eligible(cand), dtype=bool)]
+        d, _ = self._densities(cand)
+        return cand[np.argsort(d, kind="stable")[:n]]
+
+    def on_evict(self, b: int, now: float) -> None:
+        if self._victim == b:
+            self._victim = -1
+        self._record_eviction(b, int(self._bucket(self.clock - self.ts[b])))
+
+    def on_freed(self, b: int) -> None:
         self.accesses[b] = 0
+        self.klass[b] = 0
+        self.klass_row[b] = 0
+        self.ts[b] = 0
+        self.weight[b] = 1.0
+        if self.pred is not None:
+            self.pred.on_freed(b)
 
     def seen(self, b: int) -> bool:
         return bool(self.accesses[b])
@@ -190,6 +218,11 @@ class HitDensityPolicy(Policy):
         else:
             v, bucket, _ = self._find_victim()
         self._victim = -1
+        self._record_eviction(v, bucket)
+        return v
+
+    def _record_eviction(self, v: int, bucket: int) -> None:
+        """Eviction statistics of victim ``v`` (age bucket ``bucket``), then unlink it."""
         self.evictions[self.klass[v], bucket] += 1
         self._evict_age_sum += float(self.clock - self.ts[v])
         self._evict_n += 1
@@ -197,7 +230,6 @@ class HitDensityPolicy(Policy):
         if p is not None and p.accesses[v]:  # the predictor's horizon: this cache's eviction age, in epochs
             p.horizon += self.smoothing * (max(p.epoch - p.last[v], 1.0) - p.horizon)
         self._unlink(v)
-        return v
 
     def best(self, k: int) -> np.ndarray:
         """Up to ``k`` of ``4k`` sampled residents with the highest density (for speculation)."""

@@ -26,7 +26,7 @@ from typing import Optional
 import numpy as np
 
 from kvtier.policy import register_policy
-from kvtier.policy.base import Policy
+from kvtier.policy.base import Eligible, Policy, list_victims
 from kvtier.predictor.classes import N_CLASSES
 from kvtier.predictor.online import OnlineReusePredictor
 from kvtier.tiers.intrusive import IndexLists
@@ -97,12 +97,32 @@ class ValuePolicy(Policy):
 
     def evict(self, now: float) -> int:
         v = self._victim if self._victim >= 0 else self._find_victim()[0]
-        self._victim = -1
-        age = self._epoch - self.last[v]
-        self.horizon += self.smoothing * (max(age, 1.0) - self.horizon)
-        self.lists.remove(v)
-        self.size -= 1
+        self.on_evict(v, now)
         return v
+
+    def victims(self, n: int, eligible: Optional[Eligible] = None) -> np.ndarray:
+        """The ``n`` lowest values among the first ``n`` eligible blocks of every class
+        list (within a class, older is worth less: the n lowest overall are among
+        these prefixes). No state changes."""
+        if n <= 0 or self.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        parts = [list_victims(self.lists, int(k), n, eligible) for k in np.flatnonzero(self.lists.lengths)]
+        cand = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        if cand.size == 0:
+            return cand
+        v = self.pred.p_idle(cand) * self.weight[cand]
+        return cand[np.argsort(v, kind="stable")[:n]]
+
+    def on_evict(self, b: int, now: float) -> None:
+        self._victim = -1
+        age = self._epoch - self.last[b]
+        self.horizon += self.smoothing * (max(age, 1.0) - self.horizon)
+        self.lists.remove(b)
+        self.size -= 1
+
+    def on_freed(self, b: int) -> None:
+        self.weight[b] = 1.0
+        self.pred.on_freed(b)
 
     def insert(self, b: int, now: float, cls: int, next_use: int) -> None:
         self.lists.push_back(b, int(self.klass[b]))

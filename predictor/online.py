@@ -69,6 +69,16 @@ class OnlineReusePredictor:
             self.calib.predict(b, p_scalar(a, bb, self.horizon), e, self.horizon)
         return k
 
+    def on_freed(self, b: int) -> None:
+        """Block id ``b`` is gone: its next owner starts unseen (no evidence, no open gap,
+        no pending prediction to be scored as a reuse)."""
+        self.alpha[b] = self.beta[b] = self.last[b] = 0.0
+        self.accesses[b] = 0
+        self.klass[b] = 0
+        self.priors.on_freed(b)
+        if self.calib is not None:
+            self.calib.on_freed(b)
+
     def p_fresh(self, b: int) -> float:
         """P(reuse within the horizon) of a block just accessed."""
         return p_scalar(float(self.alpha[b]), float(self.beta[b]), self.horizon)

@@ -75,6 +75,13 @@ class ClassPriors:
         if len(self._births) > 2 * self.pending.size + 1024:
             self._compact()
 
+    def on_freed(self, block: int) -> None:
+        """``block`` is gone: its open gap is dropped (a later owner of the id must not
+        resolve it as a reuse); its queued birth is skipped when it comes due."""
+        self.pending[block] = False
+        self.born_class[block] = -1
+        self.born_epoch[block] = 0.0
+
     def _compact(self) -> None:
         """Keep one birth per pending block (its newest): the queue holds one entry per
         access, and only the newest of a block counts, so without this it grows with
