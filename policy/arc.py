@@ -30,8 +30,9 @@ T1, T2, B1, B2 = 0, 1, 2, 3
 class ARCPolicy(Policy):
     replay_only = True
 
-    def __init__(self, capacity: int, max_blocks: int, **_: object) -> None:
+    def __init__(self, capacity: int, max_blocks: int, int_delta: bool = True, **_: object) -> None:
         super().__init__(capacity, max_blocks)
+        self.int_delta = int_delta
         self.lists = IndexLists(max_blocks, n_lists=4)  # front = LRU end
         self.p = 0.0
         self._case = -1  # list of the block being requested (-1: in none), set by observe
@@ -43,9 +44,11 @@ class ARCPolicy(Policy):
         where = self.lists.list_of(b)
         self._case = where
         if where == B1:
-            self.p = min(self.p + max(self._len(B2) / self._len(B1), 1.0), float(self.capacity))
+            d = self._len(B2) // self._len(B1) if self.int_delta else self._len(B2) / self._len(B1)
+            self.p = min(self.p + max(d, 1.0), float(self.capacity))
         elif where == B2:
-            self.p = max(self.p - max(self._len(B1) / self._len(B2), 1.0), 0.0)
+            d = self._len(B1) // self._len(B2) if self.int_delta else self._len(B1) / self._len(B2)
+            self.p = max(self.p - max(d, 1.0), 0.0)
 
     def on_hit(self, b: int, now: float, cls: int, next_use: int) -> None:
         self.lists.remove(b)

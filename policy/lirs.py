@@ -32,7 +32,7 @@ NONE, LIR, HIR, NR = 0, 1, 2, 3
 class LIRSPolicy(Policy):
     replay_only = True
 
-    def __init__(self, capacity: int, max_blocks: int, hir_fraction: float = 0.01, nonresident: float = 2.0,
+    def __init__(self, capacity: int, max_blocks: int, hir_fraction: float = 0.01, nonresident: float = 10.0,
                  **_: object) -> None:
         super().__init__(capacity, max_blocks)
         self.l_hirs = max(1, int(round(hir_fraction * capacity)))

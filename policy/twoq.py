@@ -28,6 +28,11 @@ class TwoQPolicy(Policy):
         self.q = IndexLists(max_blocks, n_lists=3)  # front = oldest / LRU
         self.kin = max(1, int(kin * capacity))
         self.kout = max(1, int(kout * capacity))
+        self._remembered = -1  # the requested block, if A1out held its id when it was requested
+
+    def observe(self, b: int, now: float, cls: int) -> None:
+        # decided at the request: making room may push this very id out of A1out
+        self._remembered = b if self.q.list_of(b) == A1OUT else -1
 
     def on_hit(self, b: int, now: float, cls: int, next_use: int) -> None:
         if self.q.list_of(b) == AM:
@@ -48,8 +53,8 @@ class TwoQPolicy(Policy):
 
     def insert(self, b: int, now: float, cls: int, next_use: int) -> None:
         q = self.q
-        if q.list_of(b) == A1OUT:
-            q.remove(b)
+        if b == self._remembered or q.list_of(b) == A1OUT:
+            q.discard(b)
             q.push_back(b, AM)
         else:
             q.push_back(b, A1IN)
