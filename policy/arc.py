@@ -17,8 +17,6 @@ its case and adapts ``p``), then ``evict`` when the cache is full, then
 
 from __future__ import annotations
 
-import numpy as np
-
 from kvtier.policy import register_policy
 from kvtier.policy.base import Policy
 from kvtier.tiers.intrusive import IndexLists

@@ -35,7 +35,7 @@ def list_victims(lists: IndexLists, lst: int, n: int, eligible: Optional[Eligibl
     e = int(lists.next[s])
     nxt = lists.next
     while found < n and e != s and left > 0:
-        chunk = []
+        chunk: list[int] = []
         k = min(left, 2 * (n - found) + 8)
         while e != s and len(chunk) < k:
             chunk.append(e)

@@ -6,10 +6,10 @@ ghost of main's size; the configuration of the reference figures.
 
 from __future__ import annotations
 
-import numpy as np
-
 from collections import deque
 from typing import Optional
+
+import numpy as np
 
 from kvtier.policy import register_policy
 from kvtier.policy.base import Eligible, Policy, budget
