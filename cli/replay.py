@@ -106,16 +106,16 @@ def run(args: argparse.Namespace) -> int:
         reports.append(rep)
         table = Table(title=f"{trace.name}: block hit ratio ({trace.n_accesses:,} accesses, "
                             f"{trace.n_unique:,} unique, max {rep['max_hit_ratio']:.4f})")
-        table.add_column("capacity", justify="right")
-        table.add_column("blocks", justify="right")
-        for p in policies:
-            table.add_column(p, justify="right")
-        for row in rep["rows"]:
-            table.add_row(f"{row['fraction']*100:g}%", f"{row['capacity_blocks']:,}",
-                          *[f"{row['hit'][p]:.4f}" for p in policies])
+        table.add_column("policy")
+        for row in rep["rows"]:  # one column per capacity, one row per policy: fits any number of policies
+            table.add_column(f"{row['fraction']*100:g}% ({row['capacity_blocks']:,})", justify="right")
         if rep["gap_closed"]:
-            table.add_row("gap closed", "", *[f"{rep['gap_closed'][p]:.3f}" for p in policies])
-        table.add_row("accesses/s", "", *[f"{rep['accesses_per_s'][p]:,.0f}" for p in policies])
+            table.add_column("gap closed", justify="right")
+        table.add_column("accesses/s", justify="right")
+        for p in policies:
+            gap = [f"{rep['gap_closed'][p]:.3f}"] if rep["gap_closed"] else []
+            table.add_row(p, *[f"{row['hit'][p]:.4f}" for row in rep["rows"]], *gap,
+                          f"{rep['accesses_per_s'][p]:,.0f}")
         console.print(table)
         if rep["calibration"]:
             console.print(f"predictor calibration: Brier {rep['calibration']['brier']:.4f}, "

@@ -32,8 +32,12 @@ _M64 = (1 << 64) - 1
 class CountMinSketch:
     """4-bit counters (capped at 15), ``depth`` rows; ``reset`` halves all of them."""
 
-    def __init__(self, width: int, sample: int, depth: int = 4, conservative: bool = True) -> None:
+    def __init__(self, width: int, sample: int, depth: int = 4, conservative: bool = True,
+                 doorkeeper: bool = False) -> None:
         self.conservative = conservative
+        # doorkeeper: a Bloom filter (3 hashes, ~8 bits per sampled access) in front of the
+        # counters: a first sighting sets its bits only, and counts as 1 in ``estimate``
+        self.door = np.zeros(1 << max(6, int(8 * sample - 1).bit_length()), dtype=bool) if doorkeeper else None
         self.width = 1 << max(4, int(width - 1).bit_length())
         self.mask = self.width - 1
         self.table = np.zeros((depth, self.width), dtype=np.uint8)
@@ -45,11 +49,25 @@ class CountMinSketch:
         k = key + 1
         return [(((k * s) & _M64) >> 32) & self.mask for s in self.seeds]
 
+    def _door_idx(self, key: int) -> list[int]:
+        assert self.door is not None
+        k = key + 1
+        return [(((k * s) & _M64) >> 11) & (self.door.size - 1) for s in self.seeds[:3]]
+
     def estimate(self, key: int) -> int:
         t = self.table
-        return min(int(t[r, i]) for r, i in enumerate(self._idx(key)))
+        est = min(int(t[r, i]) for r, i in enumerate(self._idx(key)))
+        if self.door is not None and all(self.door[i] for i in self._door_idx(key)):
+            est += 1
+        return est
 
     def add(self, key: int) -> None:
+        if self.door is not None:
+            di = self._door_idx(key)
+            if not all(self.door[i] for i in di):
+                self.door[di] = True
+                self._count()
+                return
         t = self.table
         idx = self._idx(key)
         vals = [int(t[r, i]) for r, i in enumerate(idx)]
@@ -58,10 +76,15 @@ class CountMinSketch:
             for r, i in enumerate(idx):  # conservative update: only the counters at the minimum
                 if vals[r] == m or (not self.conservative and vals[r] < 15):
                     t[r, i] = vals[r] + 1
+        self._count()
+
+    def _count(self) -> None:
         self.additions += 1
-        if self.additions >= self.sample:
+        if self.additions >= self.sample:  # reset: halve every counter, empty the doorkeeper
             self.table >>= 1
             self.additions //= 2
+            if self.door is not None:
+                self.door[:] = False
 
 
 @register_policy("w-tinylfu")
@@ -69,13 +92,15 @@ class WTinyLFUPolicy(Policy):
     replay_only = True
 
     def __init__(self, capacity: int, max_blocks: int, window: float = 0.01, protected: float = 0.8,
-                 sample_factor: int = 10, conservative: bool = True, **_: object) -> None:
+                 sample_factor: int = 10, conservative: bool = True, doorkeeper: bool = False,
+                 **_: object) -> None:
         super().__init__(capacity, max_blocks)
         self.window_cap = max(1, int(round(window * capacity))) if capacity > 1 else 0
         main = capacity - self.window_cap
         self.protected_cap = int(protected * main)
         self.q = IndexLists(max_blocks, n_lists=3)  # front = LRU end of each segment
-        self.sketch = CountMinSketch(capacity, sample_factor * capacity, conservative=conservative)
+        self.sketch = CountMinSketch(capacity, sample_factor * capacity, conservative=conservative,
+                                     doorkeeper=doorkeeper)
         self.rejected = 0
 
     def observe(self, b: int, now: float, cls: int) -> None:
