@@ -11,7 +11,10 @@ victim is the lowest density among 32 residents sampled uniformly. Every
 ``reconfigure_every`` accesses the histograms are decayed (EWMA 0.9) and the
 densities recomputed; at the 5th and 25th reconfiguration the age coarsening
 is set from the number of cached blocks. Before the first reconfiguration
-densities follow the reference's GDSF-like start, (c + 1) / (a + 1).
+densities follow the reference's GDSF-like start, (c + 1) / (a + 1). The
+reference code reconfigures every 2^20 accesses, sized for traces of 10^8
+requests: on a trace of a few 10^5 block accesses it would never learn, so
+the default here is 2^17 (``reconfigure_every``).
 
 This is the plain algorithm, the reference for kvtier's own policy: no
 feature classes, no admission, none of the reference simulator's warm-up
@@ -48,7 +51,7 @@ class LHDPolicy(Policy):
     replay_only = True
 
     def __init__(self, capacity: int, max_blocks: int, associativity: int = 32,
-                 reconfigure_every: int = 1 << 20, seed: int = 0, **_: object) -> None:
+                 reconfigure_every: int = 1 << 17, seed: int = 0, **_: object) -> None:
         super().__init__(capacity, max_blocks)
         self.assoc = int(associativity)
         self.reconfigure_every = int(reconfigure_every)

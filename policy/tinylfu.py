@@ -9,11 +9,13 @@ block), and whichever loses is evicted. A probation hit moves the block to
 protected, whose overflow goes back to probation's MRU end.
 
 Frequencies come from a count-min sketch of 4-bit counters (4 rows, width
-the next power of two >= the cache size, conservative update) that sees
-every access; after 10 x cache-size additions every counter is halved (the
-"reset" that makes it forget old popularity). The optional doorkeeper Bloom
-filter is left out: it saves sketch memory, it does not change decisions
-much.
+the next power of two >= the cache size; every row's counter is incremented,
+capped at 15) behind a doorkeeper Bloom filter that absorbs first sightings;
+after 10 x cache-size additions every counter is halved and the doorkeeper
+emptied (the "reset" that makes it forget old popularity). Conservative
+update (``conservative=True``) and no doorkeeper are options; on the
+conversation trace the default is the closest to the issue's reference
+figures (see the report).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ _M64 = (1 << 64) - 1
 class CountMinSketch:
     """4-bit counters (capped at 15), ``depth`` rows; ``reset`` halves all of them."""
 
-    def __init__(self, width: int, sample: int, depth: int = 4, conservative: bool = True,
+    def __init__(self, width: int, sample: int, depth: int = 4, conservative: bool = False,
                  doorkeeper: bool = False) -> None:
         self.conservative = conservative
         # doorkeeper: a Bloom filter (3 hashes, ~8 bits per sampled access) in front of the
@@ -92,7 +94,7 @@ class WTinyLFUPolicy(Policy):
     replay_only = True
 
     def __init__(self, capacity: int, max_blocks: int, window: float = 0.01, protected: float = 0.8,
-                 sample_factor: int = 10, conservative: bool = True, doorkeeper: bool = False,
+                 sample_factor: int = 10, conservative: bool = False, doorkeeper: bool = True,
                  **_: object) -> None:
         super().__init__(capacity, max_blocks)
         self.window_cap = max(1, int(round(window * capacity))) if capacity > 1 else 0

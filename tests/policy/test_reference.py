@@ -102,6 +102,18 @@ def test_count_min_sketch_caps_at_15_and_halves_at_the_sample_size():
     assert big.estimate(3) == 15
 
 
+def test_doorkeeper_absorbs_first_sightings():
+    s = CountMinSketch(16, sample=6, doorkeeper=True)
+    s.add(4)
+    assert s.estimate(4) == 1 and not s.table.any()  # only the Bloom filter knows it
+    s.add(4)
+    s.add(4)
+    assert s.estimate(4) == 3 and s.table.max() == 2
+    for _ in range(3):
+        s.add(9)  # the 6th addition resets: counters halve, the doorkeeper empties
+    assert not s.door.any() and s.estimate(4) == 1 and s.additions == 3
+
+
 def test_2q():
     # cap 4: Kin = 1, Kout = 2. 0 1 2 3 fill A1in (free slots).
     # 4: |A1in| = 4 > Kin -> 0 out, id to A1out [0].
