@@ -151,9 +151,11 @@ def test_on_freed_resets_every_per_block_entry(name):
             arr_p = getattr_path(pol, key)
             assert np.array_equal(arr_p[5], arr_f[5], equal_nan=True), key
     scored = pol.calib.n_scored if pol.calib is not None else 0
+    gaps = pol.pred.priors.hist.sum()
     pol.observe(5, 10.0, 2)  # the id's next owner: a first access, not a reuse
     if pol.calib is not None:
         assert pol.calib.n_scored == scored
+    assert pol.pred.priors.hist.sum() == gaps  # no gap closed in the prior fit either
     assert pp  # the walk found arrays
 
 
