@@ -95,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
     policies = expand_policies(args.policy, POLICIES)
     params = _params(args.config, policies)
     console = Console()
+    if not console.is_terminal:  # piped: rich would wrap at 80 columns and cut the table
+        console = Console(width=132)
     reports = []
     for path in args.traces:
         trace = load_trace(path)
