@@ -213,3 +213,28 @@ def test_a_freed_block_id_comes_back_fresh(tmp_path):
         assert not pol.pred.priors.pending[b] and np.isnan(pol.pred.calib.pred[b])
     finally:
         svc.close()
+
+
+def test_importance_decides_which_block_is_demoted(tmp_path):
+    """Four idle blocks of one class and age: without importance the first would go;
+    the one the engine's attention ignores goes instead."""
+    cfg = load_config(environ={}, overrides=[
+        "tiers.hbm_bytes=16384", "tiers.dram_bytes=16384", "tiers.nvme_bytes=0",
+        f'server.runtime_dir="{tmp_path}/run"', "metrics.enabled=false"])
+    svc = Service(cfg)
+    try:
+        call(svc, "register", pid=0, block_bytes=4096)
+        blocks = ids(call(svc, "alloc", n=4, seq=1, pin=True)["blocks"])
+        call(svc, "seal", blocks=P.id_bytes(blocks), keys=P.id_bytes([1, 2, 3, 4], np.uint64))
+        call(svc, "release", blocks=P.id_bytes(blocks))
+        pl, node = svc.node.placement, svc.node
+        assert pl._victims(0, 1) == [blocks[0]]  # equal value: the first resident
+        node.scores.report(np.array(blocks), np.array([0.4, 0.3, 0.01, 0.29], dtype=np.float32))
+        node.set_importance(np.array(blocks))
+        assert pl._victims(0, 1) == [blocks[2]]
+        assert pl.make_room(0, 1) == 1
+        svc.node.mgr.wait(timeout=10)
+        t = svc.node.mgr.table
+        assert t.copies[blocks[2]] == 0b10 and all(t.copies[b] & 1 for b in (blocks[0], blocks[1], blocks[3]))
+    finally:
+        svc.close()
