@@ -101,7 +101,8 @@ class TiersConfig(_Section):
 
 class PolicyConfig(_Section):
     name: str = "kvtier"
-    """Placement policy from the registry: kvtier (Beta value model), lru, s3fifo (belady: replay only)."""
+    """Placement policy from the registry: kvtier (the Beta value model), lru, s3fifo (belady and the
+    published references arc, lirs, w-tinylfu, sieve, 2q, lhd, gdsf: replay only)."""
     epoch_s: float = Field(default=1.0, gt=0)
     """Seconds in which repeated acquires of one block count as one access (the daemon's dedup window)."""
     admission: bool = True
@@ -133,6 +134,8 @@ class PolicyConfig(_Section):
             raise ValueError(f"unknown policy {v!r}; choose from {sorted(POLICIES)}")
         if getattr(POLICIES[v], "offline", False):
             raise ValueError(f"policy {v!r} needs the future and runs only in replay")
+        if getattr(POLICIES[v], "replay_only", False):
+            raise ValueError(f"policy {v!r} is a published reference for replay (no incremental victim query)")
         return v
 
     def params(self) -> dict[str, Any]:

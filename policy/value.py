@@ -25,12 +25,12 @@ reused before the cache forgets them never push out ones that will.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 
 from kvtier.policy import register_policy
-from kvtier.policy.base import Policy
+from kvtier.policy.base import Eligible, Policy, budget
 from kvtier.policy.shadow import ShadowCaches
 from kvtier.predictor.calibration import CalibrationTracker
 from kvtier.predictor.classes import N_STAGES
@@ -137,11 +137,14 @@ class ValuePolicy(Policy):
     def evict(self, now: float) -> int:
         v = self._victim if self._victim >= 0 else self._find_victim()[0]
         self._victim = -1
+        self._record_eviction(v)
+        return v
+
+    def _record_eviction(self, v: int) -> None:
         self.model.evicted(v)
         if self._scored(v):
             self._predict(v, float(self.model.values(self.active, np.array([v]))[0]))
         self._unlink(v)
-        return v
 
     def insert(self, b: int, now: float, cls: int, next_use: int) -> None:
         self.slots[self.size] = b
@@ -160,19 +163,27 @@ class ValuePolicy(Policy):
         self._unlink(b)
 
     # -- queries for the daemon ---------------------------------------------
-    def victims(self, n: int, eligible: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-        """Up to ``n`` eligible residents, lowest value first, from a sample of
-        ``max(samples, 4n)`` residents. Changes no policy state (the sample comes
-        from a private generator)."""
-        if self.size == 0 or n <= 0:
+    def victims(self, n: int, eligible: Optional[Eligible] = None) -> np.ndarray:
+        """Up to ``n`` eligible residents, lowest value first, among ``samples`` x ``n``
+        sampled by a local generator (all residents when there are no more). No state
+        changes: this policy's generator and pool are untouched."""
+        if n <= 0 or self.size == 0:
             return np.zeros(0, dtype=np.int64)
-        k = max(self.samples, 4 * n)
-        if k >= self.size:
+        m = min(self.samples * n, budget(n) * 4)
+        if self.size <= m:
             cand = self.slots[: self.size].copy()
         else:
-            cand = np.unique(self.slots[np.random.default_rng(self.model.clock).integers(0, self.size, size=k)])
-        cand = cand[eligible(cand)]
+            rng = np.random.default_rng((self.model.clock, self.size, n))
+            cand = np.unique(self.slots[rng.integers(0, self.size, size=m)])
+        if eligible is not None:
+            cand = cand[np.asarray(eligible(cand), dtype=bool)]
         return cand[np.argsort(self._values(cand), kind="stable")[:n]]
+
+    def on_evict(self, b: int, now: float) -> None:
+        """The daemon evicted ``b`` (one ``victims`` returned): record it as ``evict`` would."""
+        if self._victim == b:
+            self._victim = -1
+        self._record_eviction(b)
 
     def admit_many(self, blocks: np.ndarray, classes: np.ndarray) -> np.ndarray:
         """Which offered blocks are worth a slot here: their value now (feature class
@@ -203,13 +214,14 @@ class ValuePolicy(Policy):
         self.weight[blocks] = weights
         self._weighted = True
 
-    def forget(self, b: int) -> None:
-        """Block id ``b`` was freed: the next block to take the id starts afresh."""
+    def on_freed(self, b: int) -> None:
+        """Block id ``b`` no longer exists: the next block to take the id starts afresh
+        (no access history, weight or pending prediction)."""
         self.model.reset(b)
         self.shadows.forget(b)
         self.weight[b] = 1.0
         if self.calib is not None:
-            self.calib.pred[b] = np.nan
+            self.calib.on_freed(b)
 
     def seen(self, b: int) -> bool:
         return bool(self.model.stage[b])

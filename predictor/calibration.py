@@ -107,6 +107,11 @@ class CalibrationTracker:
             self.pairs.extend(np.array([p]), np.array([now <= self.deadline[block]], dtype=np.uint8))
             self.pred[block] = np.nan
 
+    def on_freed(self, block: int) -> None:
+        """``block`` is gone: its pending prediction is dropped, never scored."""
+        self.pred[block] = np.nan
+        self.deadline[block] = 0.0
+
     def finish(self, now: float) -> None:
         """Resolve pending predictions whose deadline has passed (no reuse)."""
         due = ~np.isnan(self.pred) & (self.deadline < now)

@@ -80,7 +80,7 @@ def test_a_freed_id_starts_afresh():
     pol = _filled()
     pol.set_weights(np.array([3]), np.array([0.2]))
     pol.remove(3)
-    pol.forget(3)
+    pol.on_freed(3)
     assert not pol.seen(3) and pol.weight[3] == 1.0 and int(pol.model.stage[3]) == 0
     pol.observe(3, 100.0, 2)  # the next block with id 3: a first access of class 2
     assert int(pol.model.stage[3]) == 1
