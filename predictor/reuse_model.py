@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -64,6 +65,13 @@ PARTITIONS: dict[str, np.ndarray] = {  # fine cell -> the partition's cell
     "stage_irr": (_FINE // N_IRR % N_STAGES) * N_IRR + _FINE % N_IRR,
     "stage": _FINE // N_IRR % N_STAGES,
     "all": np.zeros(N_CELLS, dtype=np.int64),
+}
+_SUM: dict[str, Callable[[np.ndarray], np.ndarray]] = {  # fine-cell rows -> partition-cell rows, summed
+    "class_stage_irr": lambda a: a,
+    "class_stage": lambda a: a.reshape(N_CLASSES, N_IRR, *a.shape[1:]).sum(1),
+    "stage_irr": lambda a: a.reshape(N_CLASSES // N_STAGES, N_STAGES * N_IRR, *a.shape[1:]).sum(0),
+    "stage": lambda a: a.reshape(N_CLASSES // N_STAGES, N_STAGES, N_IRR, *a.shape[1:]).sum((0, 2)),
+    "all": lambda a: a.sum(0, keepdims=True),
 }
 PARENT = {"class_stage_irr": "class_stage", "class_stage": "stage", "stage_irr": "stage", "stage": "all",
           "all": None}
@@ -107,6 +115,7 @@ class ReuseModel:
         self._inv_g = 1.0 / self.granularity
         # tables[k][cell, age bucket] = P(reused within W_k); before evidence: younger is better
         self.tables = [np.tile(np.linspace(1.0, 0.0, N_AGES), (N_CELLS, 1)) for _ in self.candidates]
+        self.flat = [t.reshape(-1) for t in self.tables]  # the same tables, for one-gather lookups
         self.horizons = np.ones(len(self.candidates))
 
     # -- evidence ----------------------------------------------------------
@@ -159,6 +168,7 @@ class ReuseModel:
             w = max(1.0, cand.horizon_multiple * self.eviction_age)
             self.horizons[k] = w
             self.tables[k] = self._table(self._hazard(cand.partition, pending, hazards), w)
+            self.flat[k] = self.tables[k].reshape(-1)
         decay = math.exp(-self.refresh_every / tau)
         self.reuses *= decay
         self.accesses *= decay
@@ -173,10 +183,9 @@ class ReuseModel:
         ids = self._rng.integers(0, n, size=min(n, PENDING_SAMPLE)) if n > PENDING_SAMPLE else np.arange(n)
         ids = ids[self.stage[ids] > 0]
         ages = self.clock - self.last[ids]
-        out = np.zeros((N_CELLS, N_BUCKETS))
         weight = np.exp(-ages / tau) * (n / max(1, min(n, PENDING_SAMPLE)))  # decayed like the counts
-        np.add.at(out, (self.cell[ids].astype(np.int64), distance_bucket(ages + 1)), weight)
-        return out
+        flat = self.cell[ids].astype(np.int64) * N_BUCKETS + distance_bucket(ages + 1)
+        return np.bincount(flat, weights=weight, minlength=N_CELLS * N_BUCKETS).reshape(N_CELLS, N_BUCKETS)
 
     def _hazard(self, partition: str, pending: np.ndarray, memo: dict[str, np.ndarray]) -> np.ndarray:
         """Posterior mean hazard per (partition cell, distance bucket), indexed by fine cell:
@@ -186,11 +195,8 @@ class ReuseModel:
             return memo[partition]
         cmap = PARTITIONS[partition]
         n_cells = int(cmap.max()) + 1
-        reuses = np.zeros((n_cells, N_BUCKETS))
-        np.add.at(reuses, cmap, self.reuses)
-        censored = np.zeros((n_cells, N_BUCKETS))
-        np.add.at(censored, cmap, pending)
-        total = np.bincount(cmap, weights=self.accesses, minlength=n_cells)
+        agg = _SUM[partition]
+        reuses, censored, total = agg(self.reuses), agg(pending), agg(self.accesses)
         gone = np.cumsum(reuses + censored, axis=1)  # reused or censored at or before bucket j
         at_risk = np.maximum(total[:, None] - np.concatenate((np.zeros((n_cells, 1)), gone[:, :-1]), axis=1), 0.0)
         parent = PARENT[partition]
@@ -210,12 +216,18 @@ class ReuseModel:
         ages = np.arange(N_AGES) * self.granularity  # each lookup bucket's lower edge
         start = distance_bucket(ages + 1)
         end = distance_bucket(ages + 1 + w) + 1  # survival past the bucket where the window ends
-        return 1.0 - np.exp(log_surv[:, end] - log_surv[:, start])
+        # many age buckets share a (start, end) pair of distance buckets: compute each pair once
+        pairs, inverse = np.unique(start * (N_BUCKETS + 1) + end, return_inverse=True)
+        p = 1.0 - np.exp(log_surv[:, pairs % (N_BUCKETS + 1)] - log_surv[:, pairs // (N_BUCKETS + 1)])
+        return p[:, inverse]
 
     # -- queries -------------------------------------------------------------
     def values(self, k: int, blocks: np.ndarray) -> np.ndarray:
         """Candidate ``k``'s P(reuse within its horizon) for ``blocks`` at their current age."""
-        return self.tables[k][self.cell[blocks], self.age_buckets(blocks)]
+        idx = ((self.clock - self.last[blocks]) * self._inv_g).astype(np.intp)
+        np.minimum(idx, N_AGES - 1, out=idx)
+        idx += self.cell[blocks].astype(np.intp) * N_AGES
+        return self.flat[k].take(idx)
 
     def age_buckets(self, blocks: np.ndarray) -> np.ndarray:
         idx = ((self.clock - self.last[blocks]) * self._inv_g).astype(np.int64)

@@ -101,3 +101,13 @@ def test_bad_candidates_are_refused():
         ReuseModel(4, candidates=(Candidate("nope", 1.0),))
     with pytest.raises(ValueError, match="at least one"):
         ReuseModel(4, candidates=())
+
+
+def test_partition_sums_match_their_cell_maps():
+    from kvtier.predictor.reuse_model import _SUM, N_CELLS, PARTITIONS
+
+    a = np.random.default_rng(0).random((N_CELLS, 3))
+    for name, cmap in PARTITIONS.items():
+        expect = np.zeros((int(cmap.max()) + 1, 3))
+        np.add.at(expect, cmap, a)
+        assert np.allclose(_SUM[name](a), expect), name
