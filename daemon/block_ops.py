@@ -148,6 +148,18 @@ class BlockOps:
         self.counters["ref_misses"] += int(keys.size - hit.size)
         return {"blocks": P.id_bytes(found)}
 
+    def op_lookup(self, session: EngineSession, args: Any) -> dict:
+        """Which keys the engine's namespace holds, and the fastest tier holding each
+        (-1: none); changes nothing, so a scheduler may ask before deciding to load."""
+        t = self.node.mgr.table
+        found = self.node.lookup(session, self.node.ids(args.keys, "keys", np.uint64))
+        tiers = np.full(found.size, -1, dtype=np.int8)
+        hit = found >= 0
+        copies = t.copies[found[hit]].astype(np.int64)
+        tiers[hit] = np.where(copies & 1, 0, np.where(copies & 2, 1, np.where(copies & 4, 2, -1)))
+        self.counters["lookups"] += 1
+        return {"blocks": P.id_bytes(found), "tiers": tiers.tobytes()}
+
     def op_free(self, session: EngineSession, args: Any) -> dict:
         mgr = self.node.mgr
         blocks = self.node.resolve(session, args, allow_keys=False)

@@ -132,7 +132,7 @@ class Service:
         self.residency = ResidencyOps(node, self.cfg, self.counters, self.clock)
         b, r = self.blocks, self.residency
         b.acquiring = r.pinned_by_waiters
-        self.node_ops = {"alloc": b.op_alloc, "seal": b.op_seal, "ref": b.op_ref, "free": b.op_free,
+        self.node_ops = {"alloc": b.op_alloc, "seal": b.op_seal, "ref": b.op_ref, "lookup": b.op_lookup, "free": b.op_free,
                          "acquire": r.op_acquire, "acquire_poll": r.op_acquire_poll, "release": r.op_release,
                          "hint": r.op_hint}
         return node
