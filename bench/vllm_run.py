@@ -22,8 +22,9 @@ from typing import Any, Optional
 MODELS: dict[str, dict[str, int]] = {  # name -> LlamaConfig fields
     "tiny": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
              "num_key_value_heads": 2},
-    # ~110M parameters: a 512-token prefix costs ~1 s to recompute on 2 cores, ~2 MiB of KV per block to read back
-    "bench": {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
+    # ~40M parameters: recomputing a 512-token prefix takes ~0.5 s on 2 cores; reading its KV back
+    # (4 blocks of 1.5 MiB) a few milliseconds
+    "bench": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 6, "num_attention_heads": 12,
               "num_key_value_heads": 4},
 }
 VOCAB = 512
@@ -37,8 +38,10 @@ def make_model(path: Path, name: str = "tiny") -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=4096, **MODELS[name])
-    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path)
+    fields: Any = MODELS[name]
+    cfg = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=4096, **fields)
+    model: Any = LlamaForCausalLM(cfg)
+    model.to(torch.float32).save_pretrained(path)
     return path
 
 
@@ -94,8 +97,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     kv: Optional[dict] = json.loads(args.kv_transfer_config) if args.kv_transfer_config else None
     t0 = time.perf_counter()
     llm = LLM(model=args.model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=args.max_model_len,
-              enable_prefix_caching=True, num_gpu_blocks_override=args.blocks, kv_transfer_config=kv, seed=0,
-              max_num_seqs=4, disable_log_stats=False)
+              enable_prefix_caching=not args.no_prefix_caching, num_gpu_blocks_override=args.blocks, kv_transfer_config=kv, seed=0,
+              max_num_seqs=4, disable_log_stats=False, enforce_eager=not args.compile)
     start_s = time.perf_counter() - t0
     sp = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, logprobs=1, ignore_eos=True)
     history: dict[int, list[int]] = {}
@@ -108,9 +111,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             snapshots["corrupted_slots"] = corrupt_nvme(args.nvme_dir, snapshots["before_corrupt"]["block_bytes"])
         prompt = history.get(req["session"], req["prefix"]) + req["user"]
         t = time.perf_counter()
-        r = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+        prompts: Any = [{"prompt_token_ids": prompt}]
+        r = llm.generate(prompts, sp, use_tqdm=False)[0]
         wall = time.perf_counter() - t
-        o = r.outputs[0]
+        o: Any = r.outputs[0]
         m = getattr(r, "metrics", None)
         ttft = float(getattr(m, "first_token_latency", 0.0) or 0.0) or wall
         rows.append({"session": req["session"], "turn": req["turn"], "prompt_tokens": len(prompt),
@@ -138,6 +142,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--runtime-dir", default="", help="the kvtier daemon's (for its stats)")
     p.add_argument("--nvme-dir", default="")
     p.add_argument("--corrupt-before-turn", type=int, default=None, help="fault drill: corrupt every NVMe copy first")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (slower start; a connector's "
+                   "layer hooks split the graph, so compiled runs with and without one may round differently)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="recompute every prompt in full")
     p.add_argument("--out", required=True)
     return p
 
