@@ -60,7 +60,8 @@ def engine_run(root: Path, name: str, model: Path, args: argparse.Namespace, blo
     if kv:
         cmd += ["--kv-transfer-config", kv]
     with open(log, "w") as fh:
-        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}).returncode
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
     if rc == 0 and out.exists():
         return json.loads(out.read_text()), ""
     return None, failure_reason(log.read_text())

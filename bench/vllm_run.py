@@ -88,7 +88,8 @@ def daemon_stats(runtime_dir: str) -> dict:
 
     with TierClient(runtime_dir=runtime_dir, heartbeat_s=None) as c:
         s = c.stats()
-    return {"service": s.get("service", {}), "tiers": s.get("tiers", []), "block_bytes": s.get("block_bytes", 0)}
+    return {"service": s.get("service", {}), "tiers": s.get("tiers", []), "block_bytes": s.get("block_bytes", 0),
+            "paths": s.get("paths", {})}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -97,7 +98,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     kv: Optional[dict] = json.loads(args.kv_transfer_config) if args.kv_transfer_config else None
     t0 = time.perf_counter()
     llm = LLM(model=args.model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=args.max_model_len,
-              enable_prefix_caching=not args.no_prefix_caching, num_gpu_blocks_override=args.blocks, kv_transfer_config=kv, seed=0,
+              enable_prefix_caching=not args.no_prefix_caching, num_gpu_blocks_override=args.blocks,
+              kv_transfer_config=kv, seed=0,
               max_num_seqs=4, disable_log_stats=False, enforce_eager=not args.compile)
     start_s = time.perf_counter() - t0
     sp = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, logprobs=1, ignore_eos=True)

@@ -148,7 +148,7 @@ class WorkerSide:
                     break
                 if time.monotonic() > end:
                     raise KvtierError(f"layer {layer} not loaded within {self.timeout_s} s")
-                time.sleep(0.0002)
+                time.sleep(0.001)  # each poll is an RPC: leave the daemon the CPU to move the bytes
         except KvtierError as e:
             log.warning("kvtier: load failed (%s); vLLM recomputes those blocks", e)
             ld.handle = None  # the daemon dropped the acquire and its pins
