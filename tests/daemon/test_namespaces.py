@@ -89,3 +89,19 @@ def test_the_default_namespace_keeps_keys_as_engines_send_them():
     assert np.array_equal(scoped_keys(keys, 0), keys)  # one model per node: events carry the engine's keys
     other = scoped_keys(keys, 1)
     assert len(set(other.tolist())) == 4 and not set(other.tolist()) & set(keys.tolist())
+
+
+def test_a_clear_that_keeps_live_blocks_sends_removals_not_all_blocks_cleared(svc):
+    call(svc, "register", "a", pid=0, block_bytes=BB, namespace="model-a")
+    _sealed(svc, "a", 1, 1)  # cached: alloc's reference goes below
+    live = _sealed(svc, "a", 2, 2)
+    svc.node.events.take_batch()
+    cached = ids(call(svc, "lookup", "a", keys=_keys(1))["blocks"])[0]
+    call(svc, "free", "a", blocks=[cached])
+    call(svc, "clear")
+    evs = svc.node.events.take_batch()[1]
+    assert {"type": "AllBlocksCleared"} not in evs
+    assert [e["type"] for e in evs] == ["BlockRemoved"]
+    call(svc, "free", "a", blocks=[live])
+    call(svc, "clear")
+    assert svc.node.events.take_batch()[1][-1] == {"type": "AllBlocksCleared"}
