@@ -97,6 +97,8 @@ class WorkerSide:
         self.errors: set[int] = set()       # vLLM blocks that could not be loaded (reported once)
         self.failed_reqs: set[str] = set()  # requests of this step whose load failed: nothing of theirs is saved
         self.stats = {"loaded_blocks": 0, "saved_blocks": 0, "failed_blocks": 0, "load_wait_s": 0.0}
+        # the daemon reports layer-wise progress in the parts of the first engine's geometry: ours only if equal
+        self.layerwise = int(client.info.get("layers", 1)) == len(geometry.layers)
         max_batch = max(1, int(client.info.get("hbm_slots", 2)) // 2)
         self.save_batch = max_batch
 
@@ -144,7 +146,7 @@ class WorkerSide:
             while True:
                 ready, slots = ld.handle.layers_ready()
                 ready, slots = ready[ld.pos], slots[ld.pos]
-                if ld.handle.done or np.all(ready > layer):  # a done handle reports no layer count: all landed
+                if ld.handle.done or (self.layerwise and np.all(ready > layer)):  # done: every layer landed
                     break
                 if time.monotonic() > end:
                     raise KvtierError(f"layer {layer} not loaded within {self.timeout_s} s")

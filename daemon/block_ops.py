@@ -119,7 +119,7 @@ class BlockOps:
             if t.pins[b] != session.pins[b]:
                 raise ProtocolError(P.INVALID, f"block {b} is pinned by another engine")
         out = np.empty_like(blocks)
-        nbytes = args.nbytes if args.nbytes is not None else mgr.block_bytes
+        nbytes = args.nbytes if args.nbytes is not None else (session.block_bytes or mgr.block_bytes)
         cont = session.continues(args.seq, blocks.size)
         for i, (b, k) in enumerate(zip(blocks.tolist(), keys.tolist())):
             if session.pins[b] and t.lookup(k) >= 0:  # folding into a shared block: our pins on b go

@@ -76,3 +76,24 @@ def test_a_block_kvtier_does_not_hold_is_reported_and_saves_of_that_request_are_
     ws.save([Transfer("s", [6], HS[4:5])])
     got, _ = c.lookup([block_key(HS[5]), block_key(HS[4])])
     assert got[0] == -1 and got[1] >= 0
+
+
+def test_a_second_model_with_its_own_geometry_shares_the_daemon(worker):
+    kv, ws, c = worker
+    small = {f"m2.layers.{i}": torch.randn(NB, 2, BS, 1, D) for i in range(2)}  # another model: blocks on dim 0
+    geo2 = Geometry(small, NB)
+    c2 = type(c)(runtime_dir=c.runtime_dir)
+    try:
+        info = c2.register(block_bytes=geo2.block_bytes, block_tokens=BS, layout={"layers": 2}, namespace="m2")
+        assert info["block_bytes"] == geo2.block_bytes < info["slot_bytes"]
+        ws2 = WorkerSide(c2, geo2, timeout_s=10.0)
+        assert not ws2.layerwise  # the daemon's parts are the first model's
+        ws.save([Transfer("a", [1], HS[:1])])
+        ws2.save([Transfer("x", [2], HS[:1])])  # the same hash in another namespace: its own block
+        orig = {n: t[2].clone() for n, t in small.items()}
+        assert _load(ws2, small, [Transfer("y", [7], HS[:1])]) == set()
+        assert all(torch.equal(small[n][7], orig[n]) for n in small)
+        assert _load(ws, kv, [Transfer("z", [9], HS[:1])]) == set()
+        assert all(torch.equal(kv[n][:, 9], kv[n][:, 1]) for n in kv)
+    finally:
+        c2.close()
