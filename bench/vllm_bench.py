@@ -32,9 +32,9 @@ from kvtier.bench.vllm_run import MODELS, make_model
 BLOCK_TOKENS = 128  # vLLM's CPU backend default
 OFFLOADERS = {
     "OffloadingConnector": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                            "kv_connector_extra_config": {"num_cpu_blocks": 64}},
+                            "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}},
     "SimpleCPUOffloadConnector": {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
-                                  "kv_connector_extra_config": {"num_cpu_blocks": 64}},
+                                  "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}},
 }
 
 

@@ -62,18 +62,24 @@ class Geometry:
         self.part = self.layers[0].nbytes + DIGEST_BYTES  # one layer of one kvtier block
         self.block_bytes = self.part * len(self.layers)
 
-    def read(self, layer: int, vids: torch.Tensor) -> torch.Tensor:
-        """[n, nbytes] uint8: layer ``layer`` of vLLM blocks ``vids``, exact bytes."""
+    def view_part(self, layer: int, row: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer`` of one kvtier block (``row``: its staging slot's bytes), as vLLM's block shape."""
         x = self.layers[layer]
-        return x.tensor.index_select(x.bdim, vids).movedim(x.bdim, 0).contiguous().view(torch.uint8) \
-            .reshape(vids.numel(), x.nbytes)
+        off = layer * self.part
+        return row[off:off + x.nbytes].view(x.tensor.dtype).view(x.tensor.select(x.bdim, 0).shape)
 
-    def write(self, layer: int, vids: torch.Tensor, data: torch.Tensor) -> None:
-        """Write [n, nbytes] uint8 into vLLM blocks ``vids`` of layer ``layer``."""
+    def save(self, layer: int, vid: int, row: torch.Tensor) -> None:
+        """One strided copy, vLLM's block -> the staging slot (no intermediate tensor)."""
         x = self.layers[layer]
-        shape = list(x.tensor.select(x.bdim, 0).shape)
-        src = data.contiguous().view(x.tensor.dtype).reshape([vids.numel(), *shape])
-        x.tensor.index_copy_(x.bdim, vids, src.movedim(0, x.bdim))
+        self.view_part(layer, row).copy_(x.tensor.select(x.bdim, vid))
+
+    def load(self, layer: int, vid: int, row: torch.Tensor) -> None:
+        x = self.layers[layer]
+        x.tensor.select(x.bdim, vid).copy_(self.view_part(layer, row))
+
+    def trailer(self, layer: int, row: torch.Tensor) -> torch.Tensor:
+        off = layer * self.part + self.layers[layer].nbytes
+        return row[off:off + DIGEST_BYTES]
 
 
 @dataclass
@@ -158,14 +164,13 @@ class WorkerSide:
             return False
         hbm = self.client.hbm
         assert hbm is not None
-        off = layer * self.geo.part
-        nb = self.geo.layers[layer].nbytes
-        data = hbm[torch.from_numpy(slots), off:off + self.geo.part]
-        if not torch.equal(data[:, nb:], ld.want):  # the full vLLM hash, stored beside the bytes
+        rows = [hbm[int(sl)] for sl in slots.tolist()]
+        if not all(torch.equal(self.geo.trailer(layer, r), ld.want[i]) for i, r in enumerate(rows)):
             log.warning("kvtier: a block's stored hash does not match (a 64-bit key collision); recomputed")
-            self._fail()
+            self._fail()  # the full vLLM hash stored beside the bytes is not the one asked for
             return False
-        self.geo.write(layer, ld.vids, data[:, :nb])
+        for vid, r in zip(ld.vids.tolist(), rows):
+            self.geo.load(layer, vid, r)
         ld.done_layers = layer + 1
         return True
 
@@ -220,13 +225,12 @@ class WorkerSide:
         except KvtierError as e:
             log.warning("kvtier: no staging room to save %d blocks (%s); they stay in vLLM only", len(vids), e)
             return
-        st = torch.from_numpy(slots)
-        v = torch.tensor(vids, dtype=torch.int64)
         trailer = torch.from_numpy(digests(hashes))
-        for layer, x in enumerate(self.geo.layers):
-            off = layer * self.geo.part
-            hbm[st, off:off + x.nbytes] = self.geo.read(layer, v)
-            hbm[st, off + x.nbytes:off + self.geo.part] = trailer
+        for i, (vid, sl) in enumerate(zip(vids, slots.tolist())):
+            row = hbm[int(sl)]
+            for layer in range(len(self.geo.layers)):
+                self.geo.save(layer, vid, row)
+                self.geo.trailer(layer, row).copy_(trailer[i])
         try:
             canon = self.client.seal(blocks, block_keys(hashes))
             self.client.release(blocks=canon[canon == blocks])  # a folded block's pins went with it
