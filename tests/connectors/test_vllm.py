@@ -54,8 +54,9 @@ def runs(tmp_path_factory):
     model = make_model(root / "model", "tiny")
     (root / "daemon").mkdir()
     (root / "refdaemon").mkdir()
-    # LRU admits every HBM victim into DRAM: where blocks land is a function of the workload alone
-    d = DaemonProcess(root / "daemon", f"tiers.hbm_bytes={10 * STRIDE}", f"tiers.dram_bytes={8 * STRIDE}",
+    # LRU admits every HBM victim into DRAM. A staging pool of 6 slots (one load and one save fit)
+    # and 12 DRAM slots: a session's last turn (~10 blocks back) is in DRAM, older turns on NVMe
+    d = DaemonProcess(root / "daemon", f"tiers.hbm_bytes={6 * STRIDE}", f"tiers.dram_bytes={12 * STRIDE}",
                       f"tiers.nvme_bytes={128 * (STRIDE + 4096)}", 'policy.name="lru"')
     rd = DaemonProcess(root / "refdaemon", f"tiers.hbm_bytes={64 * STRIDE}", "tiers.dram_bytes=0", "tiers.nvme_bytes=0")
     try:
