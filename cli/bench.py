@@ -14,6 +14,7 @@ BENCHES: dict[str, str] = {
     "rpc": "kvtier.bench.rpc",
     "e2e": "kvtier.bench.e2e",
     "soak": "kvtier.bench.soak",
+    "vllm": "kvtier.bench.vllm_bench",
 }
 
 
