@@ -1,0 +1,224 @@
+"""The remote tier's store: sealed blocks in a Redis Cluster, self-describing and verified.
+
+One Redis hash per block, ``kvt:<namespace tag>:<key>`` (16 hex digits each):
+field ``h`` is a header (magic, version, namespace tag, key, length, checksum,
+chunk count) and fields ``0..n-1`` the payload in chunks of at most
+``chunk_bytes``. Each chunk is its own ``HSET`` in the pipeline, so a large
+block never becomes one huge command that stalls a shard; the chunks of one
+block live under one key, so a shard's eviction (``maxmemory-policy``) takes a
+block whole. A read is one ``HMGET`` of every field; the bytes are checked
+against the header (namespace, key, length) and the block checksum
+(``kernels/checksum.py``, the same value the block table holds) before they
+count: a value that fails is deleted, counted, and reported as a miss, never
+served. Values are written and read through redis-py's cluster pipelines.
+
+Only sealed blocks are stored: they are immutable and content-addressed, so a
+copy written by any node is as good as any other's, and two writers of one key
+write the same bytes (a racing overwrite is harmless).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import xxhash
+
+from kvtier.kernels.checksum import block_checksum
+
+from .types import TierError
+
+MAGIC = b"KVR1"
+VERSION = 1
+HEADER = struct.Struct("<4sIQQQQI4x")  # magic, version, ns tag, key, length, checksum, chunks
+
+
+class RemoteError(TierError):
+    """The remote store failed (unreachable, timeout, refused)."""
+
+
+class RemoteAuthError(RemoteError):
+    """The cluster refused our credentials (wrong ACL user or password)."""
+
+
+def namespace_tag(fleet: str, engine_ns: str) -> int:
+    """64-bit tag of (the fleet's remote namespace, the engines' namespace): keys of two
+    models, tenants or deployments never meet."""
+    return xxhash.xxh3_64_intdigest(fleet.encode() + b"\0" + engine_ns.encode())
+
+
+def value_name(tag: int, key: int) -> str:
+    return f"kvt:{tag:016x}:{key:016x}"
+
+
+def pack_header(tag: int, key: int, length: int, checksum: int, chunks: int) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, tag, key, length, checksum, chunks)
+
+
+@dataclass
+class GetResult:
+    found: np.ndarray  # bool per block: verified bytes are in the destination
+    lengths: np.ndarray  # int64: payload length of found blocks
+    checksums: np.ndarray  # uint64: their checksum
+    corrupt: int  # values that failed verification (deleted)
+    nbytes: int  # payload bytes read
+
+
+def _is_auth_error(e: BaseException) -> bool:
+    text = str(e).lower()
+    return any(w in text for w in ("wrongpass", "invalid username-password", "noauth", "authentication",
+                                   "noperm", "user is disabled"))
+
+
+class RedisClusterStore:
+    """A connection to one Redis Cluster; used from one worker thread at a time."""
+
+    def __init__(self, nodes: Sequence[str], username: Optional[str] = None,
+                 password: Optional[str] = None, tls: bool = False, tls_ca_file: Optional[str] = None,
+                 tls_cert_file: Optional[str] = None, tls_key_file: Optional[str] = None,
+                 tls_verify: bool = True, connect_timeout_s: float = 2.0, timeout_s: float = 2.0,
+                 chunk_bytes: int = 4 << 20) -> None:
+        try:
+            from redis.cluster import ClusterNode, RedisCluster
+        except ImportError:
+            raise RemoteError("the remote tier needs the redis package: pip install 'kvtier[remote]'") from None
+        if not nodes:
+            raise ValueError("the remote tier needs at least one startup node")
+        if chunk_bytes < 4096:
+            raise ValueError("chunk_bytes must be >= 4096")
+        self.chunk_bytes = int(chunk_bytes)
+        startup = []
+        for n in nodes:
+            host, _, port = n.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"remote node {n!r} is not host:port")
+            startup.append(ClusterNode(host, int(port)))
+        kw: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": connect_timeout_s}
+        if username:
+            kw["username"] = username
+        if password:
+            kw["password"] = password
+        if tls:
+            kw.update(ssl=True, ssl_ca_certs=tls_ca_file, ssl_certfile=tls_cert_file, ssl_keyfile=tls_key_file,
+                      ssl_cert_reqs="required" if tls_verify else "none")
+        where = ", ".join(nodes)
+        try:
+            self.client = RedisCluster(startup_nodes=startup, require_full_coverage=False, **kw)
+            self.client.ping(target_nodes=RedisCluster.PRIMARIES)
+        except Exception as e:  # redis raises many kinds; each is a clear start-up error here
+            if _is_auth_error(e):
+                who = f"user {username!r}" if username else "the default user"
+                raise RemoteAuthError(f"remote tier: the Redis Cluster at {where} refused {who}: wrong user "
+                                      f"or password (tiers.remote.username / password or KVTIER_REMOTE_PASSWORD)") from None
+            raise RemoteError(f"remote tier: cannot reach the Redis Cluster at {where}: {e}") from None
+
+    # -- writes -----------------------------------------------------------------------------
+    def put_many(self, tags: np.ndarray, keys: np.ndarray, payloads: Sequence[Any], lengths: np.ndarray,
+                 checksums: np.ndarray) -> np.ndarray:
+        """Store blocks (payloads: buffers of at least ``lengths[i]`` bytes); per block: stored."""
+        pipe = self.client.pipeline()
+        spans = []
+        for tag, key, buf, n, cs in zip(tags.tolist(), keys.tolist(), payloads, lengths.tolist(), checksums.tolist()):
+            name = value_name(tag, key)
+            view = memoryview(buf).cast("B")[:n]
+            chunks = max(1, -(-n // self.chunk_bytes))
+            first = len(pipe.command_stack)
+            pipe.delete(name)  # a shorter rewrite must not keep an old value's extra chunks
+            pipe.hset(name, mapping={"h": pack_header(tag, key, n, cs, chunks), "0": view[: self.chunk_bytes]})
+            for i in range(1, chunks):
+                pipe.hset(name, str(i), view[i * self.chunk_bytes: (i + 1) * self.chunk_bytes])
+            spans.append((first, len(pipe.command_stack)))
+        results = self._execute(pipe)
+        return np.array([not any(isinstance(r, Exception) for r in results[a:b]) for a, b in spans], dtype=bool)
+
+    def _execute(self, pipe: Any) -> list:
+        try:
+            return pipe.execute(raise_on_error=False)
+        except Exception as e:
+            if _is_auth_error(e):
+                raise RemoteAuthError(f"remote tier: authentication failed: {e}") from None
+            raise RemoteError(f"remote tier: {type(e).__name__}: {e}") from None
+
+    # -- reads ------------------------------------------------------------------------------
+    def get_many(self, tags: np.ndarray, keys: np.ndarray, dsts: Sequence[np.ndarray]) -> GetResult:
+        """Read blocks into ``dsts`` (uint8 arrays, one block slot each), verified."""
+        pipe = self.client.pipeline()
+        names = [value_name(t, k) for t, k in zip(tags.tolist(), keys.tolist())]
+        for name, dst in zip(names, dsts):
+            pipe.hmget(name, ["h", *map(str, range(max(1, -(-dst.size // self.chunk_bytes))))])
+        results = self._execute(pipe)
+        n = len(names)
+        found = np.zeros(n, dtype=bool)
+        lengths = np.zeros(n, dtype=np.int64)
+        sums = np.zeros(n, dtype=np.uint64)
+        bad: list[str] = []
+        nbytes = 0
+        for i, (tag, key, fields, dst) in enumerate(zip(tags.tolist(), keys.tolist(), results, dsts)):
+            if isinstance(fields, Exception):
+                raise RemoteError(f"remote tier: {fields}")
+            if fields[0] is None:
+                continue  # not stored (or evicted): a miss
+            got = self._verify(tag, key, fields, dst)
+            if got is None:
+                bad.append(names[i])
+                continue
+            found[i], lengths[i], sums[i] = True, got[0], got[1]
+            nbytes += got[0]
+        if bad:
+            self._delete(bad)
+        return GetResult(found, lengths, sums, len(bad), nbytes)
+
+    def _verify(self, tag: int, key: int, fields: list, dst: np.ndarray) -> "tuple[int, int] | None":
+        """(length, checksum) once the bytes in ``dst`` match the header; None for a bad value."""
+        head = fields[0]
+        if len(head) != HEADER.size:
+            return None
+        magic, version, h_tag, h_key, length, cs, chunks = HEADER.unpack(head)
+        if (magic, version, h_tag, h_key) != (MAGIC, VERSION, tag, key) or length > dst.size:
+            return None
+        if chunks != max(1, -(-length // self.chunk_bytes)) or chunks > len(fields) - 1:
+            return None
+        pos = 0
+        for part in fields[1: 1 + chunks]:
+            if part is None or pos + len(part) > length:
+                return None
+            dst[pos: pos + len(part)] = np.frombuffer(part, dtype=np.uint8)
+            pos += len(part)
+        if pos != length or block_checksum(dst, length) != cs:
+            return None
+        return length, cs
+
+    def _delete(self, names: list[str]) -> None:
+        pipe = self.client.pipeline()
+        for name in names:
+            pipe.delete(name)
+        self._execute(pipe)
+
+    # -- admin ------------------------------------------------------------------------------
+    def primaries(self) -> int:
+        return len(self.client.get_primaries())
+
+    def bound_memory(self, capacity_bytes: int) -> str:
+        """Give each primary ``capacity_bytes / primaries`` as maxmemory, evicting allkeys-lru;
+        "" when done, else why not (an ACL user without CONFIG: the operator sets it)."""
+        primaries = self.client.get_primaries()
+        each = max(1, capacity_bytes // max(1, len(primaries)))
+        try:
+            for node in primaries:
+                self.client.config_set("maxmemory", str(each), target_nodes=node)
+                self.client.config_set("maxmemory-policy", "allkeys-lru", target_nodes=node)
+        except Exception as e:
+            return f"cannot bound the cluster's memory ({e}); set maxmemory and maxmemory-policy allkeys-lru on it"
+        return ""
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except Exception:
+            pass
+
+
+__all__ = ["RedisClusterStore", "RemoteError", "RemoteAuthError", "GetResult", "namespace_tag", "value_name",
+           "pack_header", "HEADER"]
