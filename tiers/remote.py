@@ -103,11 +103,12 @@ class RemoteTier:
         self.in_flight += 1
         return job.tid
 
-    def poll(self) -> list[RemoteCompletion]:
+    def poll(self, timeout: float = 0.0) -> list[RemoteCompletion]:
+        """Completed jobs (waits up to ``timeout`` for the first; the owner loop passes 0)."""
         out: list[RemoteCompletion] = []
         while True:
             try:
-                c = self._done.get_nowait()
+                c = self._done.get(timeout=timeout) if timeout > 0 and not out else self._done.get_nowait()
             except queue.Empty:
                 break
             self.in_flight -= 1
@@ -125,9 +126,7 @@ class RemoteTier:
         out: list[RemoteCompletion] = []
         end = time.monotonic() + timeout
         while self.in_flight and time.monotonic() < end:
-            out += self.poll()
-            if self.in_flight:
-                time.sleep(0.0005)
+            out += self.poll(timeout=max(1e-3, end - time.monotonic()))
         return out
 
     # -- worker side ------------------------------------------------------------------------
