@@ -1,16 +1,18 @@
 """The remote tier's store: sealed blocks in a Redis Cluster, self-describing and verified.
 
-One Redis hash per block, ``kvt:<namespace tag>:<key>`` (16 hex digits each):
-field ``h`` is a header (magic, version, namespace tag, key, length, checksum,
-chunk count) and fields ``0..n-1`` the payload in chunks of at most
-``chunk_bytes``. Each chunk is its own ``HSET`` in the pipeline, so a large
-block never becomes one huge command that stalls a shard; the chunks of one
-block live under one key, so a shard's eviction (``maxmemory-policy``) takes a
-block whole. A read is one ``HMGET`` of every field; the bytes are checked
-against the header (namespace, key, length) and the block checksum
-(``kernels/checksum.py``, the same value the block table holds) before they
-count: a value that fails is deleted, counted, and reported as a miss, never
-served. Values are written and read through redis-py's cluster pipelines.
+A block is stored as Redis strings named ``kvt:{<namespace tag>:<key>}:<i>``
+(16 hex digits each; the braces are a hash tag, so every chunk of a block lives
+in one slot, on one shard): chunk 0 starts with a header (magic, version,
+namespace tag, key, length, checksum, chunk count) followed by the payload's
+first ``chunk_bytes``; chunks 1.. hold the rest. Each chunk is its own ``SET``
+in the pipeline, so a large block never becomes one huge command that stalls a
+shard (blocks up to ``chunk_bytes`` are one key and one ``SET``). A read is one
+``GET`` per chunk; the bytes are checked against the header (namespace, key,
+length) and the block checksum (``kernels/checksum.py``, the same value the
+block table holds) before they count: a value that fails is deleted, counted,
+and reported as a miss, never served. A block missing a chunk (the shard's
+eviction took part of it) is a miss, and its other chunks are deleted. Values
+are written and read through redis-py's cluster pipelines.
 
 Only sealed blocks are stored: they are immutable and content-addressed, so a
 copy written by any node is as good as any other's, and two writers of one key
@@ -49,8 +51,9 @@ def namespace_tag(fleet: str, engine_ns: str) -> int:
     return xxhash.xxh3_64_intdigest(fleet.encode() + b"\0" + engine_ns.encode())
 
 
-def value_name(tag: int, key: int) -> str:
-    return f"kvt:{tag:016x}:{key:016x}"
+def value_name(tag: int, key: int, chunk: int = 0) -> str:
+    """Redis key of chunk ``chunk`` of a block (chunk 0 carries the header)."""
+    return f"kvt:{{{tag:016x}:{key:016x}}}:{chunk}"
 
 
 def pack_header(tag: int, key: int, length: int, checksum: int, chunks: int) -> bytes:
@@ -120,16 +123,15 @@ class RedisClusterStore:
         """Store blocks (payloads: buffers of at least ``lengths[i]`` bytes); per block: stored."""
         pipe = self.client.pipeline()
         spans = []
+        cb = self.chunk_bytes
         for tag, key, buf, n, cs in zip(tags.tolist(), keys.tolist(), payloads, lengths.tolist(), checksums.tolist()):
-            name = value_name(tag, key)
             view = memoryview(buf).cast("B")[:n]
-            chunks = max(1, -(-n // self.chunk_bytes))
-            first = len(pipe.command_stack)
-            pipe.delete(name)  # a shorter rewrite must not keep an old value's extra chunks
-            pipe.hset(name, mapping={"h": pack_header(tag, key, n, cs, chunks), "0": view[: self.chunk_bytes]})
+            chunks = max(1, -(-n // cb))
+            first = len(pipe)
+            pipe.set(value_name(tag, key), pack_header(tag, key, n, cs, chunks) + view[:cb])
             for i in range(1, chunks):
-                pipe.hset(name, str(i), view[i * self.chunk_bytes: (i + 1) * self.chunk_bytes])
-            spans.append((first, len(pipe.command_stack)))
+                pipe.set(value_name(tag, key, i), view[i * cb: (i + 1) * cb])
+            spans.append((first, len(pipe)))
         results = self._execute(pipe)
         return np.array([not any(isinstance(r, Exception) for r in results[a:b]) for a, b in spans], dtype=bool)
 
@@ -145,49 +147,59 @@ class RedisClusterStore:
     def get_many(self, tags: np.ndarray, keys: np.ndarray, dsts: Sequence[np.ndarray]) -> GetResult:
         """Read blocks into ``dsts`` (uint8 arrays, one block slot each), verified."""
         pipe = self.client.pipeline()
-        names = [value_name(t, k) for t, k in zip(tags.tolist(), keys.tolist())]
-        for name, dst in zip(names, dsts):
-            pipe.hmget(name, ["h", *map(str, range(max(1, -(-dst.size // self.chunk_bytes))))])
+        spans = []
+        for tag, key, dst in zip(tags.tolist(), keys.tolist(), dsts):
+            first = len(pipe)
+            for i in range(max(1, -(-dst.size // self.chunk_bytes))):
+                pipe.get(value_name(tag, key, i))
+            spans.append((first, len(pipe)))
         results = self._execute(pipe)
-        n = len(names)
+        n = len(dsts)
         found = np.zeros(n, dtype=bool)
         lengths = np.zeros(n, dtype=np.int64)
         sums = np.zeros(n, dtype=np.uint64)
         bad: list[str] = []
-        nbytes = 0
-        for i, (tag, key, fields, dst) in enumerate(zip(tags.tolist(), keys.tolist(), results, dsts)):
-            if isinstance(fields, Exception):
-                raise RemoteError(f"remote tier: {fields}")
-            if fields[0] is None:
+        corrupt = nbytes = 0
+        for i, (tag, key, (a, b), dst) in enumerate(zip(tags.tolist(), keys.tolist(), spans, dsts)):
+            parts = results[a:b]
+            for r in parts:
+                if isinstance(r, Exception):
+                    raise RemoteError(f"remote tier: {r}")
+            if parts[0] is None:
                 continue  # not stored (or evicted): a miss
-            got = self._verify(tag, key, fields, dst)
-            if got is None:
-                bad.append(names[i])
+            got = self._verify(tag, key, parts, dst)
+            if isinstance(got, str):  # refused: never served, deleted so nobody reads it again
+                bad += [value_name(tag, key, j) for j in range(len(parts))]
+                corrupt += got == "corrupt"
                 continue
             found[i], lengths[i], sums[i] = True, got[0], got[1]
             nbytes += got[0]
         if bad:
             self._delete(bad)
-        return GetResult(found, lengths, sums, len(bad), nbytes)
+        return GetResult(found, lengths, sums, corrupt, nbytes)
 
-    def _verify(self, tag: int, key: int, fields: list, dst: np.ndarray) -> "tuple[int, int] | None":
-        """(length, checksum) once the bytes in ``dst`` match the header; None for a bad value."""
-        head = fields[0]
-        if len(head) != HEADER.size:
-            return None
-        magic, version, h_tag, h_key, length, cs, chunks = HEADER.unpack(head)
+    def _verify(self, tag: int, key: int, parts: list, dst: np.ndarray) -> "tuple[int, int] | str":
+        """(length, checksum) once the bytes in ``dst`` match the header; else "corrupt", or
+        "partial" for a block the shard's eviction took part of."""
+        first = parts[0]
+        if len(first) < HEADER.size:
+            return "corrupt"
+        magic, version, h_tag, h_key, length, cs, chunks = HEADER.unpack_from(first)
         if (magic, version, h_tag, h_key) != (MAGIC, VERSION, tag, key) or length > dst.size:
-            return None
-        if chunks != max(1, -(-length // self.chunk_bytes)) or chunks > len(fields) - 1:
-            return None
+            return "corrupt"
+        if chunks != max(1, -(-length // self.chunk_bytes)) or chunks > len(parts):
+            return "corrupt"
+        if any(p is None for p in parts[1:chunks]):
+            return "partial"
         pos = 0
-        for part in fields[1: 1 + chunks]:
-            if part is None or pos + len(part) > length:
-                return None
-            dst[pos: pos + len(part)] = np.frombuffer(part, dtype=np.uint8)
-            pos += len(part)
+        for j, part in enumerate(parts[:chunks]):
+            data = memoryview(part)[HEADER.size:] if j == 0 else memoryview(part)
+            if pos + len(data) > length:
+                return "corrupt"
+            dst[pos: pos + len(data)] = np.frombuffer(data, dtype=np.uint8)
+            pos += len(data)
         if pos != length or block_checksum(dst, length) != cs:
-            return None
+            return "corrupt"
         return length, cs
 
     def _delete(self, names: list[str]) -> None:

@@ -22,6 +22,7 @@ from transformers import DynamicCache  # noqa: E402
 from kvtier.bench.spawn import DaemonProcess  # noqa: E402
 from kvtier.bench.workload import build_model, run_turn  # noqa: E402
 from kvtier.client.hf_cache import KVLayout, TieredCache, chain_key  # noqa: E402
+from kvtier.tiers.remote_store import namespace_tag, value_name  # noqa: E402
 
 PW = "kvtier-test-pw"
 NS = b"kvtier-remote-test"
@@ -104,6 +105,16 @@ def publish_on_a(model, a, layout, system, user, sessions=2):
     return keys, ref
 
 
+def shard_of(cluster, name: str) -> int:
+    from redis.cluster import ClusterNode, RedisCluster
+
+    rc = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", p) for p in cluster.ports], password=PW)
+    try:
+        return cluster.ports.index(rc.get_node_from_key(name).port)
+    finally:
+        rc.close()
+
+
 def tokens(seed, n):
     return torch.randint(0, 512, (1, n), generator=torch.Generator().manual_seed(seed))
 
@@ -141,7 +152,8 @@ def test_a_killed_shard_degrades_then_recovers(model, redis_cluster, tmp_path):
         for c in (ca, cb):
             c.register(block_bytes=layout.block_bytes, block_tokens=T, layout=layout.describe())
         keys, ref = publish_on_a(model, ca, layout, system, user)
-        redis_cluster.kill(0)
+        shard = shard_of(redis_cluster, value_name(namespace_tag("fleet-2", ""), keys[0]))
+        redis_cluster.kill(shard)  # the shard holding the prefix's first block
         try:
             # no engine error: B misses, recomputes, and stays bit-exact; the tier says it is degraded
             res, recomputed = tiered_turn(model, cb, layout, keys, system, user, seq=1)
@@ -150,7 +162,7 @@ def test_a_killed_shard_degrades_then_recovers(model, redis_cluster, tmp_path):
             assert rb["state"] == "degraded" and rb["errors"]["get"] >= 1 and rb["last_error"]
             cb.clear()  # forget B's own recomputed copy so the next lookup must go remote again
         finally:
-            redis_cluster.restart(0)
+            redis_cluster.restart(shard)
         # recovers: after the backoff a lookup succeeds again (the restarted shard lost its values:
         # A publishes again when its sessions share the prefix once more)
         ca.clear()
@@ -174,8 +186,6 @@ def test_a_killed_shard_degrades_then_recovers(model, redis_cluster, tmp_path):
 def test_a_corrupt_value_is_refused_deleted_and_recomputed(model, redis_cluster, tmp_path):
     from redis.cluster import ClusterNode, RedisCluster
 
-    from kvtier.tiers.remote_store import namespace_tag, value_name
-
     layout = KVLayout.from_config(model.config, T)
     system, user = tokens(5, 3 * T), tokens(6, 5)
     a = node(tmp_path, "a", redis_cluster, layout, "fleet-3")
@@ -187,9 +197,9 @@ def test_a_corrupt_value_is_refused_deleted_and_recomputed(model, redis_cluster,
         keys, ref = publish_on_a(model, ca, layout, system, user)
         rc = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", p) for p in redis_cluster.ports], password=PW)
         name = value_name(namespace_tag("fleet-3", ""), keys[1])
-        chunk = bytearray(rc.hget(name, "0"))
+        chunk = bytearray(rc.get(name))
         chunk[100] ^= 1
-        rc.hset(name, "0", bytes(chunk))
+        rc.set(name, bytes(chunk))
         res, recomputed = tiered_turn(model, cb, layout, keys, system, user)
         assert recomputed and same(res, ref)  # never served: the engine recomputed the prefix
         rb = cb.stats()["remote"]
