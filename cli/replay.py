@@ -21,6 +21,8 @@ def configure(name: str, p: argparse.ArgumentParser) -> None:
                         "holds everything, and optionally a remote tier shared by --nodes nodes (e.g. 1%%,5%%,20%%)")
     p.add_argument("--nodes", type=int, default=1, help="multi-tier: nodes sharing the trace (requests round-robin)")
     p.add_argument("--remote-gbps", type=float, default=2.5, help="multi-tier: remote->node bandwidth, GB/s")
+    p.add_argument("--publish-min-shares", type=int, default=1, choices=(0, 1),
+                   help="multi-tier: publish a block once a node reused it (1, the daemon's default) or every block (0)")
     p.add_argument("--block-mib", type=float, default=2.0, help="multi-tier: bytes of one block, MiB")
     p.add_argument("--dram-gbps", type=float, default=20.0, help="multi-tier: DRAM->HBM bandwidth, GB/s")
     p.add_argument("--nvme-gbps", type=float, default=5.0, help="multi-tier: NVMe->HBM bandwidth, GB/s")
@@ -54,7 +56,7 @@ def _tiered(args: argparse.Namespace, trace: Any, policies: list[str], params: d
     remote = max(1, round(fr[2] * trace.n_unique)) if len(fr) == 3 else 0
     spec = TierSpec(max(1, round(fr[0] * trace.n_unique)), max(1, round(fr[1] * trace.n_unique)),
                     int(args.block_mib * 2**20), args.dram_gbps * 1e9, args.nvme_gbps * 1e9,
-                    args.nodes, remote, args.remote_gbps * 1e9)
+                    args.nodes, remote, args.remote_gbps * 1e9, args.publish_min_shares)
     rows = [simulate_tiers(p, spec, trace, params.get(p, {})) for p in policies]
     fleet = f"{spec.nodes} nodes: " if spec.nodes > 1 else ""
     shared = f", remote {remote:,} shared" if remote else ""

@@ -16,7 +16,8 @@ Fleet mode (``nodes`` > 1 or a remote capacity): the trace's requests are
 spread round-robin over the nodes (a load balancer without prefix affinity),
 each node with its own HBM, DRAM and NVMe. The remote tier follows the daemon:
 a node publishes a block once it reused it itself (``publish_min_shares`` = 1:
-the block is shared), and the cluster evicts allkeys-LRU at its capacity. The
+the block is shared; 0 publishes every block a node computes, a write-through),
+and the cluster evicts allkeys-LRU at its capacity. The
 fleet-wide hit ratio is 1 - miss: every read some tier of some node served.
 """
 
@@ -42,6 +43,7 @@ class TierSpec:
     nodes: int = 1
     remote_blocks: int = 0  # the shared remote tier's capacity (0: none)
     remote_bytes_per_s: float = 2.5e9  # one node's network share (~25 Gbit/s)
+    publish_min_shares: int = 1  # as [tiers.remote]: 1 publishes a block a node reused; 0 every block it wrote
 
 
 def _offer(dram: Any, b: int, now: float, c: int, where: np.ndarray) -> None:
@@ -127,7 +129,7 @@ def simulate_tiers(policy: str, spec: TierSpec, trace: Trace, params: Optional[d
         now, c = times[i], classes[i]
         found = nodes[node_of[i] if node_of is not None else 0].access(b, now, c, remote)
         counts[found] += 1
-        if remote is not None and found in ("hbm", "dram", "nvme"):
+        if remote is not None and (found in ("hbm", "dram", "nvme") or (found == "miss" and not spec.publish_min_shares)):
             remote.publish(b, now)  # reused on this node: a shared block, worth the fleet's memory
         if progress is not None and i % chunk == chunk - 1:
             progress(chunk)

@@ -8,6 +8,9 @@ Faults: a shard killed mid-run, a corrupt value, a wrong password.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -134,6 +137,9 @@ def test_prefix_from_node_a_is_served_on_node_b_bit_exact(model, redis_cluster, 
         rb = cb.stats()["remote"]
         assert rb["hits"] == len(keys) and rb["corrupt"] == 0 and rb["state"] == "ok"
         assert rb["published"] == 0  # B read them: nothing of B's own is worth publishing yet
+        out = subprocess.run([sys.executable, "-m", "kvtier.cli", "stats", "--runtime-dir", str(b.runtime_dir)],
+                             capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+        assert out.returncode == 0 and "remote (ok)" in out.stdout and f"hits {len(keys)}  misses 0" in out.stdout
         cb.check()
         ca.check()
         for c in (ca, cb):

@@ -214,6 +214,9 @@ def test_fleet_replay_counts_remote_hits_exactly(nodes):
     # the same nodes without a remote tier: every remote hit becomes a miss
     alone = simulate_tiers("lru", TierSpec(10, 30, nodes=nodes), tr)
     assert round(alone["miss"] * n) == ref["miss"] + ref["remote"] and "remote" not in alone["hit"]
+    # write-through (every computed block published): any block seen anywhere before is a fleet hit
+    wt = simulate_tiers("lru", TierSpec(10, 30, nodes=nodes, remote_blocks=tr.n_unique, publish_min_shares=0), tr)
+    assert round(wt["miss"] * n) == tr.n_unique and wt["hit"]["remote"] > r["hit"]["remote"]
     # a cluster of 20 blocks (LRU) serves fewer than an unbounded one, but some
     small = simulate_tiers("lru", TierSpec(10, 30, nodes=nodes, remote_blocks=20), tr)
     assert 0 < small["hit"]["remote"] < r["hit"]["remote"]
