@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from kvtier.protocol import wire as P
+from kvtier.protocol.wire import ProtocolError
 from kvtier.tiers.manager import TierManager
 from kvtier.tiers.remote import RemoteCompletion, RemoteTier
 from kvtier.tiers.remote_store import namespace_tag
@@ -182,8 +183,9 @@ class RemoteOps:
             if pending and now <= w.deadline:
                 keep.append(w)
                 continue
-            if w.session.engine_id not in engines:
-                continue  # reclaimed meanwhile: nobody to answer, nothing to reference
+            if engines.get(w.session.engine_id) is not w.session:  # reclaimed meanwhile: nothing to reference
+                out.append((w, ProtocolError(P.UNKNOWN_ENGINE, f"engine {w.session.engine_id!r} was reclaimed")))
+                continue
             found = node_lookup(w.session, w.keys)
             hit = found[found >= 0]
             if hit.size:

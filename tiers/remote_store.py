@@ -72,7 +72,7 @@ class GetResult:
 def _is_auth_error(e: BaseException) -> bool:
     text = str(e).lower()
     return any(w in text for w in ("wrongpass", "invalid username-password", "noauth", "authentication",
-                                   "noperm", "user is disabled"))
+                                   "authenticated", "noperm", "user is disabled"))
 
 
 class RedisClusterStore:
@@ -113,8 +113,9 @@ class RedisClusterStore:
         except Exception as e:  # redis raises many kinds; each is a clear start-up error here
             if _is_auth_error(e):
                 who = f"user {username!r}" if username else "the default user"
-                raise RemoteAuthError(f"remote tier: the Redis Cluster at {where} refused {who}: wrong user "
-                                      f"or password (tiers.remote.username / password or KVTIER_REMOTE_PASSWORD)") from None
+                why = "wrong user or password" if password else "it needs a password and none was given"
+                raise RemoteAuthError(f"remote tier: the Redis Cluster at {where} refused {who}: {why} "
+                                      f"(tiers.remote.username, tiers.remote.password or $KVTIER_REMOTE_PASSWORD)") from None
             raise RemoteError(f"remote tier: cannot reach the Redis Cluster at {where}: {e}") from None
 
     # -- writes -----------------------------------------------------------------------------

@@ -72,6 +72,8 @@ def test_wrong_password_is_a_clear_error(redis_cluster):
     with pytest.raises(RemoteAuthError, match="wrong user or password") as e:
         RedisClusterStore(redis_cluster.nodes, password="not-the-password")
     assert "not-the-password" not in str(e.value)
+    with pytest.raises(RemoteAuthError, match="needs a password and none was given"):
+        RedisClusterStore(redis_cluster.nodes)
 
 
 def test_worker_completions_and_degraded_when_a_shard_dies(redis_cluster):
