@@ -174,8 +174,8 @@ class RemoteOps:
 
     def advance(self, node_lookup: Callable[[EngineSession, np.ndarray], np.ndarray],
                 engines: dict[str, EngineSession]) -> list[tuple[RefWaiter, Any]]:
-        """Refs whose lookups are done or out of time: (waiter, reply)."""
-        out = []
+        """Refs whose lookups are done or out of time: (waiter, reply or ProtocolError)."""
+        out: list[tuple[RefWaiter, Any]] = []
         now = self.clock()
         keep = []
         for w in self.waiters:
