@@ -100,6 +100,7 @@ class _Remote:
     def __init__(self, capacity: int, n: int) -> None:
         self.lru = make_policy("lru", capacity, n)
         self.held = np.zeros(n, dtype=bool)
+        self.writes = 0  # blocks written to the cluster (its network and memory cost)
 
     def has(self, b: int, now: float) -> bool:
         if self.held[b]:
@@ -109,6 +110,7 @@ class _Remote:
     def publish(self, b: int, now: float) -> None:
         if self.held[b]:
             return
+        self.writes += 1
         if self.lru.size >= self.lru.capacity:
             self.held[self.lru.evict(now)] = False
         self.lru.insert(b, now, 0, -1)
@@ -143,7 +145,8 @@ def simulate_tiers(policy: str, spec: TierSpec, trace: Trace, params: Optional[d
     out = {"policy": policy, "hbm_blocks": spec.hbm_blocks, "dram_blocks": spec.dram_blocks, "hit": hit,
            "miss": counts["miss"] / n, "stall_s": stall, "accesses_per_s": n / (time.perf_counter() - t0)}
     if n_nodes > 1 or remote is not None:
-        out |= {"nodes": n_nodes, "remote_blocks": spec.remote_blocks, "fleet_hit": 1 - counts["miss"] / n}
+        out |= {"nodes": n_nodes, "remote_blocks": spec.remote_blocks, "fleet_hit": 1 - counts["miss"] / n,
+                "remote_writes": remote.writes if remote is not None else 0}
     return out
 
 

@@ -217,6 +217,7 @@ def test_fleet_replay_counts_remote_hits_exactly(nodes):
     # write-through (every computed block published): any block seen anywhere before is a fleet hit
     wt = simulate_tiers("lru", TierSpec(10, 30, nodes=nodes, remote_blocks=tr.n_unique, publish_min_shares=0), tr)
     assert round(wt["miss"] * n) == tr.n_unique and wt["hit"]["remote"] > r["hit"]["remote"]
+    assert wt["remote_writes"] == tr.n_unique > r["remote_writes"]  # ... for a write of every block
     # a cluster of 20 blocks (LRU) serves fewer than an unbounded one, but some
     small = simulate_tiers("lru", TierSpec(10, 30, nodes=nodes, remote_blocks=20), tr)
     assert 0 < small["hit"]["remote"] < r["hit"]["remote"]
