@@ -173,6 +173,19 @@ class LocalRedisCluster:
         self._wait_port(i)
         self.wait_ok()
 
+    def shard_of(self, name: str) -> int:
+        """Index of the shard that holds key ``name`` (a fault drill kills the one that matters)."""
+        live = self.ports[next(i for i, p in enumerate(self.procs) if p is not None)]
+        slot = int(self._cli("cluster", "keyslot", name, port=live).strip())
+        for line in self._cli("cluster", "nodes", port=live).splitlines():
+            parts = line.split()
+            port = int(parts[1].split("@")[0].rsplit(":", 1)[1])
+            for rng in parts[8:]:
+                lo, _, hi = rng.partition("-")
+                if lo.isdigit() and int(lo) <= slot <= int(hi or lo):
+                    return self.ports.index(port)
+        raise LookupError(f"no shard holds slot {slot}")
+
     def flushall(self) -> None:
         for p in self.ports:
             self._cli("flushall", port=p)

@@ -267,6 +267,8 @@ class RemoteOps:
             self.mgr.unhold(job.blocks)
             self.published[job.blocks[c.ok]] = True
             s["published"] += int(c.ok.sum())
+            for b in job.blocks[~c.ok].tolist():  # offered again: tried once the tier's backoff ends
+                self._offer(b)
             return
         for k in job.skeys.tolist():
             self.fetching.pop(k, None)

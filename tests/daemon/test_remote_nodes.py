@@ -108,16 +108,6 @@ def publish_on_a(model, a, layout, system, user, sessions=2):
     return keys, ref
 
 
-def shard_of(cluster, name: str) -> int:
-    from redis.cluster import ClusterNode, RedisCluster
-
-    rc = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", p) for p in cluster.ports], password=PW)
-    try:
-        return cluster.ports.index(rc.get_node_from_key(name).port)
-    finally:
-        rc.close()
-
-
 def tokens(seed, n):
     return torch.randint(0, 512, (1, n), generator=torch.Generator().manual_seed(seed))
 
@@ -158,7 +148,7 @@ def test_a_killed_shard_degrades_then_recovers(model, redis_cluster, tmp_path):
         for c in (ca, cb):
             c.register(block_bytes=layout.block_bytes, block_tokens=T, layout=layout.describe())
         keys, ref = publish_on_a(model, ca, layout, system, user)
-        shard = shard_of(redis_cluster, value_name(namespace_tag("fleet-2", ""), keys[0]))
+        shard = redis_cluster.shard_of(value_name(namespace_tag("fleet-2", ""), keys[0]))
         redis_cluster.kill(shard)  # the shard holding the prefix's first block
         try:
             # no engine error: B misses, recomputes, and stays bit-exact; the tier says it is degraded

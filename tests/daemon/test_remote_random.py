@@ -15,6 +15,7 @@ from kvtier.daemon.config import load_config  # noqa: E402
 from kvtier.daemon.remote_ops import RefWaiter  # noqa: E402
 from kvtier.daemon.service import Service  # noqa: E402
 from kvtier.protocol import wire as P  # noqa: E402
+from kvtier.tiers.remote_store import namespace_tag, value_name  # noqa: E402
 
 from .service_calls import call, ids  # noqa: E402
 
@@ -126,3 +127,32 @@ def test_a_ref_of_a_reclaimed_engine_is_answered_and_leaves_nothing(tmp_path, re
         assert call(b, "check", "b2") == {"ok": True} and b.node.remote.fetching == {}
     finally:
         b.close()
+
+
+def test_a_publish_that_failed_is_retried_when_the_cluster_is_back(tmp_path, redis_cluster):
+    a = _service(tmp_path, "a", redis_cluster, "retry")
+    try:
+        for e in ("a1", "a2"):
+            call(a, "register", e, pid=0, block_bytes=BB)
+        a.node.remote.tier.backoff.base_s = a.node.remote.tier.backoff.max_s = 0.1
+        shard = redis_cluster.shard_of(value_name(namespace_tag("retry", ""), 5))
+        redis_cluster.kill(shard)  # the shard that holds key 5
+        try:
+            r = call(a, "alloc", "a1", n=1, seq=1, pin=False)
+            a.node.mgr.hbm.host_view(ids(r["slots"])[0])[:] = _pattern(5)
+            call(a, "seal", "a1", blocks=ids(r["blocks"]), keys=[5])
+            assert _ref(a, "a2", [5])[0] >= 0  # shared: a candidate; the put fails while a shard is down
+            end = time.monotonic() + 10
+            while a.stats()["remote"]["errors"]["put"] == 0 and time.monotonic() < end:
+                _settle(a, timeout=0.05)
+            st = a.stats()["remote"]
+            assert st["errors"]["put"] >= 1 and st["published"] == 0 and st["state"] == "degraded"
+        finally:
+            redis_cluster.restart(shard)
+        end = time.monotonic() + 20
+        while a.stats()["remote"]["published"] == 0 and time.monotonic() < end:
+            _settle(a, timeout=0.05)
+        assert a.stats()["remote"]["published"] == 1 and a.stats()["remote"]["state"] == "ok"
+        assert call(a, "check", "a1") == {"ok": True}
+    finally:
+        a.close()
