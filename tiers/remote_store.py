@@ -1,13 +1,14 @@
 """The remote tier's store: sealed blocks in a Redis Cluster, self-describing and verified.
 
-A block is stored as Redis strings named ``kvt:{<namespace tag>:<key>}:<i>``
-(16 hex digits each; the braces are a hash tag, so every chunk of a block lives
-in one slot, on one shard): chunk 0 starts with a header (magic, version,
-namespace tag, key, length, checksum, chunk count) followed by the payload's
-first ``chunk_bytes``; chunks 1.. hold the rest. Each chunk is its own ``SET``
-in the pipeline, so a large block never becomes one huge command that stalls a
-shard (blocks up to ``chunk_bytes`` are one key and one ``SET``). A read is one
-``GET`` per chunk; the bytes are checked against the header (namespace, key,
+A block is stored as Redis strings named ``kvt:{<namespace tag>:<key>}:<part>``
+(16 hex digits each; the braces are a hash tag, so every part of a block lives
+in one slot, on one shard): part ``h`` is a 48-byte header (magic, version,
+namespace tag, key, length, checksum, chunk count), parts ``0..n-1`` the payload
+in chunks of at most ``chunk_bytes``, each its own ``SET`` sent straight from
+the slot's memory (no copy), so a large block never becomes one huge command
+that stalls a shard. The header is written last: one shard runs a block's
+commands in order, so a reader that finds the header finds the payload. A read
+is one ``GET`` per part; the bytes are checked against the header (namespace, key,
 length) and the block checksum (``kernels/checksum.py``, the same value the
 block table holds) before they count: a value that fails is deleted, counted,
 and reported as a miss, never served. A block missing a chunk (the shard's
@@ -51,9 +52,9 @@ def namespace_tag(fleet: str, engine_ns: str) -> int:
     return xxhash.xxh3_64_intdigest(fleet.encode() + b"\0" + engine_ns.encode())
 
 
-def value_name(tag: int, key: int, chunk: int = 0) -> str:
-    """Redis key of chunk ``chunk`` of a block (chunk 0 carries the header)."""
-    return f"kvt:{{{tag:016x}:{key:016x}}}:{chunk}"
+def value_name(tag: int, key: int, part: "int | str" = "h") -> str:
+    """Redis key of a block's header (``"h"``) or of its payload chunk ``part``."""
+    return f"kvt:{{{tag:016x}:{key:016x}}}:{part}"
 
 
 def pack_header(tag: int, key: int, length: int, checksum: int, chunks: int) -> bytes:
@@ -129,9 +130,10 @@ class RedisClusterStore:
             view = memoryview(buf).cast("B")[:n]
             chunks = max(1, -(-n // cb))
             first = len(pipe)
-            pipe.set(value_name(tag, key), pack_header(tag, key, n, cs, chunks) + view[:cb])
-            for i in range(1, chunks):
+            for i in range(chunks):  # zero-copy: redis-py sends each chunk straight from the slot
                 pipe.set(value_name(tag, key, i), view[i * cb: (i + 1) * cb])
+            pipe.set(value_name(tag, key), pack_header(tag, key, n, cs, chunks))  # last: a reader that
+            # finds the header finds the payload (one shard runs a block's commands in order)
             spans.append((first, len(pipe)))
         results = self._execute(pipe)
         return np.array([not any(isinstance(r, Exception) for r in results[a:b]) for a, b in spans], dtype=bool)
@@ -151,6 +153,7 @@ class RedisClusterStore:
         spans = []
         for tag, key, dst in zip(tags.tolist(), keys.tolist(), dsts):
             first = len(pipe)
+            pipe.get(value_name(tag, key))
             for i in range(max(1, -(-dst.size // self.chunk_bytes))):
                 pipe.get(value_name(tag, key, i))
             spans.append((first, len(pipe)))
@@ -170,7 +173,7 @@ class RedisClusterStore:
                 continue  # not stored (or evicted): a miss
             got = self._verify(tag, key, parts, dst)
             if isinstance(got, str):  # refused: never served, deleted so nobody reads it again
-                bad += [value_name(tag, key, j) for j in range(len(parts))]
+                bad += [value_name(tag, key), *(value_name(tag, key, j) for j in range(len(parts) - 1))]
                 corrupt += got == "corrupt"
                 continue
             found[i], lengths[i], sums[i] = True, got[0], got[1]
@@ -182,19 +185,19 @@ class RedisClusterStore:
     def _verify(self, tag: int, key: int, parts: list, dst: np.ndarray) -> "tuple[int, int] | str":
         """(length, checksum) once the bytes in ``dst`` match the header; else "corrupt", or
         "partial" for a block the shard's eviction took part of."""
-        first = parts[0]
-        if len(first) < HEADER.size:
+        head, body = parts[0], parts[1:]
+        if len(head) != HEADER.size:
             return "corrupt"
-        magic, version, h_tag, h_key, length, cs, chunks = HEADER.unpack_from(first)
+        magic, version, h_tag, h_key, length, cs, chunks = HEADER.unpack(head)
         if (magic, version, h_tag, h_key) != (MAGIC, VERSION, tag, key) or length > dst.size:
             return "corrupt"
-        if chunks != max(1, -(-length // self.chunk_bytes)) or chunks > len(parts):
+        if chunks != max(1, -(-length // self.chunk_bytes)) or chunks > len(body):
             return "corrupt"
-        if any(p is None for p in parts[1:chunks]):
+        if any(p is None for p in body[:chunks]):
             return "partial"
         pos = 0
-        for j, part in enumerate(parts[:chunks]):
-            data = memoryview(part)[HEADER.size:] if j == 0 else memoryview(part)
+        for part in body[:chunks]:
+            data = memoryview(part)
             if pos + len(data) > length:
                 return "corrupt"
             dst[pos: pos + len(data)] = np.frombuffer(data, dtype=np.uint8)

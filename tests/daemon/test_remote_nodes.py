@@ -192,7 +192,7 @@ def test_a_corrupt_value_is_refused_deleted_and_recomputed(model, redis_cluster,
             c.register(block_bytes=layout.block_bytes, block_tokens=T, layout=layout.describe())
         keys, ref = publish_on_a(model, ca, layout, system, user)
         rc = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", p) for p in redis_cluster.ports], password=PW)
-        name = value_name(namespace_tag("fleet-3", ""), keys[1])
+        name = value_name(namespace_tag("fleet-3", ""), keys[1], 0)  # its payload
         chunk = bytearray(rc.get(name))
         chunk[100] ^= 1
         rc.set(name, bytes(chunk))
