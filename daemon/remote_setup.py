@@ -2,8 +2,9 @@
 
 The connection (and its check: every primary answers PING with our
 credentials) is made when the daemon starts, before any socket exists, so
-``kvtier serve`` with a wrong password or an unreachable cluster exits at once
-with one clear line instead of serving engines a tier that cannot work. The
+``kvtier serve`` with a wrong password exits at once with one clear line
+instead of serving engines a tier that cannot work. An unreachable cluster is
+not a config error: the daemon starts with the tier degraded and retries. The
 owner-side half (``RemoteOps``) is attached when the first register builds the
 node (only then is the block size known).
 """
@@ -35,6 +36,10 @@ def start_remote_tier(cfg: RemoteConfig, clock: Callable[[], float]) -> Optional
                             chunk_bytes=cfg.chunk_bytes)
     tier = RemoteTier(connect, workers=cfg.workers, queue_depth=cfg.queue_depth, backoff_s=cfg.backoff_s,
                       backoff_max_s=cfg.backoff_max_s, clock=clock)
+    if tier.store is None:
+        log.warning("remote tier degraded from the start (lookups miss, engines recompute, retried): %s",
+                    tier.last_error)
+        return tier
     if cfg.capacity_bytes:
         why = tier.store.bound_memory(cfg.capacity_bytes)
         if why:

@@ -1,6 +1,8 @@
 """The remote tier's mover: Redis I/O on worker threads, completions polled by the owner.
 
-The owner loop never waits on the network. It submits immutable jobs (a batch
+The owner loop never waits on the network. A wrong password fails at start
+(``RemoteAuthError``); a cluster unreachable at start is a degraded tier like
+any later outage, so a Redis outage never keeps a node's own tiers from serving. It submits immutable jobs (a batch
 of blocks to publish, or of keys to look up) to a bounded queue and polls
 completions without blocking, exactly as it does with the NVMe lane of
 ``mover.py``: a full queue refuses the job (a publish is skipped, a lookup is a
@@ -67,13 +69,20 @@ class RemoteTier:
     def __init__(self, connect: Callable[[], RedisClusterStore], workers: int = 2, queue_depth: int = 16,
                  backoff_s: float = 1.0, backoff_max_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._connect = connect
-        self.store = connect()  # fails here, at start, on a wrong password or an unreachable cluster
         self.clock = clock
+        self.backoff = WriteBackoff(backoff_s, max(backoff_max_s, backoff_s))
+        self.last_error = ""
+        self.store: Optional[RedisClusterStore] = None
+        try:
+            self.store = connect()  # a wrong password raises here, at start: a config error
+        except RemoteAuthError:
+            raise
+        except RemoteError as e:  # unreachable now: start degraded (the node's own tiers work), retry later
+            self.backoff.failed(clock())
+            self.last_error = str(e)
         self._jobs: queue.Queue[Optional[RemoteJob]] = queue.Queue(maxsize=queue_depth)
         self._done: queue.Queue[RemoteCompletion] = queue.Queue()
         self._tids = itertools.count(1)
-        self.backoff = WriteBackoff(backoff_s, max(backoff_max_s, backoff_s))
-        self.last_error = ""
         self.in_flight = 0  # jobs submitted, completion not polled yet (owner side)
         self._threads = [threading.Thread(target=self._run, args=(i,), name=f"kvtier-remote-{i}", daemon=True)
                          for i in range(workers)]
@@ -173,7 +182,8 @@ class RemoteTier:
                         break
         for th in self._threads:
             th.join(timeout=10)
-        self.store.close()
+        if self.store is not None:
+            self.store.close()
 
 
 def connect_store(nodes: Sequence[str], **kw: Any) -> Callable[[], RedisClusterStore]:

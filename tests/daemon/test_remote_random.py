@@ -156,3 +156,22 @@ def test_a_publish_that_failed_is_retried_when_the_cluster_is_back(tmp_path, red
         assert call(a, "check", "a1") == {"ok": True}
     finally:
         a.close()
+
+
+def test_an_unreachable_cluster_at_start_is_a_degraded_tier_not_a_dead_node(tmp_path):
+    from kvtier.bench.redis_cluster import free_port
+
+    cfg = load_config(environ={}, overrides=[
+        f"tiers.hbm_bytes={BB * 8}", f"tiers.dram_bytes={BB * 8}", "tiers.nvme_bytes=0",
+        f'server.runtime_dir="{tmp_path}/run"', "metrics.enabled=false", "tiers.remote.enabled=true",
+        f'tiers.remote.nodes=["127.0.0.1:{free_port()}"]', "tiers.remote.connect_timeout_s=0.2"])
+    svc = Service(cfg)  # nobody listens there: starts anyway
+    try:
+        call(svc, "register", "e", pid=0, block_bytes=BB)
+        r = call(svc, "alloc", "e", n=1, seq=1, pin=False)
+        call(svc, "seal", "e", blocks=ids(r["blocks"]), keys=[77])
+        assert _ref(svc, "e", [77, 78]).tolist() == [ids(r["blocks"])[0], -1]  # local hit; the miss at once
+        st = svc.stats()["remote"]
+        assert st["state"] == "degraded" and "cannot reach" in st["last_error"] and st["lookups_skipped_degraded"] == 1
+    finally:
+        svc.close()
