@@ -90,7 +90,7 @@ def run_demo(opts: DemoOptions, progress: Callable[[int, int, str], None] = lamb
         "ratio": (ref_s / tier_s) if tier_s else 0.0,
         "prefetch_on_time": stats.get("prefetch_on_time_ratio", 0.0), "stall_s": stats.get("acquire_stall_s_total", 0.0),
         "acquires": svc.get("acquires", 0), "tiers": stats.get("tiers", []), "paths": stats.get("paths", {}),
-        "prefetch": stats.get("prefetch", {}),
+        "prefetch": stats.get("prefetch", {}), "remote": stats.get("remote", {"enabled": False}),
         "calibration": stats.get("calibration", {}), "segments": stats.get("segments", {}),
         "importance_mean": stats.get("importance_mean", 0.0), "daemon": {"runtime_dir": run.runtime_dir, "pid": run.pid,
                                                                  "kept": keep},

@@ -67,6 +67,9 @@ def print_summary(r: dict) -> None:
         t.add_column(col, justify="right")
     for row in r["tiers"]:
         t.add_row(row["tier"], str(row["slots"]), str(row["used"]), str(row.get("hits", 0)))
+    rem = r.get("remote") or {}
+    if rem.get("enabled"):  # the shared tier: hits are keys found there on a local miss
+        t.add_row(f"remote ({rem['state']})", "-", f"{rem['published']} published", str(rem["hits"]))
     con.print(t)
     p = Table(title="moves")
     for col in ("path", "blocks", "MiB"):

@@ -59,6 +59,7 @@ EXPECTED: frozenset[str] = frozenset({
     "kvtier.client.tier_client.KvtierError",  # no daemon, no reply, a rejected request
     "kvtier.daemon.dirlock.DirInUse",  # another daemon holds the runtime or NVMe directory
     "kvtier.cli.output.CliError",
+    "kvtier.tiers.remote_store.RemoteError",  # the remote tier's cluster refused us or cannot be reached
 })
 
 

@@ -40,8 +40,13 @@ def configure(name: str, p: argparse.ArgumentParser) -> None:
                                     "(default: the shipped daemon/defaults/kvtier.toml)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PNG")
-    p.add_argument("--tiers", metavar="HBM,DRAM", help="multi-tier mode: HBM and DRAM capacities (e.g. 1%%,5%%) "
-                                                       "over an NVMe tier that holds everything")
+    p.add_argument("--tiers", metavar="HBM,DRAM[,REMOTE]",
+                   help="multi-tier mode: HBM and DRAM capacities per node (e.g. 1%%,5%%) over an NVMe tier that "
+                        "holds everything, and optionally a remote tier shared by --nodes nodes (e.g. 1%%,5%%,20%%)")
+    p.add_argument("--nodes", type=int, default=1, help="multi-tier: nodes sharing the trace (requests round-robin)")
+    p.add_argument("--remote-gbps", type=float, default=2.5, help="multi-tier: remote->node bandwidth, GB/s")
+    p.add_argument("--publish-min-shares", type=int, default=1, choices=(0, 1),
+                   help="multi-tier: publish a block once a node reused it (1, the daemon's default) or every block (0)")
     p.add_argument("--block-mib", type=float, default=2.0, help="multi-tier: bytes of one block, MiB")
     p.add_argument("--dram-gbps", type=float, default=20.0, help="multi-tier: DRAM->HBM bandwidth, GB/s")
     p.add_argument("--nvme-gbps", type=float, default=5.0, help="multi-tier: NVMe->HBM bandwidth, GB/s")
@@ -71,17 +76,27 @@ def _tiered(args: argparse.Namespace, trace: Any, policies: list[str], params: d
     from kvtier.replay.tiered import TierSpec, simulate_tiers
 
     fr = parse_fractions(args.tiers)
-    if len(fr) != 2:
-        raise ValueError("--tiers takes two capacities: HBM,DRAM (e.g. 1%,5%)")
+    if len(fr) not in (2, 3):
+        raise ValueError("--tiers takes two or three capacities: HBM,DRAM[,REMOTE] (e.g. 1%,5% or 1%,5%,20%)")
+    if args.nodes < 1:
+        raise ValueError("--nodes must be >= 1")
+    remote = max(1, round(fr[2] * trace.n_unique)) if len(fr) == 3 else 0
     spec = TierSpec(max(1, round(fr[0] * trace.n_unique)), max(1, round(fr[1] * trace.n_unique)),
-                    int(args.block_mib * 2**20), args.dram_gbps * 1e9, args.nvme_gbps * 1e9)
+                    int(args.block_mib * 2**20), args.dram_gbps * 1e9, args.nvme_gbps * 1e9,
+                    args.nodes, remote, args.remote_gbps * 1e9, args.publish_min_shares)
     rows = [simulate_tiers(p, spec, trace, params.get(p, {})) for p in policies]
-    t = Table(title=f"{trace.name}: tiers HBM {spec.hbm_blocks:,} + DRAM {spec.dram_blocks:,} blocks over NVMe")
-    for col in ("policy", "hbm hit", "dram hit", "nvme hit", "miss", "stall s (no prefetch)"):
+    fleet = f"{spec.nodes} nodes: " if spec.nodes > 1 else ""
+    shared = f", remote {remote:,} shared" if remote else ""
+    t = Table(title=f"{trace.name}: {fleet}tiers HBM {spec.hbm_blocks:,} + DRAM {spec.dram_blocks:,} blocks "
+                    f"over NVMe{' per node' if fleet else ''}{shared}")
+    cols = ["policy", "hbm hit", "dram hit", "nvme hit", *(["remote hit"] if remote else []), "miss",
+            *(["fleet hit"] if "fleet_hit" in rows[0] else []), "stall s (no prefetch)"]
+    for col in cols:
         t.add_column(col, justify="right")
     for r in rows:
         t.add_row(r["policy"], f"{r['hit']['hbm']:.4f}", f"{r['hit']['dram']:.4f}", f"{r['hit']['nvme']:.4f}",
-                  f"{r['miss']:.4f}", f"{r['stall_s']:.1f}")
+                  *([f"{r['hit']['remote']:.4f}"] if remote else []), f"{r['miss']:.4f}",
+                  *([f"{r['fleet_hit']:.4f}"] if "fleet_hit" in r else []), f"{r['stall_s']:.1f}")
     console.print(t)
     return rows
 

@@ -151,7 +151,15 @@ def cmd_stats(args: argparse.Namespace) -> int:
     for row in s.get("tiers", []):
         t.add_row(row["tier"], str(row["slots"]), str(row["used"]), f"{row['used_bytes'] / 2**20:.1f}",
                   f"{row['capacity_bytes'] / 2**20:.1f}", str(row.get("hits", 0)))
+    rem = s.get("remote") or {}
+    if rem.get("enabled"):  # shared by the fleet: its size is the cluster's, hits are lookups found there
+        t.add_row(f"remote ({rem['state']})", "-", f"{rem['published']} published", "-", "-", str(rem["hits"]))
     con.print(t)
+    if rem.get("enabled"):
+        con.print(f"remote: {rem['state']}  hits {rem['hits']}  misses {rem['misses']}  corrupt {rem['corrupt']}  "
+                  f"published {rem['published']}  put/get MiB {rem['put_bytes'] / 2**20:.1f}/{rem['get_bytes'] / 2**20:.1f}"
+                  f"  errors put/get {rem['errors']['put']}/{rem['errors']['get']}"
+                  + (f"  last error: {rem['last_error']}" if rem.get("last_error") else ""))
     p = Table(title="mover paths")
     for col in ("path", "moves", "MiB", "errors", "GB/s"):
         p.add_column(col, justify="right")

@@ -130,17 +130,25 @@ class BlockOps:
             if c != b:
                 session.replace(b, c)
                 self.counters["seal_shared"] += 1
+                if node.remote is not None:
+                    node.remote.note_shared(np.array([c]))
             else:
                 node.placement.on_seal(c, cont, int(blocks.size))
             out[i] = c
         self.counters["seals"] += int(blocks.size)
         return {"blocks": P.id_bytes(out)}
 
-    def op_ref(self, session: EngineSession, args: Any) -> dict:
-        mgr = self.node.mgr
+    def op_ref(self, session: EngineSession, args: Any) -> Any:
+        mgr, remote = self.node.mgr, self.node.remote
         keys = self.node.ids(args.keys, "keys", np.uint64)
         found = self.node.lookup(session, keys)
+        if remote is not None and np.any(found < 0):  # look the misses up in the cluster: answered later
+            w = remote.lookup(session, keys, found, args.seq)
+            if w is not None:
+                return w
         hit = found[found >= 0]
+        if remote is not None and hit.size:
+            remote.note_shared(hit)
         if hit.size:
             mgr.ref_many(hit)
             session.add_refs(hit, args.seq)

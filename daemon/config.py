@@ -23,6 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvtier.protocol.runtime import default_data_dir, default_runtime_dir
 
+from .remote_config import RemoteConfig
+
 ENV_PREFIX = "KVTIER_"
 HOT_SECTIONS = ("policy", "scoring", "predictor")  # reloadable without restart
 RESTART_SECTIONS = ("server", "tiers", "metrics")  # sockets, pools and the exporter are built once, at start
@@ -90,6 +92,8 @@ class TiersConfig(_Section):
     """...until it is back below this fraction."""
     max_blocks: int = Field(default=0, ge=0)
     """Block-table size; 0 = the total slot count of all tiers."""
+    remote: RemoteConfig = Field(default_factory=RemoteConfig)
+    """The shared remote tier ([tiers.remote]; off by default)."""
 
     @model_validator(mode="after")
     def _nvme_dir_given(self) -> "TiersConfig":
@@ -325,8 +329,14 @@ def config_sources(path: "str | Path | None", environ: Optional[Mapping[str, str
     if path is not None:
         out.append(f"file {path}")
     out += [f"environment {k}" for k in sorted(env) if k.startswith(ENV_PREFIX) and "__" in k]
-    out += [f"--set {o}" for o in overrides]
+    out += [f"--set {_redacted(o)}" for o in overrides]
     return out
+
+
+def _redacted(pair: str) -> str:
+    """A ``--set`` pair as it may be printed: a password's value never is."""
+    key, eq, _ = pair.partition("=")
+    return f"{key}=(hidden)" if eq and "password" in key.lower() and "password_env" not in key.lower() else pair
 
 
 def load_config(path: "str | Path | None" = None, environ: Optional[Mapping[str, str]] = None,

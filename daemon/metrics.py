@@ -102,12 +102,43 @@ class SnapshotCollector(Collector):
                 buckets.append(("+Inf" if le == float("inf") else repr(float(le)), cum))
             yield HistogramMetricFamily("kvtier_acquire_stall_seconds", "Time an acquire waited for its blocks",
                                         buckets=buckets, sum_value=hist["sum"])
+        yield from _remote_families(s.get("remote") or {})
         calib = s.get("calibration") or {}
         for name in ("brier", "ece"):
             if name in calib and calib[name] == calib[name]:
                 yield _gauge(f"kvtier_predictor_{name}", f"Reuse predictor {name}", calib[name])
         if "n" in calib:  # how much the two figures above rest on: few predictions, noisy figures
             yield _gauge("kvtier_predictor_scored", "Resolved predictions behind the calibration figures", calib["n"])
+
+
+def _remote_families(r: dict[str, Any]) -> Iterator[Any]:
+    """``kvtier_remote_*``: the shared remote tier (only where it is enabled)."""
+    if not r.get("enabled"):
+        return
+    yield _gauge("kvtier_remote_up", "1 while the remote tier serves, 0 while it is degraded (failed batches: "
+                 "lookups miss and engines recompute until it recovers)", float(r["state"] == "ok"))
+    yield _counter("kvtier_remote_hits", "Keys missed locally and found, verified, in the remote tier", r["hits"])
+    yield _counter("kvtier_remote_misses", "Keys looked up remotely and not found (or not verified)", r["misses"])
+    yield _counter("kvtier_remote_corrupt", "Remote values refused by their checksum (deleted, never served)",
+                   r["corrupt"])
+    yield _counter("kvtier_remote_published_blocks", "Blocks this node wrote to the remote tier", r["published"])
+    nbytes = CounterMetricFamily("kvtier_remote_bytes", "Payload bytes to (put) and from (get) the remote tier",
+                                 labels=["op"])
+    errors = CounterMetricFamily("kvtier_remote_errors", "Remote batches that failed (unreachable, timeout)",
+                                 labels=["op"])
+    for op in ("put", "get"):
+        nbytes.add_metric([op], r[f"{op}_bytes"])
+        errors.add_metric([op], r["errors"][op])
+    yield from (nbytes, errors)
+    lat = HistogramMetricFamily("kvtier_remote_latency_seconds", "Time of one remote batch (a pipelined write "
+                                "or read of up to tiers.remote.batch_blocks blocks)", labels=["op"])
+    for op, hist in r["latency_histogram"].items():
+        cum, buckets = 0, []
+        for le, n in zip([*hist["le"], float("inf")], hist["counts"]):
+            cum += n
+            buckets.append(("+Inf" if le == float("inf") else repr(float(le)), cum))
+        lat.add_metric([op], buckets, hist["sum"])
+    yield lat
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -27,12 +27,38 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x
 
 
+_I1, _I2 = np.uint64(0x96DE1B173F119089), np.uint64(0x319642B2D24D8EC3)  # inverses of _M1, _M2 mod 2^64
+
+
+def _unmix(x: np.ndarray) -> np.ndarray:
+    """The inverse of ``_mix``."""
+    x = x.copy()
+    x ^= (x >> np.uint64(31)) ^ (x >> np.uint64(62))
+    x *= _I2
+    x ^= (x >> np.uint64(27)) ^ (x >> np.uint64(54))
+    x *= _I1
+    x ^= (x >> np.uint64(30)) ^ (x >> np.uint64(60))
+    return x
+
+
 def scoped_keys(keys: np.ndarray, ns: int) -> np.ndarray:
     """Keys of namespace ``ns`` as the daemon indexes them (``ns`` 0: unchanged)."""
     if ns == 0:
         return keys
     with np.errstate(over="ignore"):
         return _mix(keys.astype(np.uint64) ^ _mix(np.array([ns], dtype=np.uint64))[0])
+
+
+def unscoped_keys(keys: np.ndarray, ns: "int | np.ndarray") -> np.ndarray:
+    """The engines' keys of blocks indexed under ``scoped_keys`` (``ns`` per key or one for all).
+
+    Namespace ids are this daemon's own; the remote tier names blocks by the key the
+    engines sent and the namespace's name, which every node shares."""
+    keys = keys.astype(np.uint64)
+    ns_arr = np.broadcast_to(np.asarray(ns, dtype=np.uint64), keys.shape)
+    with np.errstate(over="ignore"):
+        out = _unmix(keys) ^ _mix(ns_arr.copy())
+    return np.where(ns_arr == 0, keys, out)
 
 
 class Namespaces:
@@ -53,4 +79,4 @@ class Namespaces:
         return {v: k for k, v in self._ids.items()}
 
 
-__all__ = ["Namespaces", "scoped_keys", "MAX_NAMESPACES"]
+__all__ = ["Namespaces", "scoped_keys", "unscoped_keys", "MAX_NAMESPACES"]

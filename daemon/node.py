@@ -14,7 +14,7 @@ import logging
 import os
 from dataclasses import dataclass
 from multiprocessing import shared_memory
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -36,6 +36,9 @@ from .namespaces import scoped_keys
 from .placement import Placement
 from .session import EngineSession
 
+if TYPE_CHECKING:
+    from .remote_ops import RemoteOps
+
 log = logging.getLogger("kvtier.node")
 
 
@@ -53,6 +56,7 @@ class Node:
     max_batch_blocks: int
     hbm_shm: Optional[shared_memory.SharedMemory] = None  # an engine-supplied region we mapped
     hbm_handle: bytes = b""  # CUDA IPC handle of a daemon-allocated device pool, for engines to map
+    remote: "Optional[RemoteOps]" = None  # the shared remote tier, when [tiers.remote] is enabled
 
     # -- request helpers ----------------------------------------------------------------
     def ids(self, value: Any, what: str, dtype: type = np.int64) -> np.ndarray:
@@ -103,9 +107,12 @@ class Node:
 
     def busy(self) -> bool:
         """Work the owner loop should come back for soon (transfers, backlog, queued hints)."""
-        return self.mgr.has_pending() or bool(self.placement.backlog) or bool(len(self.prefetcher))
+        return (self.mgr.has_pending() or bool(self.placement.backlog) or bool(len(self.prefetcher))
+                or (self.remote is not None and self.remote.busy()))
 
     def close(self) -> None:
+        if self.remote is not None:  # its workers read and write slots of the pools closed next
+            self.remote.close()
         self.mgr.close()
         if self.hbm_shm is not None:
             release_shm(self.hbm_shm, unlink=False)

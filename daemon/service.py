@@ -28,6 +28,7 @@ from .config import KvtierConfig
 from .liveness import Fence, own_pid_namespace, pid_alive, pid_checkable
 from .namespaces import Namespaces
 from .node import Node, build_node
+from .remote_setup import attach_remote, start_remote_tier
 from .residency import ResidencyOps
 from .session import EngineSession
 from .stats import snapshot
@@ -51,6 +52,7 @@ class Service:
         self.orphans: list[tuple[Pending, ProtocolError]] = []  # waiters of reclaimed engines, still owed a reply
         self.pid_ns = own_pid_namespace()
         self.namespaces = Namespaces()
+        self.remote_tier = start_remote_tier(cfg.tiers.remote, clock)  # a wrong password fails here, at start
         self.node_ops: dict[str, Callable[[EngineSession, Any], Any]] = {}
         self.ops: dict[str, Callable[[Optional[EngineSession], Any], Any]] = {
             "ping": self.op_ping, "heartbeat": self.op_ping, "stats": self.op_stats, "unregister": self.op_unregister,
@@ -133,6 +135,8 @@ class Service:
 
     def _start_node(self, args: Any) -> Node:
         node = build_node(self.cfg, args, self.clock)
+        if self.remote_tier is not None:
+            attach_remote(node, self.cfg.tiers.remote, self.remote_tier, self.namespaces, self.counters, self.clock)
         self.node = node
         self.blocks = BlockOps(node, self.cfg, self.counters, self.clock, self.engines)
         self.residency = ResidencyOps(node, self.cfg, self.counters, self.clock)
@@ -240,6 +244,9 @@ class Service:
         if self.node is None:
             return False
         did = bool(self.node.mgr.poll())
+        if self.node.remote is not None:
+            did = bool(self.node.remote.poll()) or did
+            did = bool(self.node.remote.publish(self.clock())) or did
         end = time.perf_counter() + budget_s
         while self.node.placement.backlog and time.perf_counter() < end:
             self.node.placement.drain(64)
@@ -253,7 +260,8 @@ class Service:
         self.orphans = []
         if self.residency is None or self.blocks is None:
             return out
-        return [*out, *self.residency.advance_waiters(), *self.blocks.advance_allocs()]
+        remote = self.node.remote.advance(self.node.lookup, self.engines) if self.node is not None and self.node.remote else []
+        return [*out, *remote, *self.residency.advance_waiters(), *self.blocks.advance_allocs()]
 
     def busy(self) -> bool:
         """Is there work the owner loop should come back for within a millisecond?"""
@@ -291,6 +299,8 @@ class Service:
     def close(self) -> None:
         if self.node is not None:
             self.node.close()
+        elif self.remote_tier is not None:
+            self.remote_tier.close()
 
 
 __all__ = ["Service"]

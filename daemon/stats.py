@@ -73,6 +73,7 @@ def snapshot(cfg: KvtierConfig, counters: Counter[str], engines: dict[str, Engin
     out["prefetch"] = {"hinted": pf.hinted, "started": pf.started, "queued": len(pf),
                        "speculated": pf.speculated, "speculative_used": pf.speculative_used,
                        "speculative_wasted": pf.speculative_wasted}
+    out["remote"] = node.remote.stats() if node.remote is not None else {"enabled": False}
     out["importance_mean"] = float(np.mean(t.importance[used])) if used.any() else 0.0
     scores = node.scores  # live blocks per segment tag (untagged: "")
     counts = np.bincount(scores.segment[used], minlength=len(scores.segment_names))

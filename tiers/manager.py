@@ -30,7 +30,7 @@ from .intrusive import NIL
 from .io_backends import IOBackend
 from .moves import TierMoves
 from .slot_index import recovered_entries, sealed_entries, take_index, write_index
-from .types import FREE, HBM, NVME, OPEN, SEALED, Tier, TierError, parse_tier
+from .types import DRAM, FREE, HBM, NVME, OPEN, SEALED, Tier, TierError, parse_tier
 
 log = logging.getLogger("kvtier.tiers")
 
@@ -273,6 +273,57 @@ class TierManager(TierMoves):
         t.pins[b] -= 1
         t.refresh_evictable(b)
         self._reap(np.array([b]))
+
+    # -- remote tier: blocks whose bytes a remote read writes, blocks a remote write reads -------
+    def reserve_fetch(self, n: int, ns: int, tier: int = DRAM) -> np.ndarray:
+        """Up to ``n`` placeholder blocks, each with a ``tier`` slot a remote read will fill:
+        OPEN, unreferenced and busy (nothing moves, evicts, seals or serves them) until
+        ``finish_fetch``. Fewer (or none) when slots or table entries run short."""
+        t = self.table
+        n = min(int(n), t.free_slot_count(tier), len(t.free_blocks))
+        if n <= 0:
+            return np.zeros(0, dtype=np.int64)
+        out = np.fromiter((t.new_block() for _ in range(n)), dtype=np.int64, count=n)
+        t.refcount[out] = 0
+        t.busy[out] = 1
+        self.namespace[out] = ns
+        t.assign_slots(out, tier)
+        return out
+
+    def finish_fetch(self, blocks: np.ndarray, ok: np.ndarray, keys: np.ndarray, lengths: np.ndarray,
+                     checksums: np.ndarray, tier: int = DRAM) -> np.ndarray:
+        """Apply a remote read of ``reserve_fetch`` blocks: a verified one becomes a cached
+        SEALED block whose one copy is its ``tier`` slot; the others are released. Per block,
+        the block now holding its key (the fetched one, or one sealed here meanwhile), or -1."""
+        t = self.table
+        t.busy[blocks] -= 1
+        out = np.full(blocks.size, -1, dtype=np.int64)
+        kept = []
+        for i, b in enumerate(blocks.tolist()):
+            key = int(keys[i])
+            existing = t.lookup(key)
+            if ok[i] and existing < 0:
+                t.nbytes[b] = int(lengths[i])
+                t.seal(b, key, int(checksums[i]))
+                t.copies[b] |= np.uint8(1 << tier)
+                kept.append(b)
+                out[i] = b
+            else:
+                t.release_block(b)  # never visible to anyone: no event
+                out[i] = existing
+        arr = np.asarray(kept, dtype=np.int64)
+        t.refresh_evictable_many(arr)
+        self._emit_many("stored", arr, tier)
+        return out
+
+    def hold(self, blocks: np.ndarray) -> None:
+        """A remote write reads these sealed blocks' bytes: keep every copy where it is."""
+        self.table.busy[blocks] += 1
+        self.table.refresh_evictable_many(blocks)
+
+    def unhold(self, blocks: np.ndarray) -> None:
+        self.table.busy[blocks] -= 1
+        self.table.refresh_evictable_many(blocks)
 
     # -- reading (tests, CLI) ------------------------------------------------
     def read(self, b: int) -> bytes:

@@ -85,6 +85,7 @@ class TierMoves:
         self.inflight = self.table.add_column("inflight_tid", np.int64)  # transfer moving the block (0: none)
         self.namespace = self.table.add_column("namespace", np.uint16)  # whose block: set at alloc, never crossed
         self.hbm_slot_ns = np.zeros(hbm_slots, dtype=np.uint16)  # namespace whose bytes an HBM slot last held
+        self.held_elsewhere: list[Callable[[], np.ndarray]] = []  # blocks busy with I/O outside the mover (remote)
 
     # -- events ------------------------------------------------------------
     def _emit(self, kind: str, b: int, tier: int) -> None:
@@ -297,7 +298,8 @@ class TierMoves:
     def check_invariants(self) -> None:
         self.table.check_invariants()
         busy = np.flatnonzero(self.table.busy)
-        pending = np.concatenate([p.blocks for p in self._pending.values()]) if self._pending else np.zeros(0, np.int64)
+        parts = [p.blocks for p in self._pending.values()] + [fn() for fn in self.held_elsewhere]
+        pending = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
         if not np.array_equal(np.sort(busy), np.sort(pending)):
             raise RuntimeError("busy flags disagree with pending transfers")
 

@@ -19,6 +19,11 @@ from kvtier.daemon.metrics import CLEARED_COUNTER, Exporter
 
 DASHBOARD = Path(__file__).parents[2] / "daemon" / "grafana" / "kvtier.json"
 # exported but on no panel, each for a reason
+REMOTE_SNAPSHOT = {
+    "enabled": True, "state": "ok", "hits": 3, "misses": 1, "corrupt": 0, "published": 2, "put_bytes": 8192,
+    "get_bytes": 12288, "errors": {"put": 0, "get": 1},
+    "latency_histogram": {op: {"le": [0.001, 0.01], "counts": [1, 1, 0], "sum": 0.005} for op in ("put", "get")},
+}
 ABSENT = {
     "kvtier_prefetch_on_time_ratio": "the panel divides the two acquire counters' rates over its window instead",
     "kvtier_tier_slots": "occupancy is shown in bytes", "kvtier_tier_used_slots": "occupancy is shown in bytes",
@@ -131,6 +136,8 @@ def exported(tmp_path_factory) -> dict[str, str]:
     finally:
         assert d.stop() == 0
     snap["calibration"] = {"brier": 0.1, "ece": 0.05, "n": 10}
+    assert snap["remote"] == {"enabled": False}  # the remote tier's families come from a node that has one:
+    snap["remote"] = REMOTE_SNAPSHOT  # its stats' shape, as tests/daemon/test_remote_nodes.py reads them
     e = Exporter()
     e.publish(snap)
     fams = families(e)

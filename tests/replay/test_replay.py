@@ -177,3 +177,47 @@ def test_multi_tier_kvtier_uses_dram_for_blocks_hbm_declines():
     # DRAM's policy learns from its own hits, and blocks HBM declines may still take DRAM:
     # HBM + DRAM together serve more than under LRU (without either, fewer: 0.4245 < 0.4297)
     assert r["hit"]["hbm"] + r["hit"]["dram"] > lru["hit"]["hbm"] + lru["hit"]["dram"] + 0.01
+
+
+def _fleet_reference(tr, nodes: int) -> dict[str, int]:
+    """Brute force: requests round-robin over ``nodes``; a block a node reuses is published;
+    an unbounded remote serves a node's first touch of a published block."""
+    local = [set() for _ in range(nodes)]
+    published: set[int] = set()
+    out = {"local": 0, "remote": 0, "miss": 0}
+    for b, req in zip(tr.block.tolist(), tr.request.tolist()):
+        seen = local[req % nodes]
+        if b in seen:
+            out["local"] += 1
+            published.add(b)
+        elif b in published:
+            out["remote"] += 1
+        else:
+            out["miss"] += 1
+        seen.add(b)
+    return out
+
+
+@pytest.mark.parametrize("nodes", [2, 5])
+def test_fleet_replay_counts_remote_hits_exactly(nodes):
+    from kvtier.replay.tiered import TierSpec, simulate_tiers
+
+    rng = np.random.default_rng(6)
+    tr = _trace((rng.zipf(1.2, 6000) % 800).tolist())
+    tr.request = np.arange(tr.n_accesses) // 3  # requests of three blocks each
+    ref = _fleet_reference(tr, nodes)
+    r = simulate_tiers("lru", TierSpec(10, 30, nodes=nodes, remote_blocks=tr.n_unique), tr)
+    n = tr.n_accesses
+    assert round(r["hit"]["remote"] * n) == ref["remote"] and round(r["miss"] * n) == ref["miss"]
+    assert round((r["hit"]["hbm"] + r["hit"]["dram"] + r["hit"]["nvme"]) * n) == ref["local"]
+    assert r["fleet_hit"] == pytest.approx(1 - ref["miss"] / n) and r["nodes"] == nodes
+    # the same nodes without a remote tier: every remote hit becomes a miss
+    alone = simulate_tiers("lru", TierSpec(10, 30, nodes=nodes), tr)
+    assert round(alone["miss"] * n) == ref["miss"] + ref["remote"] and "remote" not in alone["hit"]
+    # write-through (every computed block published): any block seen anywhere before is a fleet hit
+    wt = simulate_tiers("lru", TierSpec(10, 30, nodes=nodes, remote_blocks=tr.n_unique, publish_min_shares=0), tr)
+    assert round(wt["miss"] * n) == tr.n_unique and wt["hit"]["remote"] > r["hit"]["remote"]
+    assert wt["remote_writes"] == tr.n_unique > r["remote_writes"]  # ... for a write of every block
+    # a cluster of 20 blocks (LRU) serves fewer than an unbounded one, but some
+    small = simulate_tiers("lru", TierSpec(10, 30, nodes=nodes, remote_blocks=20), tr)
+    assert 0 < small["hit"]["remote"] < r["hit"]["remote"]

@@ -1,0 +1,177 @@
+"""Two in-process services share a real cluster: random ops, every invariant after every step,
+and every block node B gets from the cluster holds exactly the bytes node A sealed under its key."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("redis")
+
+from kvtier.daemon.config import load_config  # noqa: E402
+from kvtier.daemon.remote_ops import RefWaiter  # noqa: E402
+from kvtier.daemon.service import Service  # noqa: E402
+from kvtier.protocol import wire as P  # noqa: E402
+from kvtier.tiers.remote_store import namespace_tag, value_name  # noqa: E402
+
+from .service_calls import call, ids  # noqa: E402
+
+BB = 4096
+STEPS = 300
+
+
+def _service(tmp_path, name, cluster, fleet):
+    cfg = load_config(environ={}, overrides=[
+        'tiers.remote.password="kvtier-test-pw"',
+        f"tiers.hbm_bytes={BB * 12}", f"tiers.dram_bytes={BB * 12}", f"tiers.nvme_bytes={BB * 24}",
+        f'tiers.nvme_dir="{tmp_path}/{name}/nvme"', f'server.runtime_dir="{tmp_path}/{name}/run"', "metrics.enabled=false",
+        "tiers.remote.enabled=true", f"tiers.remote.nodes={json.dumps(cluster.nodes)}",
+        f'tiers.remote.namespace="{fleet}"', "tiers.remote.batch_blocks=4", "tiers.remote.lookup_timeout_s=5.0"])
+    return Service(cfg)
+
+
+def _pattern(key: int) -> np.ndarray:
+    return np.random.default_rng(key).integers(0, 256, BB, dtype=np.uint8)
+
+
+def _settle(svc: Service, until=None, timeout: float = 10.0) -> dict:
+    """Run the owner loop's idle work until ``until`` (a waiter) is answered; returns answers by waiter id."""
+    answers: dict[int, object] = {}
+    end = time.monotonic() + timeout
+    while True:
+        svc.background()
+        for w, res in svc.advance():
+            answers[id(w)] = res
+        svc.maintain()
+        if (until is None and not svc.busy()) or (until is not None and id(until) in answers) or time.monotonic() > end:
+            return answers
+        time.sleep(0.001)
+
+
+def _ref(svc: Service, engine: str, keys: list[int]) -> np.ndarray:
+    r = call(svc, "ref", engine, keys=keys)
+    if isinstance(r, RefWaiter):
+        r = _settle(svc, r)[id(r)]
+    assert isinstance(r, dict), r
+    return np.asarray(ids(r["blocks"]))
+
+
+def test_random_ops_on_two_nodes_keep_invariants_and_bytes(tmp_path, redis_cluster):
+    rng = np.random.default_rng(7)
+    a, b = _service(tmp_path, "a", redis_cluster, "rand"), _service(tmp_path, "b", redis_cluster, "rand")
+    try:
+        for svc, e in ((a, "a1"), (a, "a2"), (b, "b1")):
+            call(svc, "register", e, pid=0, block_bytes=BB)
+        held: dict[str, list[int]] = {"a1": [], "a2": [], "b1": []}
+        sealed_keys: set[int] = set()
+        served = 0
+        for _ in range(STEPS):
+            e = ["a1", "a2"][int(rng.integers(2))]
+            op = rng.choice(["write", "ref", "free", "acquire", "b_ref", "b_free"])
+            if op == "write":  # alloc, fill with the key's pattern, seal (keys from a small pool: shared)
+                k = int(rng.integers(1, 40))
+                r = call(a, "alloc", e, n=1, seq=1, pin=False)
+                blk, slot = ids(r["blocks"])[0], ids(r["slots"])[0]
+                a.node.mgr.hbm.host_view(slot)[:] = _pattern(k)
+                c = ids(call(a, "seal", e, blocks=[blk], keys=[k])["blocks"])[0]
+                held[e].append(c)
+                sealed_keys.add(k)
+            elif op == "ref" and sealed_keys:
+                got = _ref(a, e, [int(rng.choice(sorted(sealed_keys)))])
+                held[e] += [int(x) for x in got if x >= 0]
+            elif op == "free" and held[e]:
+                x = held[e].pop(int(rng.integers(len(held[e]))))
+                call(a, "free", e, blocks=[x])
+            elif op == "acquire" and held[e]:
+                x = int(rng.choice(held[e]))
+                r = call(a, "acquire", e, blocks=[x], wait=False, timeout_s=5.0)
+                while not r.get("done"):  # promoted from DRAM or NVMe: poll the ticket until pinned
+                    _settle(a, timeout=0.01)
+                    r = call(a, "acquire_poll", e, ticket=r["ticket"])
+                call(a, "release", e, blocks=[x])
+            elif op == "b_ref":
+                k = int(rng.integers(1, 40))
+                got = _ref(b, "b1", [k])
+                if got[0] >= 0:  # found (locally, or in the cluster): exactly A's bytes for that key
+                    assert b.node.mgr.read(int(got[0])) == _pattern(k).tobytes()
+                    held["b1"].append(int(got[0]))
+                    served += 1
+            elif op == "b_free" and held["b1"]:
+                call(b, "free", "b1", blocks=[held["b1"].pop()])
+            for svc in (a, b):
+                _settle(svc, timeout=0.05)
+                assert call(svc, "check", "a1" if svc is a else "b1") == {"ok": True}
+        sa, sb = a.stats()["remote"], b.stats()["remote"]
+        assert sa["published"] > 0 and sb["hits"] > 0 and served >= sb["hits"]
+        assert sa["errors"] == {"put": 0, "get": 0} and sb["corrupt"] == 0
+        # every block A published is shared (reused at least once on A); B publishes nothing it only read
+        assert sb["published"] == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_ref_of_a_reclaimed_engine_is_answered_and_leaves_nothing(tmp_path, redis_cluster):
+    b = _service(tmp_path, "b", redis_cluster, "reclaim")
+    try:
+        call(b, "register", "b1", pid=0, block_bytes=BB)
+        w = call(b, "ref", "b1", keys=[123456])
+        assert isinstance(w, RefWaiter)
+        b.reclaim("b1", "unregistered")
+        answers = _settle(b, w)
+        assert getattr(answers[id(w)], "code", None) == P.UNKNOWN_ENGINE
+        call(b, "register", "b2", pid=0, block_bytes=BB)
+        assert call(b, "check", "b2") == {"ok": True} and b.node.remote.fetching == {}
+    finally:
+        b.close()
+
+
+def test_a_publish_that_failed_is_retried_when_the_cluster_is_back(tmp_path, redis_cluster):
+    a = _service(tmp_path, "a", redis_cluster, "retry")
+    try:
+        for e in ("a1", "a2"):
+            call(a, "register", e, pid=0, block_bytes=BB)
+        a.node.remote.tier.backoff.base_s = a.node.remote.tier.backoff.max_s = 0.1
+        shard = redis_cluster.shard_of(value_name(namespace_tag("retry", ""), 5))
+        redis_cluster.kill(shard)  # the shard that holds key 5
+        try:
+            r = call(a, "alloc", "a1", n=1, seq=1, pin=False)
+            a.node.mgr.hbm.host_view(ids(r["slots"])[0])[:] = _pattern(5)
+            call(a, "seal", "a1", blocks=ids(r["blocks"]), keys=[5])
+            assert _ref(a, "a2", [5])[0] >= 0  # shared: a candidate; the put fails while a shard is down
+            end = time.monotonic() + 10
+            while a.stats()["remote"]["errors"]["put"] == 0 and time.monotonic() < end:
+                _settle(a, timeout=0.05)
+            st = a.stats()["remote"]
+            assert st["errors"]["put"] >= 1 and st["published"] == 0 and st["state"] == "degraded"
+        finally:
+            redis_cluster.restart(shard)
+        end = time.monotonic() + 20
+        while a.stats()["remote"]["published"] == 0 and time.monotonic() < end:
+            _settle(a, timeout=0.05)
+        assert a.stats()["remote"]["published"] == 1 and a.stats()["remote"]["state"] == "ok"
+        assert call(a, "check", "a1") == {"ok": True}
+    finally:
+        a.close()
+
+
+def test_an_unreachable_cluster_at_start_is_a_degraded_tier_not_a_dead_node(tmp_path):
+    from kvtier.bench.redis_cluster import free_port
+
+    cfg = load_config(environ={}, overrides=[
+        f"tiers.hbm_bytes={BB * 8}", f"tiers.dram_bytes={BB * 8}", "tiers.nvme_bytes=0",
+        f'server.runtime_dir="{tmp_path}/run"', "metrics.enabled=false", "tiers.remote.enabled=true",
+        f'tiers.remote.nodes=["127.0.0.1:{free_port()}"]', "tiers.remote.connect_timeout_s=0.2"])
+    svc = Service(cfg)  # nobody listens there: starts anyway
+    try:
+        call(svc, "register", "e", pid=0, block_bytes=BB)
+        r = call(svc, "alloc", "e", n=1, seq=1, pin=False)
+        call(svc, "seal", "e", blocks=ids(r["blocks"]), keys=[77])
+        assert _ref(svc, "e", [77, 78]).tolist() == [ids(r["blocks"])[0], -1]  # local hit; the miss at once
+        st = svc.stats()["remote"]
+        assert st["state"] == "degraded" and "cannot reach" in st["last_error"] and st["lookups_skipped_degraded"] == 1
+    finally:
+        svc.close()

@@ -1,0 +1,194 @@
+"""The remote tier's mover: Redis I/O on worker threads, completions polled by the owner.
+
+The owner loop never waits on the network. A wrong password fails at start
+(``RemoteAuthError``); a cluster unreachable at start is a degraded tier like
+any later outage, so a Redis outage never keeps a node's own tiers from serving. It submits immutable jobs (a batch
+of blocks to publish, or of keys to look up) to a bounded queue and polls
+completions without blocking, exactly as it does with the NVMe lane of
+``mover.py``: a full queue refuses the job (a publish is skipped, a lookup is a
+miss), it never blocks the caller. Source buffers of a publish and destination
+slots of a lookup stay reserved by the owner (the block is ``busy``) until the
+completion is applied.
+
+Faults degrade, they never block an engine: a job that fails (a shard down, a
+timeout, a failover in progress) completes as failed, and the tier backs off
+(``available`` is False for ``backoff_s``, doubling up to ``backoff_max_s`` while jobs keep
+failing), so
+lookups are misses the engine recomputes; the first job that succeeds after the
+backoff ends clears the degraded state.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from .backoff import WriteBackoff
+from .remote_store import RedisClusterStore, RemoteAuthError, RemoteError
+
+
+@dataclass(frozen=True)
+class RemoteJob:
+    tid: int
+    kind: str  # "put" or "get"
+    blocks: np.ndarray
+    tags: np.ndarray  # namespace tag per block
+    keys: np.ndarray  # the engines' keys (unscoped)
+    buffers: Sequence[np.ndarray]  # put: source bytes; get: destination slot (block_bytes)
+    lengths: np.ndarray  # put only
+    checksums: np.ndarray  # put only
+
+    def __post_init__(self) -> None:
+        for arr in (self.blocks, self.tags, self.keys, self.lengths, self.checksums):
+            arr.setflags(write=False)
+
+
+@dataclass
+class RemoteCompletion:
+    tid: int
+    kind: str
+    blocks: np.ndarray
+    ok: np.ndarray  # put: stored; get: found and verified
+    lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    checksums: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
+    corrupt: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: str = ""  # the job failed as a whole (the store is unreachable)
+
+
+class RemoteTier:
+    """Worker threads over one ``RedisClusterStore`` each (redis-py clients are not shared)."""
+
+    def __init__(self, connect: Callable[[], RedisClusterStore], workers: int = 2, queue_depth: int = 16,
+                 backoff_s: float = 1.0, backoff_max_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._connect = connect
+        self.clock = clock
+        self.backoff = WriteBackoff(backoff_s, max(backoff_max_s, backoff_s))
+        self.last_error = ""
+        self.store: Optional[RedisClusterStore] = None
+        try:
+            self.store = connect()  # a wrong password raises here, at start: a config error
+        except RemoteAuthError:
+            raise
+        except RemoteError as e:  # unreachable now: start degraded (the node's own tiers work), retry later
+            self.backoff.failed(clock())
+            self.last_error = str(e)
+        self._jobs: queue.Queue[Optional[RemoteJob]] = queue.Queue(maxsize=queue_depth)
+        self._done: queue.Queue[RemoteCompletion] = queue.Queue()
+        self._tids = itertools.count(1)
+        self.in_flight = 0  # jobs submitted, completion not polled yet (owner side)
+        self._threads = [threading.Thread(target=self._run, args=(i,), name=f"kvtier-remote-{i}", daemon=True)
+                         for i in range(workers)]
+        for th in self._threads:
+            th.start()
+
+    # -- owner side -------------------------------------------------------------------------
+    def available(self) -> bool:
+        """Should the owner use the tier now (not backing off after failures)?"""
+        return self.backoff.open(self.clock())
+
+    @property
+    def degraded(self) -> bool:
+        return self.backoff.delay_s > 0
+
+    def submit(self, kind: str, blocks: np.ndarray, tags: np.ndarray, keys: np.ndarray, buffers: Sequence[np.ndarray],
+               lengths: Optional[np.ndarray] = None, checksums: Optional[np.ndarray] = None) -> Optional[int]:
+        """Queue a job; its id, or None when the queue is full (never blocks)."""
+        n = blocks.size
+        job = RemoteJob(next(self._tids), kind, blocks.copy(), tags.astype(np.uint64), keys.astype(np.uint64),
+                        list(buffers), (lengths if lengths is not None else np.zeros(n, np.int64)).astype(np.int64),
+                        (checksums if checksums is not None else np.zeros(n, np.uint64)).astype(np.uint64))
+        try:
+            self._jobs.put_nowait(job)
+        except queue.Full:
+            return None
+        self.in_flight += 1
+        return job.tid
+
+    def poll(self, timeout: float = 0.0) -> list[RemoteCompletion]:
+        """Completed jobs (waits up to ``timeout`` for the first; the owner loop passes 0)."""
+        out: list[RemoteCompletion] = []
+        while True:
+            try:
+                c = self._done.get(timeout=timeout) if timeout > 0 and not out else self._done.get_nowait()
+            except queue.Empty:
+                break
+            self.in_flight -= 1
+            now = self.clock()
+            if c.error:
+                self.backoff.failed(now)
+                self.last_error = c.error
+            else:
+                self.backoff.succeeded()
+            out.append(c)
+        return out
+
+    def wait(self, timeout: float = 10.0) -> list[RemoteCompletion]:
+        """Poll until nothing is in flight (tests, benchmarks, close)."""
+        out: list[RemoteCompletion] = []
+        end = time.monotonic() + timeout
+        while self.in_flight and time.monotonic() < end:
+            out += self.poll(timeout=max(1e-3, end - time.monotonic()))
+        return out
+
+    # -- worker side ------------------------------------------------------------------------
+    def _run(self, i: int) -> None:
+        store: Optional[RedisClusterStore] = self.store if i == 0 else None
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                break
+            t0 = time.perf_counter()
+            try:
+                if store is None:
+                    store = self._connect()
+                c = self._do(store, job)
+            except (RemoteError, OSError) as e:
+                c = RemoteCompletion(job.tid, job.kind, job.blocks, np.zeros(job.blocks.size, dtype=bool),
+                                     error=str(e) or type(e).__name__)
+                if isinstance(e, RemoteAuthError):
+                    c.error = str(e)
+            except Exception as e:  # a bug or an unexpected client error: the job fails, the thread lives
+                c = RemoteCompletion(job.tid, job.kind, job.blocks, np.zeros(job.blocks.size, dtype=bool),
+                                     error=f"{type(e).__name__}: {e}")
+            c.seconds = time.perf_counter() - t0
+            self._done.put(c)
+        if store is not None and store is not self.store:
+            store.close()
+
+    @staticmethod
+    def _do(store: RedisClusterStore, job: RemoteJob) -> RemoteCompletion:
+        if job.kind == "put":
+            ok = store.put_many(job.tags, job.keys, job.buffers, job.lengths, job.checksums)
+            return RemoteCompletion(job.tid, "put", job.blocks, ok, nbytes=int(job.lengths[ok].sum()))
+        got = store.get_many(job.tags, job.keys, job.buffers)
+        return RemoteCompletion(job.tid, "get", job.blocks, got.found, got.lengths, got.checksums, got.corrupt, got.nbytes)
+
+    def close(self) -> None:
+        for _ in self._threads:
+            while True:
+                try:
+                    self._jobs.put(None, timeout=0.1)
+                    break
+                except queue.Full:
+                    if not any(th.is_alive() for th in self._threads):
+                        break
+        for th in self._threads:
+            th.join(timeout=10)
+        if self.store is not None:
+            self.store.close()
+
+
+def connect_store(nodes: Sequence[str], **kw: Any) -> Callable[[], RedisClusterStore]:
+    """A factory the workers call for their own connection."""
+    return lambda: RedisClusterStore(nodes, **kw)
+
+
+__all__ = ["RemoteTier", "RemoteJob", "RemoteCompletion", "connect_store"]

@@ -1,0 +1,240 @@
+"""The remote tier's store: sealed blocks in a Redis Cluster, self-describing and verified.
+
+A block is stored as Redis strings named ``kvt:{<namespace tag>:<key>}:<part>``
+(16 hex digits each; the braces are a hash tag, so every part of a block lives
+in one slot, on one shard): part ``h`` is a 48-byte header (magic, version,
+namespace tag, key, length, checksum, chunk count), parts ``0..n-1`` the payload
+in chunks of at most ``chunk_bytes``, each its own ``SET`` sent straight from
+the slot's memory (no copy), so a large block never becomes one huge command
+that stalls a shard. The header is written last: one shard runs a block's
+commands in order, so a reader that finds the header finds the payload. A read
+is one ``GET`` per part; the bytes are checked against the header (namespace, key,
+length) and the block checksum (``kernels/checksum.py``, the same value the
+block table holds) before they count: a value that fails is deleted, counted,
+and reported as a miss, never served. A block missing a chunk (the shard's
+eviction took part of it) is a miss, and its other chunks are deleted. Values
+are written and read through redis-py's cluster pipelines.
+
+Only sealed blocks are stored: they are immutable and content-addressed, so a
+copy written by any node is as good as any other's, and two writers of one key
+write the same bytes (a racing overwrite is harmless).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import xxhash
+
+from kvtier.kernels.checksum import block_checksum
+
+from .types import TierError
+
+MAGIC = b"KVR1"
+VERSION = 1
+HEADER = struct.Struct("<4sIQQQQI4x")  # magic, version, ns tag, key, length, checksum, chunks
+
+
+class RemoteError(TierError):
+    """The remote store failed (unreachable, timeout, refused)."""
+
+
+class RemoteAuthError(RemoteError):
+    """The cluster refused our credentials (wrong ACL user or password)."""
+
+
+def namespace_tag(fleet: str, engine_ns: str) -> int:
+    """64-bit tag of (the fleet's remote namespace, the engines' namespace): keys of two
+    models, tenants or deployments never meet."""
+    return xxhash.xxh3_64_intdigest(fleet.encode() + b"\0" + engine_ns.encode())
+
+
+def value_name(tag: int, key: int, part: "int | str" = "h") -> str:
+    """Redis key of a block's header (``"h"``) or of its payload chunk ``part``."""
+    return f"kvt:{{{tag:016x}:{key:016x}}}:{part}"
+
+
+def pack_header(tag: int, key: int, length: int, checksum: int, chunks: int) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, tag, key, length, checksum, chunks)
+
+
+@dataclass
+class GetResult:
+    found: np.ndarray  # bool per block: verified bytes are in the destination
+    lengths: np.ndarray  # int64: payload length of found blocks
+    checksums: np.ndarray  # uint64: their checksum
+    corrupt: int  # values that failed verification (deleted)
+    nbytes: int  # payload bytes read
+
+
+def _is_auth_error(e: BaseException) -> bool:
+    text = str(e).lower()
+    return any(w in text for w in ("wrongpass", "invalid username-password", "noauth", "authentication",
+                                   "authenticated", "noperm", "user is disabled"))
+
+
+class RedisClusterStore:
+    """A connection to one Redis Cluster; used from one worker thread at a time."""
+
+    def __init__(self, nodes: Sequence[str], username: Optional[str] = None,
+                 password: Optional[str] = None, tls: bool = False, tls_ca_file: Optional[str] = None,
+                 tls_cert_file: Optional[str] = None, tls_key_file: Optional[str] = None,
+                 tls_verify: bool = True, connect_timeout_s: float = 2.0, timeout_s: float = 2.0,
+                 chunk_bytes: int = 4 << 20) -> None:
+        try:
+            from redis.cluster import ClusterNode, RedisCluster
+        except ImportError:
+            raise RemoteError("the remote tier needs the redis package: pip install 'kvtier[remote]'") from None
+        if not nodes:
+            raise ValueError("the remote tier needs at least one startup node")
+        if chunk_bytes < 4096:
+            raise ValueError("chunk_bytes must be >= 4096")
+        self.chunk_bytes = int(chunk_bytes)
+        startup = []
+        for n in nodes:
+            host, _, port = n.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"remote node {n!r} is not host:port")
+            startup.append(ClusterNode(host, int(port)))
+        kw: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": connect_timeout_s}
+        if username:
+            kw["username"] = username
+        if password:
+            kw["password"] = password
+        if tls:
+            kw.update(ssl=True, ssl_ca_certs=tls_ca_file, ssl_certfile=tls_cert_file, ssl_keyfile=tls_key_file,
+                      ssl_cert_reqs="required" if tls_verify else "none")
+        where = ", ".join(nodes)
+        try:
+            self.client = RedisCluster(startup_nodes=startup, require_full_coverage=False, **kw)
+            self.client.ping(target_nodes=RedisCluster.PRIMARIES)
+        except Exception as e:  # redis raises many kinds; each is a clear start-up error here
+            if _is_auth_error(e):
+                who = f"user {username!r}" if username else "the default user"
+                why = "wrong user or password" if password else "it needs a password and none was given"
+                raise RemoteAuthError(f"remote tier: the Redis Cluster at {where} refused {who}: {why} "
+                                      f"(tiers.remote.username, tiers.remote.password or $KVTIER_REMOTE_PASSWORD)") from None
+            raise RemoteError(f"remote tier: cannot reach the Redis Cluster at {where}: {e}") from None
+
+    # -- writes -----------------------------------------------------------------------------
+    def put_many(self, tags: np.ndarray, keys: np.ndarray, payloads: Sequence[Any], lengths: np.ndarray,
+                 checksums: np.ndarray) -> np.ndarray:
+        """Store blocks (payloads: buffers of at least ``lengths[i]`` bytes); per block: stored."""
+        pipe = self.client.pipeline()
+        spans = []
+        cb = self.chunk_bytes
+        for tag, key, buf, n, cs in zip(tags.tolist(), keys.tolist(), payloads, lengths.tolist(), checksums.tolist()):
+            view = memoryview(buf).cast("B")[:n]
+            chunks = max(1, -(-n // cb))
+            first = len(pipe)
+            for i in range(chunks):  # zero-copy: redis-py sends each chunk straight from the slot
+                pipe.set(value_name(tag, key, i), view[i * cb: (i + 1) * cb])
+            pipe.set(value_name(tag, key), pack_header(tag, key, n, cs, chunks))  # last: a reader that
+            # finds the header finds the payload (one shard runs a block's commands in order)
+            spans.append((first, len(pipe)))
+        results = self._execute(pipe)
+        return np.array([not any(isinstance(r, Exception) for r in results[a:b]) for a, b in spans], dtype=bool)
+
+    def _execute(self, pipe: Any) -> list:
+        try:
+            return pipe.execute(raise_on_error=False)
+        except Exception as e:
+            if _is_auth_error(e):
+                raise RemoteAuthError(f"remote tier: authentication failed: {e}") from None
+            raise RemoteError(f"remote tier: {type(e).__name__}: {e}") from None
+
+    # -- reads ------------------------------------------------------------------------------
+    def get_many(self, tags: np.ndarray, keys: np.ndarray, dsts: Sequence[np.ndarray]) -> GetResult:
+        """Read blocks into ``dsts`` (uint8 arrays, one block slot each), verified."""
+        pipe = self.client.pipeline()
+        spans = []
+        for tag, key, dst in zip(tags.tolist(), keys.tolist(), dsts):
+            first = len(pipe)
+            pipe.get(value_name(tag, key))
+            for i in range(max(1, -(-dst.size // self.chunk_bytes))):
+                pipe.get(value_name(tag, key, i))
+            spans.append((first, len(pipe)))
+        results = self._execute(pipe)
+        n = len(dsts)
+        found = np.zeros(n, dtype=bool)
+        lengths = np.zeros(n, dtype=np.int64)
+        sums = np.zeros(n, dtype=np.uint64)
+        bad: list[str] = []
+        corrupt = nbytes = 0
+        for i, (tag, key, (a, b), dst) in enumerate(zip(tags.tolist(), keys.tolist(), spans, dsts)):
+            parts = results[a:b]
+            for r in parts:
+                if isinstance(r, Exception):
+                    raise RemoteError(f"remote tier: {r}")
+            if parts[0] is None:
+                continue  # not stored (or evicted): a miss
+            got = self._verify(tag, key, parts, dst)
+            if isinstance(got, str):  # refused: never served, deleted so nobody reads it again
+                bad += [value_name(tag, key), *(value_name(tag, key, j) for j in range(len(parts) - 1))]
+                corrupt += got == "corrupt"
+                continue
+            found[i], lengths[i], sums[i] = True, got[0], got[1]
+            nbytes += got[0]
+        if bad:
+            self._delete(bad)
+        return GetResult(found, lengths, sums, corrupt, nbytes)
+
+    def _verify(self, tag: int, key: int, parts: list, dst: np.ndarray) -> "tuple[int, int] | str":
+        """(length, checksum) once the bytes in ``dst`` match the header; else "corrupt", or
+        "partial" for a block the shard's eviction took part of."""
+        head, body = parts[0], parts[1:]
+        if len(head) != HEADER.size:
+            return "corrupt"
+        magic, version, h_tag, h_key, length, cs, chunks = HEADER.unpack(head)
+        if (magic, version, h_tag, h_key) != (MAGIC, VERSION, tag, key) or length > dst.size:
+            return "corrupt"
+        if chunks != max(1, -(-length // self.chunk_bytes)) or chunks > len(body):
+            return "corrupt"
+        if any(p is None for p in body[:chunks]):
+            return "partial"
+        pos = 0
+        for part in body[:chunks]:
+            data = memoryview(part)
+            if pos + len(data) > length:
+                return "corrupt"
+            dst[pos: pos + len(data)] = np.frombuffer(data, dtype=np.uint8)
+            pos += len(data)
+        if pos != length or block_checksum(dst, length) != cs:
+            return "corrupt"
+        return length, cs
+
+    def _delete(self, names: list[str]) -> None:
+        pipe = self.client.pipeline()
+        for name in names:
+            pipe.delete(name)
+        self._execute(pipe)
+
+    # -- admin ------------------------------------------------------------------------------
+    def primaries(self) -> int:
+        return len(self.client.get_primaries())
+
+    def bound_memory(self, capacity_bytes: int) -> str:
+        """Give each primary ``capacity_bytes / primaries`` as maxmemory, evicting allkeys-lru;
+        "" when done, else why not (an ACL user without CONFIG: the operator sets it)."""
+        primaries = self.client.get_primaries()
+        each = max(1, capacity_bytes // max(1, len(primaries)))
+        try:
+            for node in primaries:
+                self.client.config_set("maxmemory", str(each), target_nodes=node)
+                self.client.config_set("maxmemory-policy", "allkeys-lru", target_nodes=node)
+        except Exception as e:
+            return f"cannot bound the cluster's memory ({e}); set maxmemory and maxmemory-policy allkeys-lru on it"
+        return ""
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except Exception:
+            pass
+
+
+__all__ = ["RedisClusterStore", "RemoteError", "RemoteAuthError", "GetResult", "namespace_tag", "value_name",
+           "pack_header", "HEADER"]
