@@ -5,16 +5,15 @@ file (``daemon/defaults/kvtier.toml``, the shipped policy) < a TOML file
 (``--config``, or else the first found by ``discover_config``: ``$KVTIER_CONFIG``,
 ``$XDG_CONFIG_HOME/kvtier/kvtier.toml`` (``~/.config/...``), ``/etc/kvtier/kvtier.toml``)
 < ``KVTIER_<SECTION>__<FIELD>`` environment variables < CLI
-``--set section.field=value`` flags. ``load_config`` itself reads only the
-file it is given; the commands resolve the path with ``resolve_config_path``. Errors name the key, the file line where
-known, and why; the caller keeps its running config on any error.
+``--set section.field=value`` flags. The layering is pydantic-settings' (``config_sources``).
+``load_config`` itself reads only the file it is given; the commands resolve the path with
+``resolve_config_path``. Errors name the source (file and line, variable, flag), the key and why;
+the caller keeps its running config on any error.
 """
 
 from __future__ import annotations
 
 import os
-import re
-import tomllib
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Sequence
@@ -23,9 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvtier.protocol.runtime import default_data_dir, default_runtime_dir
 
+from .config_sources import ConfigError, env_names, explain, layers, settings_class
 from .remote_config import RemoteConfig
 
-ENV_PREFIX = "KVTIER_"
 HOT_SECTIONS = ("policy", "scoring", "predictor")  # reloadable without restart
 RESTART_SECTIONS = ("server", "tiers", "metrics")  # sockets, pools and the exporter are built once, at start
 
@@ -190,106 +189,6 @@ class KvtierConfig(_Section):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
 
-class ConfigError(ValueError):
-    """A config source is invalid; the message names the key, line and reason."""
-
-
-def _merge(dst: dict, src: Mapping[str, Any]) -> dict:
-    for k, v in src.items():
-        if isinstance(v, Mapping) and isinstance(dst.get(k), dict):
-            _merge(dst[k], v)
-        else:
-            dst[k] = dict(v) if isinstance(v, Mapping) else v
-    return dst
-
-
-def _scalar(text: str) -> Any:
-    """Parse an env/CLI value as a TOML value when it is one, else a string."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
-def _set_path(dst: dict, dotted: str, value: Any, origin: str) -> None:
-    parts = [p for p in dotted.split(".") if p]
-    if len(parts) < 2:
-        raise ConfigError(f"{origin}: {dotted!r} must be section.field")
-    node = dst
-    for p in parts[:-1]:
-        node = node.setdefault(p, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"{origin}: {dotted!r} is not a table")
-    node[parts[-1]] = value
-
-
-def env_overrides(environ: Mapping[str, str]) -> dict:
-    out: dict = {}
-    for name, value in environ.items():
-        if name.startswith(ENV_PREFIX) and "__" in name:
-            dotted = name[len(ENV_PREFIX):].lower().replace("__", ".")
-            _set_path(out, dotted, _scalar(value), f"environment {name}")
-    return out
-
-
-def cli_overrides(pairs: Sequence[str]) -> dict:
-    out: dict = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise ConfigError(f"--set {pair!r}: expected section.field=value")
-        k, v = pair.split("=", 1)
-        _set_path(out, k.strip(), _scalar(v.strip()), f"--set {pair}")
-    return out
-
-
-def _line_of(text: str, loc: Sequence[Any]) -> Optional[int]:
-    """Best-effort line number of ``section.key`` in TOML source text."""
-    section, key = (str(loc[0]), str(loc[1])) if len(loc) > 1 else (str(loc[0]), None)
-    current = None
-    for i, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
-        m = re.match(r"^\[\s*([A-Za-z0-9_.\-]+)\s*\]", line)
-        if m:
-            current = m.group(1)
-            if key is None and current == section:
-                return i
-            continue
-        if key is not None and current == section and re.match(rf"^{re.escape(key)}\s*=", line):
-            return i
-    return None
-
-
-def read_toml(path: "str | Path") -> tuple[dict, str]:
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise ConfigError(f"{p}: cannot read: {e.strerror or e}") from None
-    try:
-        return tomllib.loads(text), text
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{p}: TOML syntax error: {e}") from None
-
-
-def default_file_text() -> str:
-    return resources.files("kvtier.daemon").joinpath("defaults/kvtier.toml").read_text()
-
-
-def validate(data: Mapping[str, Any], source: str = "config", text: Optional[str] = None) -> KvtierConfig:
-    try:
-        return KvtierConfig.model_validate(data)
-    except ValidationError as e:
-        lines = []
-        for err in e.errors():
-            loc = [x for x in err["loc"] if not isinstance(x, int)]
-            where = ".".join(str(x) for x in loc) or "(top level)"
-            line = _line_of(text, loc) if text and loc else None
-            at = f"{source}:{line}" if line else source
-            why = "unknown key (not a field of this section)" if err["type"] == "extra_forbidden" else err["msg"]
-            lines.append(f"{at}: {where}: {why}")
-        raise ConfigError("invalid configuration\n  " + "\n  ".join(lines)) from None
-
-
 SYSTEM_CONFIG = "/etc/kvtier/kvtier.toml"
 CONFIG_ENV = "KVTIER_CONFIG"
 
@@ -324,11 +223,10 @@ def resolve_config_path(path: "str | Path | None", environ: Optional[Mapping[str
 def config_sources(path: "str | Path | None", environ: Optional[Mapping[str, str]] = None,
                    overrides: Sequence[str] = ()) -> list[str]:
     """The sources ``load_config(path, environ, overrides)`` merges, lowest precedence first."""
-    env = os.environ if environ is None else environ
-    out = ["field defaults", "shipped default (kvtier/daemon/defaults/kvtier.toml)"]
+    out = ["field defaults", f"shipped default ({SHIPPED_DEFAULT})"]
     if path is not None:
         out.append(f"file {path}")
-    out += [f"environment {k}" for k in sorted(env) if k.startswith(ENV_PREFIX) and "__" in k]
+    out += [f"environment {k}" for k in env_names(os.environ if environ is None else environ)]
     out += [f"--set {_redacted(o)}" for o in overrides]
     return out
 
@@ -339,23 +237,24 @@ def _redacted(pair: str) -> str:
     return f"{key}=(hidden)" if eq and "password" in key.lower() and "password_env" not in key.lower() else pair
 
 
+SHIPPED_DEFAULT = "kvtier/daemon/defaults/kvtier.toml"
+_Settings = settings_class(KvtierConfig)  # the sections as a pydantic-settings class
+
+
 def load_config(path: "str | Path | None" = None, environ: Optional[Mapping[str, str]] = None,
                 overrides: Sequence[str] = ()) -> KvtierConfig:
-    """Effective config from every source (see module docstring)."""
-    data = tomllib.loads(default_file_text())
-    validate(data, "embedded default")
-    text = None
-    source = "config"
-    if path is not None:
-        file_data, text = read_toml(path)
-        source = str(path)
-        validate(_merge(_merge({}, data), file_data), source, text)
-        _merge(data, file_data)
-    _merge(data, env_overrides(os.environ if environ is None else environ))
-    _merge(data, cli_overrides(overrides))
-    return validate(data, source, text)
+    """Effective config from every source (see module docstring); ``environ={}`` ignores the
+    process environment. Raises ConfigError naming the source, key and reason."""
+    with resources.as_file(resources.files("kvtier.daemon").joinpath("defaults/kvtier.toml")) as shipped:
+        files = [(shipped, "shipped default")] + ([(path, str(path))] if path is not None else [])
+        sources = layers(_Settings, files, os.environ if environ is None else environ, overrides)
+    try:
+        settings = _Settings(_build_sources=(sources, {}))
+        return KvtierConfig(**{name: getattr(settings, name) for name in KvtierConfig.model_fields})
+    except ValidationError as e:
+        raise explain(e, sources) from None
 
 
 __all__ = ["ConfigError", "KvtierConfig", "HOT_SECTIONS", "RESTART_SECTIONS",
-           "config_sources", "discover_config", "discovery_candidates", "resolve_config_path", "load_config", "validate",
+           "config_sources", "discover_config", "discovery_candidates", "resolve_config_path", "load_config",
            "default_runtime_dir", "default_data_dir"]

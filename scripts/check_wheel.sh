@@ -47,7 +47,7 @@ kv=$work/venv/bin/kvtier
 echo "== kvtier --version"
 (cd "$work" && "$kv" --version)
 echo "== kvtier config validate (the packaged default)"
-"$vpy" -c "from kvtier.daemon.config import default_file_text; print(default_file_text(), end='')" >"$work/kvtier.toml"
+"$vpy" -c "from importlib import resources; print(resources.files('kvtier.daemon').joinpath('defaults/kvtier.toml').read_text(), end='')" >"$work/kvtier.toml"
 (cd "$work" && "$kv" config validate "$work/kvtier.toml")
 
 echo "== kvtier serve"

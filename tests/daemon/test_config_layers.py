@@ -1,0 +1,50 @@
+"""The layering is pydantic-settings' own: its env source (``KVTIER_`` prefix, ``__`` nesting,
+JSON for table values, case-insensitive names) between the TOML files and ``--set``."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic_settings import EnvSettingsSource, InitSettingsSource, TomlConfigSettingsSource
+
+from kvtier.daemon.config import ConfigError, KvtierConfig, load_config
+from kvtier.daemon.config_sources import layers, settings_class
+
+FILE = '[tiers]\nhbm_bytes = 1000\ndram_bytes = 2000\n[scoring.segment_weights]\nsystem = 0.9\nuser = 0.1\n'
+
+
+def test_sources_are_pydantic_settings_ones_in_precedence_order(tmp_path):
+    p = tmp_path / "k.toml"
+    p.write_text(FILE)
+    got = layers(settings_class(KvtierConfig), [(p, str(p))], {"KVTIER_TIERS__HBM_BYTES": "1"}, ["tiers.hbm_bytes=2"])
+    assert [type(s).__mro__[1] for s in got] == [InitSettingsSource, EnvSettingsSource, TomlConfigSettingsSource]
+
+
+def test_nested_env_beats_the_file_and_set_beats_env(tmp_path):
+    p = tmp_path / "k.toml"
+    p.write_text(FILE)
+    env = {"KVTIER_TIERS__HBM_BYTES": "4096", "kvtier_tiers__dram_bytes": "8192",  # names are case-insensitive
+           "KVTIER_SCORING__SEGMENT_WEIGHTS": '{"user": 0.5}'}  # a table value is JSON, merged key by key
+    cfg = load_config(p, environ=env)
+    assert (cfg.tiers.hbm_bytes, cfg.tiers.dram_bytes) == (4096, 8192)
+    assert cfg.scoring.segment_weights == {"system": 0.9, "user": 0.5, "assistant": 0.7, "document": 0.6}
+    cfg = load_config(p, environ=env, overrides=["tiers.hbm_bytes=5000"])
+    assert (cfg.tiers.hbm_bytes, cfg.tiers.dram_bytes) == (5000, 8192)
+    assert load_config(p, environ={}).tiers.hbm_bytes == 1000  # environ={}: the file alone
+
+
+def test_process_env_is_read_unless_an_environ_is_given(monkeypatch):
+    monkeypatch.setenv("KVTIER_METRICS__PORT", "9555")
+    assert load_config().metrics.port == 9555
+    assert load_config(environ={}).metrics.port == 9464
+
+
+@pytest.mark.parametrize("env, overrides, line", [
+    ({"KVTIER_TIERS__HBM_BYTES": "lots"}, [], "environment KVTIER_TIERS__HBM_BYTES: tiers.hbm_bytes: Input should be"),
+    ({"KVTIER_TIERS__BOGUS": "1"}, [], "environment KVTIER_TIERS__BOGUS: tiers.bogus: unknown key"),
+    ({"KVTIER_TEIRS__HBM_BYTES": "1"}, [], "environment KVTIER_TEIRS__HBM_BYTES: unknown section 'teirs'"),
+    ({"KVTIER_TIERS__HBM_BYTES": "1"}, ["tiers.hbm_bytes=-1"], "--set tiers.hbm_bytes=-1: tiers.hbm_bytes: Input"),
+])
+def test_errors_name_the_variable_or_flag_that_set_the_key(env, overrides, line):
+    with pytest.raises(ConfigError) as e:
+        load_config(environ=env, overrides=overrides)
+    assert line in str(e.value)
