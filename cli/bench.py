@@ -1,4 +1,4 @@
-"""``kvtier bench {tiers,rpc,e2e}``: benchmark registry."""
+"""``kvtier bench {tiers,rpc,e2e,soak,scale}``: benchmark registry."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ BENCHES: dict[str, str] = {
     "rpc": "kvtier.bench.rpc",
     "e2e": "kvtier.bench.e2e",
     "soak": "kvtier.bench.soak",
+    "scale": "kvtier.bench.scale",
 }
 
 
