@@ -14,6 +14,8 @@ from typing import Iterator
 
 import numpy as np
 
+from .key_index import all_distinct
+
 NIL = -1
 
 
@@ -148,7 +150,7 @@ class IndexLists:
         elems = np.asarray(elems, dtype=np.int64)
         if elems.size == 0:
             return
-        if np.any(self.owner[elems] != NIL) or np.unique(elems).size != elems.size:
+        if np.any(self.owner[elems] != NIL) or not all_distinct(elems):
             raise ValueError("extend_back: some elements are already linked or repeated")
         s = self.sentinel(lst)
         tail = int(self.prev[s])
