@@ -176,9 +176,8 @@ def report(blocks: int = 1_000_000, engines: int = 1, policy: str = "kvtier") ->
     base = service_bytes(base_blocks, (tiny, tiny, tiny), engines, policy=policy)
     per_slot = {}
     for i, name in enumerate(SHARES):
-        more = [tiny] * 3
-        more[i] *= 2
-        per_slot[name] = (service_bytes(base_blocks, tuple(more), engines, policy=policy).total - base.total) / tiny
+        more = (tiny * (1 + (i == 0)), tiny * (1 + (i == 1)), tiny * (1 + (i == 2)))
+        per_slot[name] = (service_bytes(base_blocks, more, engines, policy=policy).total - base.total) / tiny
     held = service_bytes(base_blocks, (tiny, tiny, tiny), engines, hold=tiny, policy=policy)
     per_held = (held.total - base.total) / tiny
     slot_bytes = sum(per_slot.values()) * tiny  # what the tiny slots of the big node cost: not per block

@@ -80,8 +80,8 @@ def prepare_slabs(nvme_dir: Path, n_slots: int, real: int) -> float:
         for i in range(payload.shape[0]):
             sums[i] = block_checksum(payload[i], BLOCK)
             futs.append(store.write(i, payload[i], FIRST_KEY + i, BLOCK, int(sums[i]), True))
-        for f in futs:
-            f.result()
+        for fut in futs:
+            fut.result()
         store.sync()
         slots = np.arange(n_slots, dtype=np.int64)
         write_index(store, sealed_entries(slots, np.uint64(FIRST_KEY) + slots.astype(np.uint64),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import Any, Callable
 
 import numpy as np
 
@@ -20,7 +21,7 @@ OPS = ("alloc", "seal", "release", "acquire_resident", "free", "acquire_missing"
 
 
 def _cycle(c: TierClient, lat: dict[str, list[float]], seq: int, keys: np.ndarray, missing: np.ndarray) -> None:
-    def timed(name: str, fn, *a, **kw):  # type: ignore[no-untyped-def]
+    def timed(name: str, fn: Callable[..., Any], *a: Any, **kw: Any) -> Any:
         t0 = time.perf_counter()
         out = fn(*a, **kw)
         lat[name].append(time.perf_counter() - t0)
