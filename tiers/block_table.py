@@ -151,7 +151,7 @@ class BlockTable:
         self.slot_owner[tier][slots] = blocks
         self.slot[tier, blocks] = slots
         self.copies[blocks] = np.uint8(1 << tier)
-        self.keys.insert_many(keys, blocks)
+        self.keys.insert_many(keys, blocks, checked=True)  # distinct and absent: checked above
         self.refresh_evictable_many(blocks)
         return blocks
 
