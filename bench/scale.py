@@ -235,6 +235,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     blocks = sorted({int(b) for b in args.blocks})
     if not blocks or blocks[0] < 1 or min(args.engines) < 1 or args.seconds <= 0 or args.batch < 1:
         raise ValueError("--blocks, --engines, --seconds and --batch must be positive")
+    if args.plot:  # before minutes of measuring, not after
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--plot needs matplotlib: pip install 'kvtier[plot]'") from None
     con = Console(stderr=True)
     t_start = time.perf_counter()
     points = []
