@@ -55,9 +55,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", action="store_true", help="keep the daemon's directory")
 
 
-def prepare_slabs(nvme_dir: Path, n_slots: int, real: int) -> float:
-    """Sparse slabs of ``n_slots`` one-page slots, ``real`` of them written with payloads,
-    and a clean stop's slot index listing all of them. Returns the seconds it took."""
+def prepare_slabs(nvme_dir: Path, n_slots: int, n: int, real: int) -> float:
+    """Sparse slabs of ``n_slots`` one-page slots, the first ``n`` listed in a clean stop's
+    slot index as sealed blocks, the last ``real`` of those written with payloads (last:
+    recovered blocks enter NVMe's eviction order by slot, and the ones engines will
+    acquire must not be the first dropped). Returns the seconds it took."""
     from kvtier.kernels.checksum import block_checksum
     from kvtier.tiers.io_backends import PosixBackend
     from kvtier.tiers.nvme import NvmeStore
@@ -74,18 +76,19 @@ def prepare_slabs(nvme_dir: Path, n_slots: int, real: int) -> float:
     store = NvmeStore(str(nvme_dir), n_slots, BLOCK, backend, slots_per_file=per_file)
     try:
         rng = np.random.default_rng(0)
-        sums = np.zeros(n_slots, dtype=np.uint64)
-        payload = rng.integers(0, 256, (min(real, n_slots), BLOCK), dtype=np.uint8)
+        sums = np.zeros(n, dtype=np.uint64)
+        payload = rng.integers(0, 256, (min(real, n), BLOCK), dtype=np.uint8)
         futs = []
-        for i in range(payload.shape[0]):
-            sums[i] = block_checksum(payload[i], BLOCK)
-            futs.append(store.write(i, payload[i], FIRST_KEY + i, BLOCK, int(sums[i]), True))
+        for j in range(payload.shape[0]):
+            i = n - payload.shape[0] + j
+            sums[i] = block_checksum(payload[j], BLOCK)
+            futs.append(store.write(i, payload[j], FIRST_KEY + i, BLOCK, int(sums[i]), True))
         for fut in futs:
             fut.result()
         store.sync()
-        slots = np.arange(n_slots, dtype=np.int64)
+        slots = np.arange(n, dtype=np.int64)
         write_index(store, sealed_entries(slots, np.uint64(FIRST_KEY) + slots.astype(np.uint64),
-                                          np.full(n_slots, BLOCK, dtype=np.uint64), sums))
+                                          np.full(n, BLOCK, dtype=np.uint64), sums))
     finally:
         store.close()
         backend.shutdown()
@@ -114,11 +117,14 @@ def measure_blocks(root: Path, n: int, args: argparse.Namespace, status: Any) ->
     from kvtier.bench.spawn import DaemonProcess
 
     real = min(args.real_blocks, n)
-    status.update(f"{n:,} blocks: writing sparse slabs and the slot index")
-    prep_s = prepare_slabs(root / "nvme", n, real)
     hbm, dram = args.hbm_slots, args.dram_slots
+    # free NVMe slots for what the engines' blocks spill there: a full tier would drop
+    # recovered blocks to make room, the ones acquired "missing" among them
+    nvme = n + 4 * (hbm + dram)
+    status.update(f"{n:,} blocks: writing sparse slabs and the slot index")
+    prep_s = prepare_slabs(root / "nvme", nvme, n, real)
     d = DaemonProcess(root, f"tiers.hbm_bytes={hbm * BLOCK}", f"tiers.dram_bytes={dram * BLOCK}",
-                      f"tiers.nvme_bytes={n * BLOCK}", f"tiers.max_blocks={n + hbm + dram}",
+                      f"tiers.nvme_bytes={nvme * BLOCK}", f"tiers.max_blocks={nvme + hbm + dram}",
                       'tiers.recovery_verify="header"', 'tiers.io_backend="posix"', "server.heartbeat_timeout_s=120",
                       f"server.max_batch_blocks={max(1024, args.batch)}")
     procs: list[subprocess.Popen] = []
@@ -148,7 +154,7 @@ def measure_blocks(root: Path, n: int, args: argparse.Namespace, status: Any) ->
             t0 = time.perf_counter()
             for i, p in enumerate(procs[:e]):
                 assert p.stdin is not None
-                p.stdin.write(f"go {args.seconds} {next_key + i * share} {share}\n")
+                p.stdin.write(f"go {args.seconds} {n - real + next_key + i * share} {share}\n")
                 p.stdin.flush()
             results = []
             for p in procs[:e]:
