@@ -1,4 +1,4 @@
-"""``kvtier bench {tiers,rpc,e2e,soak,scale}``: benchmark registry."""
+"""``kvtier bench {tiers,rpc,e2e,soak,scale,vllm}``: benchmark registry."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ BENCHES: dict[str, str] = {
     "e2e": "kvtier.bench.e2e",
     "soak": "kvtier.bench.soak",
     "scale": "kvtier.bench.scale",
+    "vllm": "kvtier.bench.vllm_bench",
 }
 
 

@@ -7,11 +7,35 @@ from typing import Any
 
 from kvtier.cli.output import write_json
 
+PUBLISHED = ("arc", "lirs", "w-tinylfu", "s3fifo", "sieve", "2q", "lhd", "gdsf")
+"""The published online policies ``kvtier replay`` ranks kvtier against (with LRU and Belady)."""
+
+
+def expand_policies(text: str, registered: dict) -> list[str]:
+    """Policy names from a comma list, with the groups expanded, duplicates dropped."""
+    names: list[str] = []
+    for p in (x.strip() for x in text.split(",")):
+        group = PUBLISHED if p == "published" else sorted(registered) if p == "all" else (p,) if p else ()
+        for name in group:
+            if name not in registered:
+                raise ValueError(f"unknown policy {name!r}; choose from {sorted(registered)} or published, all")
+            if name not in names:
+                names.append(name)
+    if not names:
+        raise ValueError("--policy names no policy")
+    return names
+
 
 def configure(name: str, p: argparse.ArgumentParser) -> None:
-    p.add_argument("traces", nargs="+", metavar="TRACE", help="Mooncake or Qwen-Bailian JSONL trace")
+    p.add_argument("traces", nargs="+", metavar="TRACE",
+                   help="Mooncake or Qwen-Bailian JSONL trace, or synthetic:FAMILY (zipf, scan, loop, shifting, "
+                        "chat, agent)")
+    p.add_argument("--part", choices=("all", "first", "second"), default="all",
+                   help="replay only the first or second half of each trace's requests (tune on one, report the other)")
     p.add_argument("--capacity", default="1%,2%,5%,10%,20%", help="capacities as %% of unique blocks")
-    p.add_argument("--policy", default="lru,s3fifo,kvtier,belady", help="comma-separated policy names")
+    p.add_argument("--policy", "--policies", dest="policy", default="lru,published,kvtier,belady",
+                   help="comma-separated registered policy names; 'published' stands for the published "
+                        f"references ({','.join(PUBLISHED)}), 'all' for every registered policy")
     p.add_argument("--config", help="kvtier config (TOML); its [policy] section parameterises the policies "
                                     "(default: the shipped daemon/defaults/kvtier.toml)")
     p.add_argument("--json", metavar="PATH")
@@ -26,14 +50,17 @@ def configure(name: str, p: argparse.ArgumentParser) -> None:
 
 def _params(path: str | None, policies: list[str]) -> dict[str, Any]:
     """Policy parameters from the same config the daemon reads: the shipped default
-    file, or ``--config FILE`` on top of it ([policy] and [predictor] sections)."""
+    file, or ``--config FILE`` on top of it ([policy] and [predictor] sections).
+    The published references run as published: the daemon's knobs (some share a
+    name, e.g. ``reconfigure_every``) are not theirs."""
     from kvtier.daemon.config import load_config
+    from kvtier.policy import POLICIES
 
     cfg = load_config(path, environ={})
     base = cfg.policy.params() | {"track_calibration": cfg.predictor.track_calibration,
                                   "calibration_bins": cfg.predictor.calibration_bins,
                                   "calibration_sample": cfg.predictor.calibration_sample}
-    return {name: dict(base) for name in policies}
+    return {name: {} if getattr(POLICIES[name], "replay_only", False) else dict(base) for name in policies}
 
 
 def _tiered(args: argparse.Namespace, trace: Any, policies: list[str], params: dict[str, Any],
@@ -66,18 +93,18 @@ def run(args: argparse.Namespace) -> int:
 
     from kvtier.policy import POLICIES
     from kvtier.replay.report import parse_fractions, plot, replay
-    from kvtier.replay.traces import load_trace
+    from kvtier.replay.synthetic import PREFIX, synthetic_trace
+    from kvtier.replay.traces import load_trace, split_trace
 
     fractions = parse_fractions(args.capacity)
-    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
-    for p in policies:
-        if p not in POLICIES:
-            raise ValueError(f"unknown policy {p!r}; choose from {sorted(POLICIES)}")
+    policies = expand_policies(args.policy, POLICIES)
     params = _params(args.config, policies)
     console = Console()
+    if not console.is_terminal:  # piped: rich would wrap at 80 columns and cut the table
+        console = Console(width=132)
     reports = []
     for path in args.traces:
-        trace = load_trace(path)
+        trace = split_trace(synthetic_trace(path) if path.startswith(PREFIX) else load_trace(path), args.part)
         total = trace.n_accesses * len(fractions) * len(policies)
         with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
                       TimeRemainingColumn(), console=Console(stderr=True), transient=True) as prog:
@@ -86,16 +113,16 @@ def run(args: argparse.Namespace) -> int:
         reports.append(rep)
         table = Table(title=f"{trace.name}: block hit ratio ({trace.n_accesses:,} accesses, "
                             f"{trace.n_unique:,} unique, max {rep['max_hit_ratio']:.4f})")
-        table.add_column("capacity", justify="right")
-        table.add_column("blocks", justify="right")
-        for p in policies:
-            table.add_column(p, justify="right")
-        for row in rep["rows"]:
-            table.add_row(f"{row['fraction']*100:g}%", f"{row['capacity_blocks']:,}",
-                          *[f"{row['hit'][p]:.4f}" for p in policies])
+        table.add_column("policy")
+        for row in rep["rows"]:  # one column per capacity, one row per policy: fits any number of policies
+            table.add_column(f"{row['fraction']*100:g}% ({row['capacity_blocks']:,})", justify="right")
         if rep["gap_closed"]:
-            table.add_row("gap closed", "", *[f"{rep['gap_closed'][p]:.3f}" for p in policies])
-        table.add_row("accesses/s", "", *[f"{rep['accesses_per_s'][p]:,.0f}" for p in policies])
+            table.add_column("gap closed", justify="right")
+        table.add_column("accesses/s", justify="right")
+        for p in policies:
+            gap = [f"{rep['gap_closed'][p]:.3f}"] if rep["gap_closed"] else []
+            table.add_row(p, *[f"{row['hit'][p]:.4f}" for row in rep["rows"]], *gap,
+                          f"{rep['accesses_per_s'][p]:,.0f}")
         console.print(table)
         if rep["calibration"]:
             console.print(f"predictor calibration: Brier {rep['calibration']['brier']:.4f}, "

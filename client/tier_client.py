@@ -244,6 +244,12 @@ class TierClient:
         """Reference sealed blocks by key (prefix hits); -1 where a key is unknown."""
         return unpack_ids(self._call("ref", {"keys": pack_keys(keys), "seq": seq})["blocks"])
 
+    def lookup(self, keys: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+        """(block id or -1, fastest tier holding it: 0 hbm, 1 dram, 2 nvme, -1 none) per key;
+        takes no reference, so a block may still go before it is ref'd."""
+        r = self._call("lookup", {"keys": pack_keys(keys)})
+        return unpack_ids(r["blocks"]), np.frombuffer(r["tiers"], dtype=np.int8).astype(np.int64)
+
     def acquire(self, blocks: Optional[ArrayLike] = None, keys: Optional[ArrayLike] = None,
                 seqs: Optional[Sequence[int]] = None, timeout_s: Optional[float] = None) -> tuple[np.ndarray, np.ndarray]:
         """Pin blocks resident in HBM (promoting as needed); returns (sorted unique blocks, slots)."""

@@ -119,7 +119,7 @@ class BlockOps:
             if t.pins[b] != session.pins[b]:
                 raise ProtocolError(P.INVALID, f"block {b} is pinned by another engine")
         out = np.empty_like(blocks)
-        nbytes = args.nbytes if args.nbytes is not None else mgr.block_bytes
+        nbytes = args.nbytes if args.nbytes is not None else (session.block_bytes or mgr.block_bytes)
         cont = session.continues(args.seq, blocks.size)
         for i, (b, k) in enumerate(zip(blocks.tolist(), keys.tolist())):
             if session.pins[b] and t.lookup(k) >= 0:  # folding into a shared block: our pins on b go
@@ -147,6 +147,18 @@ class BlockOps:
         self.counters["ref_hits"] += int(hit.size)
         self.counters["ref_misses"] += int(keys.size - hit.size)
         return {"blocks": P.id_bytes(found)}
+
+    def op_lookup(self, session: EngineSession, args: Any) -> dict:
+        """Which keys the engine's namespace holds, and the fastest tier holding each
+        (-1: none); changes nothing, so a scheduler may ask before deciding to load."""
+        t = self.node.mgr.table
+        found = self.node.lookup(session, self.node.ids(args.keys, "keys", np.uint64))
+        tiers = np.full(found.size, -1, dtype=np.int8)
+        hit = found >= 0
+        copies = t.copies[found[hit]].astype(np.int64)
+        tiers[hit] = np.where(copies & 1, 0, np.where(copies & 2, 1, np.where(copies & 4, 2, -1)))
+        self.counters["lookups"] += 1
+        return {"blocks": P.id_bytes(found), "tiers": tiers.tobytes()}
 
     def op_free(self, session: EngineSession, args: Any) -> dict:
         mgr = self.node.mgr

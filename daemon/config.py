@@ -101,35 +101,24 @@ class TiersConfig(_Section):
 
 class PolicyConfig(_Section):
     name: str = "kvtier"
-    """Placement policy from the registry: kvtier (hit density), kvtier-beta, lru, s3fifo (belady: replay only)."""
+    """Placement policy from the registry: kvtier (the Beta value model), lru, s3fifo (belady and the
+    published references arc, lirs, w-tinylfu, sieve, 2q, lhd, gdsf: replay only)."""
     epoch_s: float = Field(default=1.0, gt=0)
-    """Seconds per predictor epoch (the unit of forgetting and horizon)."""
-    forgetting: float = Field(default=0.99999, gt=0, le=1)
-    """Per-epoch decay of Beta evidence (lambda); 1 = never forget."""
-    prior_window_epochs: float = Field(default=2048.0, gt=0)
-    """Censoring window of the class-prior fit."""
-    prior_refit_every: int = Field(default=2000, ge=1)
-    """Accesses between empirical-Bayes prior refits."""
-    prior_shrink: float = Field(default=50.0, ge=0)
-    """Pseudo-observations shrinking a class prior toward the global one."""
-    horizon_init_epochs: float = Field(default=64.0, gt=0)
-    """Start value of the adaptive horizon H (it then tracks the cache's eviction age)."""
-    horizon_smoothing: float = Field(default=0.01, gt=0, le=1)
-    """EWMA weight of the horizon tracker."""
+    """Seconds in which repeated acquires of one block count as one access (the daemon's dedup window)."""
     admission: bool = True
     """Bypass a tier for blocks worth less than its victim."""
     samples: int = Field(default=16, ge=1, le=1024)
-    """kvtier: residents sampled per eviction (the lowest hit density among them goes)."""
-    age_buckets: int = Field(default=128, ge=4, le=4096)
-    """kvtier: age resolution of the hit-density tables."""
-    reconfigure_every: int = Field(default=4000, ge=100)
-    """kvtier: accesses between recomputations of the density tables."""
-    table_decay: float = Field(default=0.9, gt=0, le=1)
-    """kvtier: decay of the hit/eviction tables per recomputation (adapts to drift)."""
-    explore_every: int = Field(default=16, ge=1)
-    """kvtier: one missed block in this many is admitted regardless, so every class keeps producing evidence."""
-    shrink_events: float = Field(default=30.0, gt=0)
-    """kvtier: events a (class, age) cell needs before its own density outweighs the pooled one."""
+    """kvtier: residents sampled per eviction (the lowest value among them goes)."""
+    prior_strength: float = Field(default=2.0, ge=0)
+    """kvtier: pseudo-observations a cell borrows from its parent cell's reuse rate (hierarchical shrinkage)."""
+    refresh_every: int = Field(default=2000, ge=100)
+    """kvtier: accesses between rebuilds of the value tables (O(cells x ages) each)."""
+    memory_horizons: float = Field(default=32.0, gt=0)
+    """kvtier: the evidence decays with a time constant of this many eviction ages of the cache."""
+    shadow_blocks: int = Field(default=128, ge=8, le=1 << 16)
+    """kvtier: residents of each shadow cache that chooses the value model online (larger: surer, costlier)."""
+    default_candidate: int = Field(default=2, ge=0)
+    """kvtier: the candidate model used until the shadow caches have evidence (index in the grid)."""
     prefetch_budget_bytes_per_s: float = Field(default=8e9, gt=0)
     """Bandwidth the prefetcher may spend on hinted and predicted promotions."""
     speculate: bool = False
@@ -145,6 +134,8 @@ class PolicyConfig(_Section):
             raise ValueError(f"unknown policy {v!r}; choose from {sorted(POLICIES)}")
         if getattr(POLICIES[v], "offline", False):
             raise ValueError(f"policy {v!r} needs the future and runs only in replay")
+        if getattr(POLICIES[v], "replay_only", False):
+            raise ValueError(f"policy {v!r} is a published reference for replay (no incremental victim query)")
         return v
 
     def params(self) -> dict[str, Any]:
@@ -170,7 +161,7 @@ class ScoringConfig(_Section):
 
 class PredictorConfig(_Section):
     calibration_sample: int = Field(default=8, ge=1, le=4096)
-    """kvtier: the Beta predictor follows 1 block in N (by id hash) for calibration and metrics."""
+    """kvtier: 1 decision in N (by block id hash) is scored against its outcome for calibration and metrics."""
     calibration_bins: int = Field(default=10, ge=2, le=100)
     """Reliability bins of the calibration tracker (Brier, ECE)."""
     track_calibration: bool = True

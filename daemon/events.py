@@ -1,12 +1,16 @@
 """Block events in the shape of vLLM's KV events, for KV-aware routers.
 
-vLLM publishes ``KVEventBatch(ts, events, data_parallel_rank)`` as msgspec
-``array_like`` structs over a ZeroMQ PUB socket as three frames
-``(topic, seq: 8-byte big-endian, payload)``; events are tagged arrays:
-``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]``,
-``["BlockRemoved", block_hashes, medium]`` and ``["AllBlocksCleared"]``. We
-encode the same arrays with msgpack, so a vLLM subscriber decodes them as-is.
-Only sealed blocks have content keys; open blocks produce no events.
+vLLM (0.32) publishes ``KVEventBatch(ts, events, data_parallel_rank)`` over a
+ZeroMQ PUB socket as three frames ``(topic, seq: 8-byte big-endian, payload)``:
+the batch is an ``array_like`` msgspec struct, each event a tagged map
+(``{"type": "BlockStored", "block_hashes": [...], "parent_block_hash": ...,
+"token_ids": [...], "block_size": n, "lora_id": ..., "medium": ..., "lora_name": ...}``,
+``{"type": "BlockRemoved", "block_hashes": [...], "medium": ...}``,
+``{"type": "AllBlocksCleared"}``). We encode the same with msgpack, so vLLM's
+own ``KVEventBatch`` decoder reads our stream. Media are vLLM's: ``GPU``, ``CPU``
+and ``STORAGE`` (NVMe). Only sealed blocks have content keys; open blocks produce
+no events. ``AllBlocksCleared`` is sent only when no block is left at all; a
+clear that keeps live blocks sends their removals one by one instead.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import msgpack
 from kvtier.tiers.manager import TierManager
 from kvtier.tiers.types import SEALED, Tier
 
-MEDIUM = {int(Tier.HBM): "GPU", int(Tier.DRAM): "CPU", int(Tier.NVME): "DISK"}
+MEDIUM = {int(Tier.HBM): "GPU", int(Tier.DRAM): "CPU", int(Tier.NVME): "STORAGE"}
 
 
 def _signed(key: int) -> int:
@@ -52,7 +56,9 @@ class EventCollector:
                     self.pending.append(("BlockRemoved", key, medium))
 
     def all_cleared(self) -> None:
-        self.pending.append(("AllBlocksCleared", 0, ""))
+        """Every block is gone: one AllBlocksCleared (the removals before it say the same)."""
+        if not bool((self.mgr.table.state != 0).any()):
+            self.pending.append(("AllBlocksCleared", 0, ""))
 
     def take_batch(self) -> Optional[list]:
         """The pending events, in order, as a KVEventBatch array (None if there are none)."""
@@ -66,11 +72,13 @@ class EventCollector:
         for kind, key, medium in self.pending + [("", 0, "")]:
             if (kind, medium) != (run_kind, run_medium) or kind == "AllBlocksCleared":
                 if run_kind == "BlockStored":
-                    events.append(["BlockStored", run_keys, None, [], self.block_tokens, None, run_medium])
+                    events.append({"type": "BlockStored", "block_hashes": run_keys, "parent_block_hash": None,
+                                   "token_ids": [], "block_size": self.block_tokens, "lora_id": None,
+                                   "medium": run_medium, "lora_name": None})
                 elif run_kind == "BlockRemoved":
-                    events.append(["BlockRemoved", run_keys, run_medium])
+                    events.append({"type": "BlockRemoved", "block_hashes": run_keys, "medium": run_medium})
                 elif run_kind == "AllBlocksCleared":
-                    events.append(["AllBlocksCleared"])
+                    events.append({"type": "AllBlocksCleared"})
                 run_kind, run_medium, run_keys = kind, medium, []
             run_keys.append(key)
         self.pending.clear()

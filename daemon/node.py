@@ -234,6 +234,12 @@ def _complete_node(cfg: KvtierConfig, args: Any, mgr: TierManager, hbm_tensor: O
                             "calibration_sample": pr.calibration_sample, "calibration_window": 1 << 17}
     placement = Placement(mgr, pc.name, params, clock)  # listeners in this order: placement, events, prefetch
     scores = ImportanceScores(mgr.table.max_blocks, **cfg.scoring.model_dump())
+
+    def _freed(kind: str, b: int, tier: int) -> None:  # a gone block's id is reused fresh
+        if kind == "removed" and tier < 0:
+            scores.forget(np.array([b]))
+
+    mgr.listeners.append(_freed)
     events = EventCollector(mgr, args.block_tokens)
     prefetcher = Prefetcher(pc.prefetch_budget_bytes_per_s, args.block_bytes, mgr.table.max_blocks)
     mgr.listeners.append(prefetcher.on_event)

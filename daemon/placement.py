@@ -73,7 +73,8 @@ class Placement:
                 self.tracked[t, b] = False
         if kind == "removed" and tier < 0:  # the block is gone: its id may be reused
             for pol in self.policies.values():
-                pol.forget(b)
+                pol.on_freed(b)
+            self.feature_class[b] = 0
             self.logged_epoch[b] = -1
             self.protect_until[b] = 0.0
 
@@ -142,25 +143,34 @@ class Placement:
 
     # -- eviction ------------------------------------------------------------
     def _victims(self, tier: int, n: int, urgent: bool = False) -> list[int]:
-        """Up to n unpinned, idle residents of ``tier``, lowest value first.
-
-        Hinted (protected) blocks are skipped unless ``urgent``: a running
+        """Up to n unpinned, idle residents of ``tier``, lowest value first: a pure query of
+        its policy, which skips pinned, busy and (unless ``urgent``) hinted blocks without
+        touching their state. Hinted blocks come after every unhinted one: a running
         sequence's demand outranks a prefetch for a later one."""
         pol = self.policies[tier]
         t = self.mgr.table
         now = self.clock()
-        out: list[int] = []
-        held: list[int] = []
-        give_up = 4 * n + 64  # a tier full of pinned blocks must not turn this into an O(N) scan
-        while len(out) < n and pol.size > 0 and len(held) < give_up:
-            v = pol.evict(now)
+
+        def idle(bs: np.ndarray) -> np.ndarray:
+            return (t.pins[bs] == 0) & (t.busy[bs] == 0) & (self.protect_until[bs] <= now)
+
+        out = pol.victims(n, idle)
+        if urgent and out.size < n:
+            chosen = out
+
+            def free(bs: np.ndarray) -> np.ndarray:
+                return (t.pins[bs] == 0) & (t.busy[bs] == 0) & ~np.isin(bs, chosen)
+
+            out = np.concatenate((out, pol.victims(n - out.size, free)))
+        return out.tolist()
+
+    def _evicted(self, tier: int, blocks: list[int]) -> None:
+        """``blocks`` leave ``tier`` as its policy's victims: the policy records the evictions."""
+        pol = self.policies[tier]
+        now = self.clock()
+        for v in blocks:
+            pol.on_evict(v, now)
             self.tracked[tier, v] = False
-            (held if t.pins[v] or t.busy[v] or (not urgent and self.protect_until[v] > now) else out).append(v)
-        for v in held:  # in use right now: back in, as most recently used
-            pol.observe(v, now, int(self.feature_class[v]))
-            pol.insert(v, now, int(self.feature_class[v]), -1)
-            self.tracked[tier, v] = True
-        return out
 
     def _reinsert(self, tier: int, blocks: list[int]) -> None:
         for b in blocks:
@@ -180,9 +190,8 @@ class Placement:
         have = t.free_slot_count(tier) + mgr.pending_out(tier)
         if have >= n or tier not in self.policies:
             return have
-        victims = self._victims(tier, n - have)
-        if urgent and len(victims) < n - have:
-            victims += self._victims(tier, n - have - len(victims), urgent=True)
+        victims = self._victims(tier, n - have, urgent)
+        self._evicted(tier, victims)  # stuck ones (nowhere to go) are re-inserted below
         clean: list[int] = []
         dirty: list[int] = []
         lower_mask = np.uint8(~((1 << (tier + 1)) - 1) & 0xFF)

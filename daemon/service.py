@@ -109,9 +109,10 @@ class Service:
         if node is None:
             node = self._start_node(args)
         else:
-            if args.block_bytes != node.mgr.block_bytes:
-                raise ProtocolError(P.CONFLICT, f"block_bytes {args.block_bytes} differs from the daemon's "
-                                                f"{node.mgr.block_bytes} (set by the first engine)")
+            if args.block_bytes > node.mgr.block_bytes:  # a smaller geometry (another model, a TP shard) fits a slot
+                raise ProtocolError(P.CONFLICT, f"block_bytes {args.block_bytes} exceeds the daemon's slots of "
+                                                f"{node.mgr.block_bytes} bytes (sized by the first engine): register "
+                                                "the largest model first")
             if args.hbm_kind == "shm" and args.hbm_name != node.hbm_info()["hbm_name"]:
                 raise ProtocolError(P.CONFLICT, "the daemon already manages another HBM region")
         if engine_id in self.engines:  # a restarted engine: its old holdings are void
@@ -121,9 +122,14 @@ class Service:
         ns = self.namespaces.id(args.namespace)
         self.engines[engine_id] = EngineSession(engine_id, args.pid, args.block_tokens, dict(args.layout),
                                                 self.clock(), node.mgr.table.max_blocks,
-                                                pid_checkable(args.pid, args.pid_ns, self.pid_ns), ns)
+                                                pid_checkable(args.pid, args.pid_ns, self.pid_ns), ns,
+                                                block_bytes=args.block_bytes)
         self.counters["registers"] += 1
-        return node.hbm_info() | {"heartbeat_timeout_s": self.cfg.server.heartbeat_timeout_s}
+        # layer-wise readiness is in the first engine's layer parts: only an engine of that geometry may use it
+        same = args.block_bytes == node.mgr.block_bytes and args.layout.get("layers", 1) == node.layers
+        return node.hbm_info() | {"heartbeat_timeout_s": self.cfg.server.heartbeat_timeout_s,
+                                  "block_bytes": args.block_bytes, "slot_bytes": node.mgr.block_bytes,
+                                  "layers": node.layers if same else 1}
 
     def _start_node(self, args: Any) -> Node:
         node = build_node(self.cfg, args, self.clock)
@@ -132,7 +138,7 @@ class Service:
         self.residency = ResidencyOps(node, self.cfg, self.counters, self.clock)
         b, r = self.blocks, self.residency
         b.acquiring = r.pinned_by_waiters
-        self.node_ops = {"alloc": b.op_alloc, "seal": b.op_seal, "ref": b.op_ref, "free": b.op_free,
+        self.node_ops = {"alloc": b.op_alloc, "seal": b.op_seal, "ref": b.op_ref, "lookup": b.op_lookup, "free": b.op_free,
                          "acquire": r.op_acquire, "acquire_poll": r.op_acquire_poll, "release": r.op_release,
                          "hint": r.op_hint}
         return node

@@ -23,6 +23,7 @@ class EngineSession:
     max_blocks: int = 0
     pid_checkable: bool = True  # the pid names a process in the daemon's pid namespace
     ns: int = 0  # key namespace (``namespaces.Namespaces`` id)
+    block_bytes: int = 0  # this engine's block size (<= the daemon's slot payload; 0: the daemon's)
     refs: Counter = field(default_factory=Counter)
     seqs: dict[int, list[int]] = field(default_factory=dict)
     pins: np.ndarray = field(init=False)  # pins per block held by this engine (vectorised on the RPC path)

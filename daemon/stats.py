@@ -63,11 +63,10 @@ def snapshot(cfg: KvtierConfig, counters: Counter[str], engines: dict[str, Engin
     out["placement"] = node.placement.stats()
     calib = {}
     for pol in node.placement.policies.values():
-        tracker = getattr(pol, "calib", None)
-        if tracker is not None:
-            tracker.finish(clock() / cfg.policy.epoch_s)
-            if tracker.n_scored:
-                calib = tracker.summary()
+        summary = pol.calibration()
+        if summary is not None:
+            if summary["n"]:
+                calib = summary
             break
     out["calibration"] = calib
     pf = node.prefetcher

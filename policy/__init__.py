@@ -33,6 +33,6 @@ def make_policy(name: str, capacity: int, max_blocks: int, **params: Any) -> Pol
     return factory(capacity, max_blocks, **params)
 
 
-from kvtier.policy import belady, density, lru, s3fifo, value  # noqa: E402,F401  (registration)
+from kvtier.policy import arc, belady, gdsf, lhd, lirs, lru, s3fifo, sieve, tinylfu, twoq, value  # noqa: E402,F401,I001
 
 __all__ = ["POLICIES", "Policy", "make_policy", "register_policy"]

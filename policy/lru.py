@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
+import numpy as np
+
 from kvtier.policy import register_policy
-from kvtier.policy.base import NEVER, Policy
+from kvtier.policy.base import NEVER, Eligible, Policy, list_victims
 from kvtier.tiers.intrusive import IndexLists
 
 
@@ -20,6 +24,9 @@ class LRUPolicy(Policy):
     def evict(self, now: float) -> int:
         self.size -= 1
         return self.order.pop_front()
+
+    def victims(self, n: int, eligible: Optional[Eligible] = None) -> np.ndarray:
+        return list_victims(self.order, 0, n, eligible)
 
     def insert(self, b: int, now: float, cls: int, next_use: int) -> None:
         self.order.push_back(b)

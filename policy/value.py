@@ -1,22 +1,26 @@
-"""The Beta value policy (``kvtier-beta``): keep the blocks most likely to be reused.
+"""kvtier's placement policy: keep the blocks with the highest expected value per slot.
 
-value(b) = P(reuse within H | b) x weight(importance_b) x cost saved.
-P comes from the Beta-Bernoulli predictor: after each access a block's
-(alpha, beta) is the empirical-Bayes prior of its class (features x access
-stage), and idle epochs are applied lazily with forgetting, so
-P(reuse within H | idle k) = 1 - B(a', b'+H)/B(a', b') with (a', b') the
-forgotten state. In replay importance and cost are uniform, so the value is P.
+value(b) = P(b is reused within W | its features, its age) x weight(b)
 
-Victim search without O(N) work: blocks sit in one LRU list per prior class.
-Within a class all blocks share a state at their last access and the
-Beta-geometric hazard falls with idle time, so each list's least recent block
-is its lowest-value one; the victim is the minimum over list heads (<= 64),
-found by one vectorised evaluation. Admission uses the same number: a missed
-block enters only if it is worth more than the victim it would displace.
+* P is the Beta-Bayesian reuse model (``kvtier.predictor.reuse_model``): a
+  posterior per (feature class x access stage, age), shrunk towards coarser
+  cells, learned from reuse distances read off the access stream.
+* W, the horizon, is a multiple of this cache's own mean eviction age: "reused
+  before this cache would forget it". All slots cost the same time W, so the
+  probability is the expected hits per slot over the horizon.
+* weight(b) is set by the daemon: attention importance times the cost of
+  bringing the block back from where it would go (``set_weights``); 1 in replay.
 
-The horizon H is not a tuned constant: it tracks the cache's own
-characteristic time (an EWMA of the idle age of evicted blocks), so "worth
-keeping" means "likely to be reused before this cache would forget it".
+Which features to condition on and which multiple of the eviction age to use
+are chosen online by shadow caches (``kvtier.policy.shadow``): the workload in
+front of the cache picks among a fixed grid of candidates; the shipped config
+holds no value fitted to one trace.
+
+Victims: the lowest value among ``samples`` uniformly sampled residents (a
+dense resident array: O(1) sampling and removal), one vectorised table lookup
+per eviction. Admission uses the same number: a missed block enters only if it
+is worth at least the victim it would displace, so blocks that will not be
+reused before the cache forgets them never push out ones that will.
 """
 
 from __future__ import annotations
@@ -26,61 +30,94 @@ from typing import Optional
 import numpy as np
 
 from kvtier.policy import register_policy
-from kvtier.policy.base import Policy
-from kvtier.predictor.classes import N_CLASSES
-from kvtier.predictor.online import OnlineReusePredictor
-from kvtier.tiers.intrusive import IndexLists
+from kvtier.policy.base import Eligible, Policy, budget
+from kvtier.policy.shadow import ShadowCaches
+from kvtier.predictor.calibration import CalibrationTracker
+from kvtier.predictor.classes import N_STAGES
+from kvtier.predictor.reuse_model import DEFAULT_CANDIDATES, N_IRR, ReuseModel
+
+_HASH = 0x9E3779B1
 
 
-@register_policy("kvtier-beta")
+@register_policy("kvtier")
 class ValuePolicy(Policy):
-    def __init__(self, capacity: int, max_blocks: int, epoch_s: float = 1.0, forgetting: float = 0.99999,
-                 prior_window_epochs: float = 2048.0, prior_refit_every: int = 2000, prior_shrink: float = 50.0,
-                 horizon_init_epochs: float = 64.0, horizon_smoothing: float = 0.01,
-                 admission: bool = True, track_calibration: bool = True, calibration_bins: int = 10,
+    def __init__(self, capacity: int, max_blocks: int, samples: int = 16, admission: bool = True,
+                 prior_strength: float = 2.0, refresh_every: int = 2000, memory_horizons: float = 32.0,
+                 shadow_blocks: int = 128, default_candidate: int = 2, seed: int = 0,
+                 track_calibration: bool = True, calibration_bins: int = 10, calibration_sample: int = 8,
                  calibration_window: Optional[int] = None, **_: object) -> None:
         super().__init__(capacity, max_blocks)
-        self.pred = OnlineReusePredictor(max_blocks, epoch_s, forgetting, prior_window_epochs, prior_refit_every,
-                                         prior_shrink, horizon_init_epochs, track_calibration, calibration_bins,
-                                         calibration_window)
-        p = self.pred
-        self.alpha, self.beta, self.last, self.model, self.priors = p.alpha, p.beta, p.last, p.model, p.priors
-        self.accesses, self.klass, self.calib = p.accesses, p.klass, p.calib
-        self.weight = np.ones(max_blocks)  # importance weight (the daemon sets it; 1 in replay)
-        self.lists = IndexLists(max_blocks, n_lists=N_CLASSES)
-        self.sentinels = self.lists.capacity + np.arange(N_CLASSES)
-        self.smoothing = float(horizon_smoothing)
+        if samples < 1 or not 0 <= default_candidate < len(DEFAULT_CANDIDATES) or calibration_sample < 1:
+            raise ValueError("samples >= 1, calibration_sample >= 1, default_candidate indexes the candidate grid")
+        self.model = ReuseModel(max_blocks, DEFAULT_CANDIDATES, prior_strength, refresh_every, memory_horizons,
+                                initial_age=float(capacity))
+        self.shadows = ShadowCaches(capacity, max_blocks, len(DEFAULT_CANDIDATES), shadow_blocks, seed=seed + 1)
+        self.default_candidate = int(default_candidate)
+        self.active = self.default_candidate
+        self.samples = int(samples)
         self.admission = admission
+        self.weight = np.ones(max_blocks, dtype=np.float32)  # importance x restore cost (the daemon's)
+        self._weighted = False
+        self.slots = np.zeros(capacity, dtype=np.int64)  # dense resident list
+        self.where = np.full(max_blocks, -1, dtype=np.int32)
+        self.rng = np.random.default_rng(seed)
+        self._pool = self.rng.integers(0, capacity, size=self.samples * 4096)
+        self._pool_at = 0
         self._victim = -1
         self.bypassed = 0
+        self.calib = CalibrationTracker(max_blocks, calibration_bins, calibration_window) if track_calibration else None
+        self.calibration_sample = int(calibration_sample)
 
-    # -- predictor ---------------------------------------------------------
-    def observe(self, b: int, now: float, cls: int) -> None:
-        self.pred.observe(b, now, cls)
+    # -- the value ---------------------------------------------------------
+    def _values(self, blocks: np.ndarray) -> np.ndarray:
+        v = self.model.values(self.active, blocks)
+        if self._weighted:
+            v = v * self.weight[blocks]
+        return v
 
-    @property
-    def horizon(self) -> float:
-        return self.pred.horizon
+    def _new_value(self, b: int) -> float:
+        v = float(self.model.tables[self.active][int(self.model.cell[b]), 0])
+        return v * float(self.weight[b]) if self._weighted else v
 
-    @horizon.setter
-    def horizon(self, value: float) -> None:
-        self.pred.horizon = value
+    def _scored(self, b: int) -> bool:
+        return self.calib is not None and not ((b * _HASH) >> 7) % self.calibration_sample
 
-    @property
-    def _epoch(self) -> float:
-        return self.pred.epoch
+    def _predict(self, b: int, p: float) -> None:
+        assert self.calib is not None
+        self.calib.predict(b, p, float(self.model.clock), float(self.model.horizons[self.active]))
 
     # -- cache hooks ---------------------------------------------------------
+    def observe(self, b: int, now: float, cls: int) -> None:
+        model = self.model
+        if self._scored(b):
+            assert self.calib is not None
+            self.calib.access(b, float(model.clock + 1))
+        if model.access(b, cls):
+            self.active = self.shadows.best(self.default_candidate)
+            self.shadows.decay(0.9)
+        shadows = self.shadows
+        if (b * _HASH) & 0xFFFFFFFF < shadows.threshold:
+            tables, cell = model.tables, int(model.cell[b])
+            shadows.access(b, model.values, lambda k: float(tables[k][cell, 0]))
+
     def on_hit(self, b: int, now: float, cls: int, next_use: int) -> None:
-        self.lists.remove(b)
-        self.lists.push_back(b, int(self.klass[b]))
+        pass  # the model recorded the access in ``observe``
+
+    def _sample(self) -> np.ndarray:
+        if self.size <= self.samples:
+            return self.slots[: self.size]
+        if self._pool_at + self.samples > self._pool.size:
+            self._pool = self.rng.integers(0, self.capacity, size=self._pool.size)
+            self._pool_at = 0
+        r = self._pool[self._pool_at: self._pool_at + self.samples]
+        self._pool_at += self.samples
+        return self.slots[r if self.size == self.capacity else r % self.size]
 
     def _find_victim(self) -> tuple[int, float]:
-        nonempty = np.flatnonzero(self.lists.lengths)
-        heads = self.lists.next[self.sentinels[nonempty]]
-        p = self.pred.p_idle(heads) * self.weight[heads]
-        i = int(np.argmin(p))
-        return int(heads[i]), float(p[i])
+        cand = self._sample()
+        v = self._values(cand)
+        i = int(v.argmin())
+        return int(cand[i]), float(v[i])
 
     def admit(self, b: int, now: float, cls: int, next_use: int) -> bool:
         if self.size < self.capacity:
@@ -88,33 +125,120 @@ class ValuePolicy(Policy):
             return True
         victim, v_value = self._find_victim()
         self._victim = victim
-        if not self.admission:
+        mine = self._new_value(b)
+        if self._scored(b):
+            self._predict(b, float(self.model.tables[self.active][int(self.model.cell[b]), 0]))
+        if not self.admission or mine >= v_value:
             return True
-        if self.pred.p_fresh(b) * self.weight[b] > v_value:
-            return True
+        self._victim = -1
         self.bypassed += 1
         return False
 
     def evict(self, now: float) -> int:
         v = self._victim if self._victim >= 0 else self._find_victim()[0]
         self._victim = -1
-        age = self._epoch - self.last[v]
-        self.horizon += self.smoothing * (max(age, 1.0) - self.horizon)
-        self.lists.remove(v)
-        self.size -= 1
+        self._record_eviction(v)
         return v
 
+    def _record_eviction(self, v: int) -> None:
+        self.model.evicted(v)
+        if self._scored(v):
+            self._predict(v, float(self.model.values(self.active, np.array([v]))[0]))
+        self._unlink(v)
+
     def insert(self, b: int, now: float, cls: int, next_use: int) -> None:
-        self.lists.push_back(b, int(self.klass[b]))
+        self.slots[self.size] = b
+        self.where[b] = self.size
         self.size += 1
 
-    def remove(self, b: int) -> None:
-        self.lists.remove(b)
+    def _unlink(self, b: int) -> None:
+        i = int(self.where[b])
+        last = int(self.slots[self.size - 1])
+        self.slots[i] = last
+        self.where[last] = i
+        self.where[b] = -1
         self.size -= 1
+
+    def remove(self, b: int) -> None:
+        self._unlink(b)
+
+    # -- queries for the daemon ---------------------------------------------
+    def victims(self, n: int, eligible: Optional[Eligible] = None) -> np.ndarray:
+        """Up to ``n`` eligible residents, lowest value first, among ``samples`` x ``n``
+        sampled by a local generator (all residents when there are no more). No state
+        changes: this policy's generator and pool are untouched."""
+        if n <= 0 or self.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        m = min(self.samples * n, budget(n) * 4)
+        if self.size <= m:
+            cand = self.slots[: self.size].copy()
+        else:
+            rng = np.random.default_rng((self.model.clock, self.size, n))
+            cand = np.unique(self.slots[rng.integers(0, self.size, size=m)])
+        if eligible is not None:
+            cand = cand[np.asarray(eligible(cand), dtype=bool)]
+        return cand[np.argsort(self._values(cand), kind="stable")[:n]]
+
+    def on_evict(self, b: int, now: float) -> None:
+        """The daemon evicted ``b`` (one ``victims`` returned): record it as ``evict`` would."""
+        if self._victim == b:
+            self._victim = -1
+        self._record_eviction(b)
+
+    def admit_many(self, blocks: np.ndarray, classes: np.ndarray) -> np.ndarray:
+        """Which offered blocks are worth a slot here: their value now (feature class
+        ``classes``, their access stage and age) at least the lowest of a fresh sample
+        of residents, what the next eviction would take. No state changes."""
+        ok = np.ones(blocks.size, dtype=bool)
+        if not self.admission or self.size < self.samples or blocks.size == 0:
+            return ok
+        floor = float(self._values(self.slots[np.random.default_rng(self.model.clock).integers(
+            0, self.size, size=self.samples)]).min())
+        model = self.model
+        stage = np.clip(model.stage[blocks].astype(np.int64), 1, N_STAGES)
+        cells = (classes.astype(np.int64) * N_STAGES + stage - 1) * N_IRR + model.cell[blocks] % N_IRR
+        mine = model.tables[self.active][cells, model.age_buckets(blocks)]
+        if self._weighted:
+            mine = mine * self.weight[blocks]
+        return np.asarray(mine >= floor)
+
+    def best(self, k: int) -> np.ndarray:
+        """Up to ``k`` of ``4k`` sampled residents with the highest value (speculative promotion)."""
+        if self.size == 0 or k <= 0:
+            return np.zeros(0, dtype=np.int64)
+        cand = np.unique(self.slots[np.random.default_rng(self.model.clock).integers(
+            0, self.size, size=min(4 * k, 4 * self.size))])
+        return cand[np.argsort(-self._values(cand), kind="stable")[:k]]
 
     def set_weights(self, blocks: np.ndarray, weights: np.ndarray) -> None:
         self.weight[blocks] = weights
+        self._weighted = True
+
+    def on_freed(self, b: int) -> None:
+        """Block id ``b`` no longer exists: the next block to take the id starts afresh
+        (no access history, weight or pending prediction)."""
+        self.model.reset(b)
+        self.shadows.forget(b)
+        self.weight[b] = 1.0
+        if self.calib is not None:
+            self.calib.on_freed(b)
+
+    def seen(self, b: int) -> bool:
+        return bool(self.model.stage[b])
+
+    def calibration(self) -> Optional[dict]:
+        """Brier and ECE of the decisions taken (admissions and evictions, sampled)."""
+        if self.calib is None:
+            return None
+        self.calib.finish(float(self.model.clock))
+        return self.calib.summary()
 
     def stats(self) -> dict:
-        return {"horizon_epochs": self.horizon, "bypassed": self.bypassed,
-                "class_alpha": self.priors.alpha.tolist(), "class_beta": self.priors.beta.tolist()}
+        c = DEFAULT_CANDIDATES[self.active]
+        return {"bypassed": self.bypassed, "model": f"{c.partition} x{c.horizon_multiple:g}",
+                "horizon_accesses": float(self.model.horizons[self.active]),
+                "eviction_age_accesses": self.model.eviction_age,
+                "shadow_hits": self.shadows.hits.round(1).tolist()}
+
+
+__all__ = ["ValuePolicy"]

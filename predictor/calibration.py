@@ -89,6 +89,15 @@ class CalibrationTracker:
         return self.pairs.n
 
     def predict(self, block: int, p: float, now: float, horizon: float) -> None:
+        """Score ``p`` = P(``block`` is accessed within ``horizon`` of ``now``). While an
+        earlier prediction of the block is pending it stands and this one is skipped:
+        replacing it would drop exactly the predictions whose block was not reused
+        (a block is predicted again when it is evicted), biasing the outcomes up."""
+        old = self.pred[block]
+        if old == old:  # not NaN: pending
+            if now <= self.deadline[block]:
+                return
+            self.pairs.extend(np.array([old]), np.zeros(1, dtype=np.uint8))  # its window passed: not reused
         self.pred[block] = p
         self.deadline[block] = now + horizon
 
@@ -97,6 +106,11 @@ class CalibrationTracker:
         if p == p:  # not NaN: a prediction is pending
             self.pairs.extend(np.array([p]), np.array([now <= self.deadline[block]], dtype=np.uint8))
             self.pred[block] = np.nan
+
+    def on_freed(self, block: int) -> None:
+        """``block`` is gone: its pending prediction is dropped, never scored."""
+        self.pred[block] = np.nan
+        self.deadline[block] = 0.0
 
     def finish(self, now: float) -> None:
         """Resolve pending predictions whose deadline has passed (no reuse)."""

@@ -107,6 +107,11 @@ class RefArgs(_Args):
     seq: Optional[StrictInt] = None
 
 
+class LookupArgs(_Args):
+    keys: IdArray
+    """Keys to look up (no reference is taken: a connector asks what it could load)."""
+
+
 class AcquireArgs(_Args):
     blocks: Optional[IdArray] = None
     keys: Optional[IdArray] = None
@@ -143,6 +148,7 @@ ARGS: dict[str, type[_Args]] = {
     "ping": PingArgs, "heartbeat": PingArgs, "stats": AdminArgs, "unregister": PingArgs, "clear": AdminArgs,
     "check": AdminArgs,
     "register": RegisterArgs, "alloc": AllocArgs, "seal": SealArgs, "ref": RefArgs,
+    "lookup": LookupArgs,
     "acquire": AcquireArgs, "acquire_poll": AcquirePollArgs, "release": BlocksArgs, "free": BlocksArgs,
     "hint": HintArgs, "reload": AdminArgs,
 }

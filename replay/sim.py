@@ -75,10 +75,4 @@ def run_one(name: str, capacity: int, trace: Trace, next_use: Optional[np.ndarra
     t0 = time.perf_counter()
     hits = simulate(policy, trace, next_use, progress)
     seconds = time.perf_counter() - t0
-    calib = None
-    tracker = getattr(policy, "calib", None)
-    if tracker is not None:
-        model = getattr(policy, "model", None)  # policies with a calibration tracker also carry a model
-        tracker.finish(float(trace.time_s[-1]) / getattr(model, "epoch_s", 1.0))
-        calib = tracker.summary()
-    return RunResult(name, capacity, hits, trace.n_accesses, seconds, policy.stats(), calib)
+    return RunResult(name, capacity, hits, trace.n_accesses, seconds, policy.stats(), policy.calibration())

@@ -86,16 +86,12 @@ def _check(rec: object, fmt: str, path: str, lineno: int) -> dict:
     return rec
 
 
-def load_trace(path: str, progress: Optional[Callable[[int], None]] = None) -> Trace:
+def _read_records(path: str, progress: Optional[Callable[[int], None]] = None) -> tuple[str, list[dict]]:
+    """Validated records of a JSONL trace file and its format (errors name the line)."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"trace not found: {path}")
     fmt = None
-    blocks: list[int] = []
-    times: list[float] = []
-    classes: list[int] = []
-    reqs: list[int] = []
-    seen: set[int] = set()
-    n_req = 0
+    records: list[dict] = []
     last_t = -1.0
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
@@ -114,25 +110,61 @@ def load_trace(path: str, progress: Optional[Callable[[int], None]] = None) -> T
             if t < last_t:
                 raise TraceError(f"{path}:{lineno}: timestamps go backwards ({t} < {last_t})")
             last_t = t
-            ids = rec["hash_ids"]
-            n = len(ids)
-            if fmt == "bailian":
-                cont = int(rec.get("turn", 1)) > 1 or int(rec.get("parent_chat_id", -1)) >= 0
-            else:
-                cont = n > 1 and ids[1] in seen
-            new = sum(1 for x in ids if x not in seen)
-            for i, x in enumerate(ids):
-                blocks.append(x)
-                times.append(t)
-                classes.append(block_class(i == n - 1, cont, new))
-                reqs.append(n_req)
-            seen.update(ids)
-            n_req += 1
+            records.append(rec)
             if progress is not None and lineno % 1000 == 0:
                 progress(1000)
     if fmt is None:
         raise TraceError(f"{path}: empty trace")
+    return fmt, records
+
+
+def load_trace(path: str, progress: Optional[Callable[[int], None]] = None) -> Trace:
+    fmt, records = _read_records(path, progress)
+    return trace_from_records(os.path.basename(path), fmt, records)
+
+
+def trace_from_records(name: str, fmt: str, records: list[dict]) -> Trace:
+    """Flatten validated request records (in time order) into per-access arrays, with
+    each access's block class computed causally from the requests before it."""
+    blocks: list[int] = []
+    times: list[float] = []
+    classes: list[int] = []
+    reqs: list[int] = []
+    seen: set[int] = set()
+    scale = FORMATS[fmt]["time_scale"]
+    for n_req, rec in enumerate(records):
+        t = float(rec["timestamp"]) * scale
+        ids = rec["hash_ids"]
+        n = len(ids)
+        if fmt == "bailian":
+            cont = int(rec.get("turn", 1)) > 1 or int(rec.get("parent_chat_id", -1)) >= 0
+        else:
+            cont = n > 1 and ids[1] in seen
+        new = sum(1 for x in ids if x not in seen)
+        for i, x in enumerate(ids):
+            blocks.append(x)
+            times.append(t)
+            classes.append(block_class(i == n - 1, cont, new))
+            reqs.append(n_req)
+        seen.update(ids)
+    if not records:
+        raise TraceError(f"{name}: empty trace")
     raw = np.asarray(blocks, dtype=np.int64)
     uniq, dense = np.unique(raw, return_inverse=True)
-    return Trace(os.path.basename(path), fmt, dense.astype(np.int64), np.asarray(times), np.asarray(classes, np.int64),
-                 np.asarray(reqs, np.int64), n_req, int(uniq.size))
+    return Trace(name, fmt, dense.astype(np.int64), np.asarray(times), np.asarray(classes, np.int64),
+                 np.asarray(reqs, np.int64), len(records), int(uniq.size))
+
+
+def split_trace(trace: Trace, part: str) -> Trace:
+    """The first or second half of a trace by requests (``part`` = "first" | "second" | "all"):
+    tune on one half, report on the other. Classes keep the whole trace's causal history."""
+    if part == "all":
+        return trace
+    if part not in ("first", "second"):
+        raise ValueError(f"part must be first, second or all, not {part!r}")
+    half = trace.n_requests // 2
+    keep = trace.request < half if part == "first" else trace.request >= half
+    uniq, dense = np.unique(trace.block[keep], return_inverse=True)
+    req = trace.request[keep]
+    return Trace(f"{trace.name}[{part} half]", trace.format, dense.astype(np.int64), trace.time_s[keep],
+                 trace.cls[keep], req - req.min(), int(np.unique(req).size), int(uniq.size))

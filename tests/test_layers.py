@@ -25,6 +25,7 @@ ALLOWED: dict[str, set[str]] = {
     "policy": {"predictor", "scoring", "tiers"},
     "daemon": {"protocol", "kernels", "tiers", "scoring", "predictor", "policy"},
     "client": {"protocol"},
+    "connectors": {"client", "protocol"},  # engine side: never the daemon
     "replay": {"policy", "predictor", "scoring", "tiers", "daemon"},
     "bench": {"protocol", "client", "kernels", "tiers", "scoring", "predictor", "policy", "daemon"},
     "cli": {"protocol", "client", "kernels", "tiers", "scoring", "predictor", "policy", "daemon", "replay", "bench"},

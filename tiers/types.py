@@ -13,7 +13,7 @@ class Tier(enum.IntEnum):
     @property
     def medium(self) -> str:
         """vLLM KV-event medium name of this tier."""
-        return ("GPU", "CPU", "DISK")[self]
+        return ("GPU", "CPU", "STORAGE")[self]
 
 
 N_TIERS = len(Tier)

@@ -89,3 +89,37 @@ def test_the_default_namespace_keeps_keys_as_engines_send_them():
     assert np.array_equal(scoped_keys(keys, 0), keys)  # one model per node: events carry the engine's keys
     other = scoped_keys(keys, 1)
     assert len(set(other.tolist())) == 4 and not set(other.tolist()) & set(keys.tolist())
+
+
+def test_a_clear_that_keeps_live_blocks_sends_removals_not_all_blocks_cleared(svc):
+    call(svc, "register", "a", pid=0, block_bytes=BB, namespace="model-a")
+    _sealed(svc, "a", 1, 1)  # cached: alloc's reference goes below
+    live = _sealed(svc, "a", 2, 2)
+    svc.node.events.take_batch()
+    cached = ids(call(svc, "lookup", "a", keys=_keys(1))["blocks"])[0]
+    call(svc, "free", "a", blocks=[cached])
+    call(svc, "clear")
+    evs = svc.node.events.take_batch()[1]
+    assert {"type": "AllBlocksCleared"} not in evs
+    assert [e["type"] for e in evs] == ["BlockRemoved"]
+    call(svc, "free", "a", blocks=[live])
+    call(svc, "clear")
+    assert svc.node.events.take_batch()[1][-1] == {"type": "AllBlocksCleared"}
+
+
+def test_a_second_model_with_smaller_blocks_registers_and_seals_its_own_size(svc):
+    a = call(svc, "register", "a", pid=0, block_bytes=BB, namespace="model-a", layout={"layers": 4})
+    assert a["layers"] == 4 and a["block_bytes"] == BB
+    b = call(svc, "register", "b", pid=0, block_bytes=BB // 2, namespace="model-b", layout={"layers": 2})
+    assert b["block_bytes"] == BB // 2 and b["slot_bytes"] == BB and b["layers"] == 1  # not the first's parts
+    r = call(svc, "alloc", "b", n=1, pin=True)
+    blk = ids(r["blocks"])[0]
+    c = ids(call(svc, "seal", "b", blocks=[blk], keys=_keys(9))["blocks"])[0]
+    assert svc.node.mgr.table.nbytes[c] == BB // 2
+    with pytest.raises(P.ProtocolError) as e:
+        call(svc, "register", "c", pid=0, block_bytes=2 * BB, namespace="model-c")
+    assert e.value.code == P.CONFLICT and "largest model first" in e.value.message
+    assert "c" not in svc.engines  # a refused register leaves nothing behind
+    # a second tensor-parallel rank of model-a: same geometry, its own namespace, layer-wise parts kept
+    r1 = call(svc, "register", "a-tp1", pid=0, block_bytes=BB, namespace="model-a:tp1", layout={"layers": 4})
+    assert r1["layers"] == 4

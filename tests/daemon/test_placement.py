@@ -127,10 +127,11 @@ def test_write_back_sends_blocks_dram_declines_to_nvme(tmp_path):
     a class DRAM has learned is never reused goes straight to NVMe, and the DRAM
     blocks worth their slots stay."""
     from kvtier.predictor.classes import N_STAGES
+    from kvtier.predictor.reuse_model import N_IRR
 
     cfg = load_config(environ={}, overrides=[
         "tiers.hbm_bytes=16384", "tiers.dram_bytes=16384", "tiers.nvme_bytes=65536",
-        f'tiers.nvme_dir="{tmp_path}/nvme"', "policy.samples=2", "policy.explore_every=1000000",
+        f'tiers.nvme_dir="{tmp_path}/nvme"', "policy.samples=2",
         f'server.runtime_dir="{tmp_path}/run"', "metrics.enabled=false"])
     svc = Service(cfg)
     try:
@@ -141,10 +142,11 @@ def test_write_back_sends_blocks_dram_declines_to_nvme(tmp_path):
         call(svc, "free", blocks=P.id_bytes(blocks))  # cached now: free to skip DRAM
         pl, t = svc.node.placement, svc.node.mgr.table
         dram = pl.policies[1]
-        dram.hits[0, 1] = 500  # class 0 (first access of feature class 0) is read again...
-        dram.evictions[0, 1] = 100
-        dram.evictions[1 * N_STAGES, 1] = 600  # ...feature class 1 never is
-        dram._reconfigure()
+        model = dram.model
+        model.reuses[0, 6] = 500.0  # class 0 (first access of feature class 0) is read again soon...
+        model.accesses[0] = 600.0
+        model.accesses[1 * N_STAGES * N_IRR] = 600.0  # ...feature class 1 never is
+        model.refresh()
         pl.feature_class[blocks[:2]] = 0
         pl.feature_class[blocks[2:]] = 1
         started, stuck = pl._write_back(0, blocks[:2])  # worth DRAM: admitted
@@ -158,5 +160,83 @@ def test_write_back_sends_blocks_dram_declines_to_nvme(tmp_path):
         svc.node.mgr.wait(timeout=10)
         svc.background()
         assert call(svc, "check") == {"ok": True}
+    finally:
+        svc.close()
+
+
+@pytest.mark.parametrize("policy", ["kvtier", "lru", "s3fifo"])
+def test_make_room_over_a_pinned_hbm_changes_no_policy_state(tmp_path, policy):
+    """Victim search skips pinned blocks without evicting and re-inserting them: no
+    phantom evictions, no extra accesses, every policy array byte-identical."""
+    from ..policy.test_contract import _arrays, _scalars
+
+    cfg = load_config(environ={}, overrides=[
+        "tiers.hbm_bytes=16384", "tiers.dram_bytes=16384", "tiers.nvme_bytes=0", f'policy.name="{policy}"',
+        f'server.runtime_dir="{tmp_path}/run"', "metrics.enabled=false"])
+    svc = Service(cfg)
+    try:
+        call(svc, "register", pid=0, block_bytes=4096)
+        blocks = ids(call(svc, "alloc", n=4, seq=1, pin=True)["blocks"])  # HBM full, all pinned
+        pl = svc.node.placement
+        pol = pl.policies[0]
+        before, scalars = _arrays(pol), _scalars(pol)
+        for _ in range(3):
+            assert pl.make_room(0, 2, urgent=True) == 0
+        assert _arrays(pol) == before and _scalars(pol) == scalars
+        assert pl.tracked[0, blocks].all() and pl.demoted == pl.dropped == 0
+        call(svc, "release", blocks=P.id_bytes(blocks))
+        assert pl.make_room(0, 1) == 1  # unpinned: the policy's victim really goes
+        assert pol.size == 3
+    finally:
+        svc.close()
+
+
+def test_a_freed_block_id_comes_back_fresh(tmp_path):
+    """Importance, policy weight and history of a freed block do not pass to the next
+    block that gets its id."""
+    cfg = load_config(environ={}, overrides=[
+        "tiers.hbm_bytes=16384", "tiers.dram_bytes=16384", "tiers.nvme_bytes=0",
+        f'server.runtime_dir="{tmp_path}/run"', "metrics.enabled=false"])
+    svc = Service(cfg)  # the default policy: importance-weighted, with a predictor
+    try:
+        call(svc, "register", pid=0, block_bytes=4096)
+        node = svc.node
+        blocks = ids(call(svc, "alloc", n=2, seq=1)["blocks"])
+        b = blocks[1]  # a tenth of the attention: weight below 1
+        node.scores.report(np.array(blocks), np.array([0.9, 0.1], dtype=np.float32))
+        node.set_importance(np.array(blocks))
+        pol = node.placement.policies[0]
+        assert node.scores.reports[b] == 1 and pol.weight[b] != 1.0 and pol.model.stage[b] == 1
+        call(svc, "free", blocks=P.id_bytes(blocks))  # open blocks: gone at once
+        assert node.mgr.table.state[b] == 0  # FREE: the id may be handed out again
+        assert node.scores.reports[b] == 0 and node.scores.ema_value[b] == 0
+        assert node.placement.feature_class[b] == 0 and not node.placement.tracked[:, b].any()
+        assert pol.weight[b] == 1.0 and pol.model.stage[b] == 0 and pol.model.last[b] == 0
+        assert pol.calib is not None and np.isnan(pol.calib.pred[b])
+    finally:
+        svc.close()
+
+
+def test_importance_decides_which_block_is_demoted(tmp_path):
+    """Four idle blocks of one class and age: without importance the first would go;
+    the one the engine's attention ignores goes instead."""
+    cfg = load_config(environ={}, overrides=[
+        "tiers.hbm_bytes=16384", "tiers.dram_bytes=16384", "tiers.nvme_bytes=0",
+        f'server.runtime_dir="{tmp_path}/run"', "metrics.enabled=false"])
+    svc = Service(cfg)
+    try:
+        call(svc, "register", pid=0, block_bytes=4096)
+        blocks = ids(call(svc, "alloc", n=4, seq=1, pin=True)["blocks"])
+        call(svc, "seal", blocks=P.id_bytes(blocks), keys=P.id_bytes([1, 2, 3, 4], np.uint64))
+        call(svc, "release", blocks=P.id_bytes(blocks))
+        pl, node = svc.node.placement, svc.node
+        assert pl._victims(0, 1) == [blocks[0]]  # equal value: the first resident
+        node.scores.report(np.array(blocks), np.array([0.4, 0.3, 0.01, 0.29], dtype=np.float32))
+        node.set_importance(np.array(blocks))
+        assert pl._victims(0, 1) == [blocks[2]]
+        assert pl.make_room(0, 1) == 1
+        svc.node.mgr.wait(timeout=10)
+        t = svc.node.mgr.table
+        assert t.copies[blocks[2]] == 0b10 and all(t.copies[b] & 1 for b in (blocks[0], blocks[1], blocks[3]))
     finally:
         svc.close()

@@ -189,15 +189,28 @@ def test_events_in_vllm_shape(daemon):
         c._call("clear")
         events = []
         end = time.monotonic() + 5
-        while time.monotonic() < end and not any(e[0] == "AllBlocksCleared" for e in events):
+        payloads = []
+        while time.monotonic() < end and not any(e["type"] == "AllBlocksCleared" for e in events):
             if sub.poll(200):
                 topic, seq, payload = sub.recv_multipart()
                 ts, evs, rank = decode_batch(payload)
                 assert isinstance(ts, float) and len(seq) == 8
                 events.extend(evs)
+                payloads.append(payload)
     sub.close(0)
-    assert ["BlockStored", [42], None, [], 16, None, "GPU"] in events
-    assert events[-1] == ["AllBlocksCleared"]
+    assert {"type": "BlockStored", "block_hashes": [42], "parent_block_hash": None, "token_ids": [],
+            "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None} in events
+    assert events[-1] == {"type": "AllBlocksCleared"}
+    try:  # vLLM's own structs decode our stream, where vLLM is installed
+        import msgspec
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
+    except ImportError:
+        return
+    dec = msgspec.msgpack.Decoder(type=KVEventBatch)
+    decoded = [e for p in payloads for e in dec.decode(p).events]
+    stored = [e for e in decoded if isinstance(e, BlockStored)]
+    assert stored[0].block_hashes == [42] and stored[0].block_size == 16 and stored[0].medium == "GPU"
+    assert isinstance(decoded[-1], AllBlocksCleared)
 
 
 def test_telemetry_and_metrics(daemon):

@@ -24,7 +24,7 @@ def _call(svc: Service, op: str, engine: str, **args):
     return svc.handle(req, a)
 
 
-@pytest.mark.parametrize("policy, seed", [("kvtier", 0), ("lru", 1), ("kvtier-beta", 2), ("s3fifo", 3)])
+@pytest.mark.parametrize("policy, seed", [("kvtier", 0), ("lru", 1), ("kvtier", 2), ("s3fifo", 3)])
 def test_random_ops_keep_every_invariant(tmp_path, policy, seed):
     rng = np.random.default_rng(seed)
     svc = _service(tmp_path, policy)

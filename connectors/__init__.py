@@ -1,0 +1,1 @@
+"""Engine connectors: inference engines (vLLM) that keep their KV in kvtier."""

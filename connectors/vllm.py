@@ -1,0 +1,165 @@
+"""``KVTierConnector``: vLLM (V1 KV connector API) keeps its KV on kvtier.
+
+Load it without patching vLLM::
+
+    vllm serve MODEL --kv-transfer-config \
+      '{"kv_connector":"KVTierConnector","kv_connector_module_path":"kvtier.connectors.vllm","kv_role":"kv_both"}'
+
+``kv_connector_extra_config`` may set ``runtime_dir`` (the daemon's; default: the
+per-user one ``kvtier serve`` uses), ``namespace`` (default: the model) and
+``hint_deadline_s``. Under vLLM, vLLM's paged KV is the HBM tier: its own prefix
+cache serves what it still holds, and kvtier (DRAM, NVMe) serves what fell out of
+it. The scheduler half (``vllm_scheduler``) decides loads and saves; the worker
+half (``vllm_worker``) moves the bytes, layer by layer.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier.client.tier_client import TierClient
+
+from .keys import DIGEST_BYTES
+from .vllm_scheduler import SchedulerSide, Transfer
+from .vllm_worker import Geometry, WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+@dataclass
+class KVTierMetadata(KVConnectorMetadata):
+    loads: list[Transfer] = field(default_factory=list)
+    saves: list[Transfer] = field(default_factory=list)
+
+
+def _tp() -> tuple[int, int]:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        return int(get_tensor_model_parallel_rank()), int(get_tensor_model_parallel_world_size())
+    except Exception:  # no model-parallel group (the scheduler process)
+        return 0, 1
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self._runtime_dir: Optional[str] = extra.get("runtime_dir") or os.environ.get("KVTIER_RUNTIME_DIR") or None
+        self._block_size = int(vllm_config.cache_config.block_size)
+        model = extra.get("namespace") or str(vllm_config.model_config.model)
+        world = int(vllm_config.parallel_config.tensor_parallel_size)
+        self._ns_model = f"vllm:{model}:{vllm_config.model_config.dtype}"
+        self._world = world
+        self.sched: Optional[SchedulerSide] = None
+        self.worker: Optional[WorkerSide] = None
+        self._clients: list[TierClient] = []
+        if role == KVConnectorRole.SCHEDULER:
+            group = kv_cache_config.kv_cache_groups[0]
+            layers = len(group.layer_names)
+            page = int(group.kv_cache_spec.page_size_bytes) // world  # one rank's share of a layer's block
+            client = self._client("sched", 0)
+            client.register(block_bytes=(page + DIGEST_BYTES) * layers, block_tokens=self._block_size,
+                            layout={"layers": layers, "role": "vllm-scheduler"}, namespace=self._namespace(0))
+            self.sched = SchedulerSide(client, self._block_size, float(extra.get("hint_deadline_s", 0.05)))
+
+    def _namespace(self, rank: int) -> str:
+        """Each model and each tensor-parallel rank has its own key space (a rank holds its own shard).
+        A request's ``cache_salt`` is already part of vLLM's block hashes, so salted
+        requests never share keys with unsalted ones."""
+        return f"{self._ns_model}:tp{rank}/{self._world}"
+
+    def _client(self, role: str, rank: int) -> TierClient:
+        c = TierClient(runtime_dir=self._runtime_dir, engine_id=f"vllm-{role}{rank}-{os.getpid()}")
+        self._clients.append(c)
+        return c
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped save is a future miss, never a lost hand-off
+
+    # -- worker side ----------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        geo = Geometry(kv_caches, int(self._kv_cache_config.num_blocks))
+        rank, _ = _tp()
+        client = self._client("worker", rank)
+        client.register(block_bytes=geo.block_bytes, block_tokens=self._block_size,
+                        layout={"layers": len(geo.layers), "role": "vllm-worker"}, namespace=self._namespace(rank))
+        self.worker = WorkerSide(client, geo)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVTierMetadata) and self.worker is not None
+        self.worker.start(meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.worker is not None:
+            self.worker.wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
+                      **kwargs: Any) -> None:
+        return  # a block is saved once every layer of it exists: in wait_for_save
+
+    def wait_for_save(self) -> None:
+        if self.worker is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVTierMetadata)
+        self.worker.finish_load()
+        self.worker.save(meta.saves)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_errors() if self.worker is not None else set()
+
+    # -- scheduler side -------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        assert self.sched is not None
+        return self.sched.matched(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        assert self.sched is not None
+        self.sched.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
+        assert self.sched is not None
+        return {CacheHitSource(k): v for k, v in self.sched.hit_sources(request, num_external_tokens).items()}
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self.sched is not None
+        loads, saves = self.sched.build(scheduler_output)
+        return KVTierMetadata(loads, saves)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        if self.sched is not None:
+            self.sched.load_failed(set(connector_output.invalid_block_ids or ()))
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        if self.sched is not None:
+            self.sched.finished(request)
+        return False, None
+
+    def shutdown(self) -> None:
+        for c in self._clients:
+            c.close()
+        self._clients.clear()
+
+
+__all__ = ["KVTierConnector", "KVTierMetadata"]

@@ -1,0 +1,146 @@
+"""The scheduler half of the vLLM connector: what to load from kvtier, what to save.
+
+Runs in vLLM's scheduler (no tensors). For a new request it asks the daemon which
+of the request's full blocks kvtier holds (``lookup``, no reference taken), takes
+the longest held prefix beyond vLLM's own cache hit, and hints those blocks at
+once, so DRAM/NVMe -> staging promotions run while vLLM schedules. Each step it
+hands the worker the loads it promised and the blocks that became full (to save),
+as plain lists: vLLM block ids and vLLM block hashes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from kvtier.client.tier_client import TierClient
+
+from .keys import block_keys
+
+TIER_SOURCES = ("device", "host", "disk")  # kvtier tier -> vLLM CacheHitSource value
+
+
+@dataclass
+class Transfer:
+    """Blocks of one request to move between vLLM's KV and kvtier (same order in both lists)."""
+    req_id: str
+    block_ids: list[int]
+    hashes: list[Any]
+    segment: list[str] = field(default_factory=list)  # per block: "user" (prompt) or "assistant" (generated)
+
+
+@dataclass
+class _Req:
+    request: Any
+    local: int = 0                     # tokens vLLM's own prefix cache had
+    block_ids: list[int] = field(default_factory=list)
+    saved_upto: int = 0                # leading blocks kvtier holds (looked up, loaded or saved)
+    load: Optional[Transfer] = None
+    tiers: list[int] = field(default_factory=list)  # tier of each block of the pending load
+
+
+class SchedulerSide:
+    def __init__(self, client: TierClient, block_size: int, hint_deadline_s: float = 0.05) -> None:
+        self.client = client
+        self.block_size = block_size
+        self.hint_deadline_s = hint_deadline_s
+        self.reqs: dict[str, _Req] = {}
+        self.hit_tokens = np.zeros(len(TIER_SOURCES), dtype=np.int64)  # loaded tokens by source tier
+
+    # -- vLLM hooks ---------------------------------------------------------------
+    def matched(self, request: Any, num_computed: int) -> int:
+        """Tokens beyond ``num_computed`` that kvtier can load (whole blocks; at least one
+        prompt token is always left for vLLM to compute)."""
+        bs = self.block_size
+        hashes = request.block_hashes
+        limit = min(len(hashes), (request.num_tokens - 1) // bs)
+        start = num_computed // bs
+        st = self.reqs.get(request.request_id)
+        if st is None:
+            st = self.reqs[request.request_id] = _Req(request)
+        st.local = num_computed
+        st.saved_upto = start
+        st.tiers = []
+        if limit <= start:
+            return 0
+        ids, tiers = self.client.lookup(block_keys(hashes[start:limit]))
+        miss = np.flatnonzero(ids < 0)
+        p = int(miss[0]) if miss.size else int(ids.size)
+        if p:
+            self.client.hint(blocks=ids[:p], deadline_s=self.hint_deadline_s)  # promotions start now
+        st.saved_upto = start + p
+        st.tiers = tiers[:p].tolist()
+        return p * bs
+
+    def after_alloc(self, request: Any, block_ids: list[int], num_external: int) -> None:
+        st = self.reqs.get(request.request_id)
+        if st is None:
+            st = self.reqs[request.request_id] = _Req(request)
+        st.block_ids = list(block_ids)
+        if num_external <= 0:
+            return
+        start, n = st.local // self.block_size, num_external // self.block_size
+        st.load = Transfer(request.request_id, st.block_ids[start:start + n], list(request.block_hashes[start:start + n]))
+        for t in st.tiers[:n]:
+            self.hit_tokens[t] += self.block_size
+        st.saved_upto = max(st.saved_upto, start + n)
+
+    def build(self, so: Any) -> tuple[list[Transfer], list[Transfer]]:
+        """(loads, saves) of this step; loads are handed over once."""
+        loads: list[Transfer] = []
+        saves: list[Transfer] = []
+        progress: list[tuple[_Req, int]] = []
+        for nr in so.scheduled_new_reqs:
+            st = self.reqs.get(nr.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(nr.block_ids[0])
+            progress.append((st, nr.num_computed_tokens + so.num_scheduled_tokens.get(nr.req_id, 0)))
+        cr = so.scheduled_cached_reqs
+        for i, rid in enumerate(cr.req_ids):
+            st = self.reqs.get(rid)
+            if st is None:
+                continue
+            new = cr.new_block_ids[i]
+            if rid in cr.resumed_req_ids and new is not None:
+                st.block_ids = list(new[0])
+            elif new is not None:
+                st.block_ids.extend(new[0])
+            progress.append((st, cr.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0)))
+        for st, done in progress:
+            if st.load is not None:
+                loads.append(st.load)
+                st.load = None
+            hashes = st.request.block_hashes
+            full = min(done // self.block_size, len(hashes), len(st.block_ids))
+            if full > st.saved_upto:
+                prompt_blocks = len(st.request.prompt_token_ids or ()) // self.block_size
+                seg = ["user" if i < prompt_blocks else "assistant" for i in range(st.saved_upto, full)]
+                saves.append(Transfer(st.request.request_id, st.block_ids[st.saved_upto:full],
+                                      list(hashes[st.saved_upto:full]), seg))
+                st.saved_upto = full
+        return loads, saves
+
+    def load_failed(self, invalid: set[int]) -> None:
+        """vLLM recomputes blocks a load could not serve: save them again once computed."""
+        if not invalid:
+            return
+        for st in self.reqs.values():
+            bad = [i for i, b in enumerate(st.block_ids) if b in invalid]
+            if bad:
+                st.saved_upto = min(st.saved_upto, bad[0])
+
+    def finished(self, request: Any) -> None:
+        self.reqs.pop(request.request_id, None)
+
+    def hit_sources(self, request: Any, num_external: int) -> dict[str, int]:
+        st = self.reqs.get(request.request_id)
+        out: dict[str, int] = {}
+        for t in (st.tiers if st else [])[: num_external // self.block_size]:
+            out[TIER_SOURCES[t]] = out.get(TIER_SOURCES[t], 0) + self.block_size
+        return out
+
+
+__all__ = ["SchedulerSide", "Transfer", "TIER_SOURCES"]

@@ -1,0 +1,245 @@
+"""The worker half of the vLLM connector: bytes between vLLM's paged KV and kvtier.
+
+vLLM's own KV tensors are the HBM tier; kvtier holds what falls out of them. A
+kvtier block is one vLLM block of every layer: layer l's K/V bytes (exactly as
+vLLM laid them out, whatever its backend's shape) followed by a ``DIGEST_BYTES``
+trailer with the block's full vLLM hash, so layer parts are equal and the daemon
+promotes them layer by layer. The daemon's HBM pool is the staging area both ways:
+
+- save (``wait_for_save``, after the forward): new full blocks are copied into
+  pinned staging slots, sealed under their keys, released and unreferenced; the
+  daemon demotes them to DRAM/NVMe in the background (the engine never waits on
+  a disk write).
+- load (``start_load_kv`` before the forward): one non-blocking acquire of every
+  block to load; ``wait_for_layer_load(l)`` waits only until layer l of those
+  blocks has landed, checks its trailer against the hash vLLM asked for, and
+  copies it into vLLM's blocks. A block the daemon cannot serve (gone, corrupt
+  on NVMe, a trailer that does not match) is reported to vLLM, which recomputes
+  it: a wrong byte is never handed to attention.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from kvtier.client.replies import AcquireHandle, KvtierError
+from kvtier.client.tier_client import TierClient
+
+from .keys import DIGEST_BYTES, block_keys, digests
+from .vllm_scheduler import Transfer
+
+log = logging.getLogger("kvtier.connectors.vllm")
+
+
+@dataclass
+class _Layer:
+    name: str
+    tensor: torch.Tensor
+    bdim: int         # the dimension of vLLM's tensor that indexes blocks
+    nbytes: int       # bytes of one block of this layer
+
+
+class Geometry:
+    """Where each layer's blocks are in vLLM's tensors, and the kvtier block built from them."""
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        self.layers: list[_Layer] = []
+        for name, t in kv_caches.items():
+            dims = [d for d, s in enumerate(t.shape) if s == num_blocks]
+            if not dims:
+                raise ValueError(f"layer {name}: no dimension of {tuple(t.shape)} has {num_blocks} blocks")
+            one = t.select(dims[0], 0)
+            self.layers.append(_Layer(name, t, dims[0], one.numel() * t.element_size()))
+        if len({(x.nbytes, x.tensor.dtype) for x in self.layers}) != 1:
+            raise ValueError("kvtier needs every layer's block to have one size and dtype")
+        self.index = {x.name: i for i, x in enumerate(self.layers)}
+        self.part = self.layers[0].nbytes + DIGEST_BYTES  # one layer of one kvtier block
+        self.block_bytes = self.part * len(self.layers)
+
+    def view_part(self, layer: int, row: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer`` of one kvtier block (``row``: its staging slot's bytes), as vLLM's block shape."""
+        x = self.layers[layer]
+        off = layer * self.part
+        return row[off:off + x.nbytes].view(x.tensor.dtype).view(x.tensor.select(x.bdim, 0).shape)
+
+    def save(self, layer: int, vid: int, row: torch.Tensor) -> None:
+        """One strided copy, vLLM's block -> the staging slot (no intermediate tensor)."""
+        x = self.layers[layer]
+        self.view_part(layer, row).copy_(x.tensor.select(x.bdim, vid))
+
+    def load(self, layer: int, vid: int, row: torch.Tensor) -> None:
+        x = self.layers[layer]
+        x.tensor.select(x.bdim, vid).copy_(self.view_part(layer, row))
+
+    def trailer(self, layer: int, row: torch.Tensor) -> torch.Tensor:
+        off = layer * self.part + self.layers[layer].nbytes
+        return row[off:off + DIGEST_BYTES]
+
+
+@dataclass
+class _Load:
+    transfers: list[Transfer]
+    vids: torch.Tensor            # vLLM block per loaded block
+    blocks: np.ndarray            # kvtier block per loaded block (refs we hold)
+    want: torch.Tensor            # [n, DIGEST_BYTES] expected trailers
+    handle: Optional[AcquireHandle]
+    pos: np.ndarray               # index of each loaded block in the handle's reply
+    done_layers: int = 0
+    failed: bool = False
+
+
+class WorkerSide:
+    def __init__(self, client: TierClient, geometry: Geometry, timeout_s: float = 30.0) -> None:
+        self.client = client
+        self.geo = geometry
+        self.timeout_s = timeout_s
+        self.load: Optional[_Load] = None
+        self.errors: set[int] = set()       # vLLM blocks that could not be loaded (reported once)
+        self.failed_reqs: set[str] = set()  # requests of this step whose load failed: nothing of theirs is saved
+        self.stats = {"loaded_blocks": 0, "saved_blocks": 0, "failed_blocks": 0, "load_wait_s": 0.0}
+        # the daemon reports layer-wise progress in the parts of the first engine's geometry: ours only if equal
+        self.layerwise = int(client.info.get("layers", 1)) == len(geometry.layers)
+        max_batch = max(1, int(client.info.get("hbm_slots", 2)) // 2)
+        self.save_batch = max_batch
+
+    # -- load ---------------------------------------------------------------------
+    def start(self, loads: list[Transfer]) -> None:
+        self.failed_reqs = set()
+        if not loads:
+            self.load = None
+            return
+        vids = [b for t in loads for b in t.block_ids]
+        hashes = [h for t in loads for h in t.hashes]
+        keys, inverse = np.unique(block_keys(hashes), return_inverse=True)  # sessions may share blocks
+        refs = self.client.ref(keys)
+        handle = None
+        pos = np.zeros(0, dtype=np.int64)
+        failed = bool(np.any(refs < 0))
+        held = refs[refs >= 0]
+        if not failed:
+            try:
+                handle = self.client.acquire_async(blocks=refs, timeout_s=self.timeout_s)
+                pos = inverse.reshape(-1)  # replies follow the order of the blocks we name
+            except KvtierError as e:
+                log.warning("kvtier: acquire of %d blocks failed (%s); vLLM recomputes them", refs.size, e)
+                failed = True
+        self.load = _Load(loads, torch.tensor(vids, dtype=torch.int64), held, torch.from_numpy(digests(hashes)),
+                          handle, pos, failed=failed)
+        if failed:
+            self._fail()
+
+    def wait_layer(self, name: str) -> None:
+        ld = self.load
+        li = self.geo.index.get(name)
+        if ld is None or ld.failed or li is None or li < ld.done_layers:
+            return
+        t0 = time.perf_counter()
+        for layer in range(ld.done_layers, li + 1):
+            if not self._copy_layer(ld, layer):
+                break
+        self.stats["load_wait_s"] += time.perf_counter() - t0
+
+    def _copy_layer(self, ld: _Load, layer: int) -> bool:
+        assert ld.handle is not None
+        end = time.monotonic() + self.timeout_s
+        try:
+            while True:
+                ready, slots = ld.handle.layers_ready()
+                ready, slots = ready[ld.pos], slots[ld.pos]
+                if ld.handle.done or (self.layerwise and np.all(ready > layer)):  # done: every layer landed
+                    break
+                if time.monotonic() > end:
+                    raise KvtierError(f"layer {layer} not loaded within {self.timeout_s} s")
+                time.sleep(0.001)  # each poll is an RPC: leave the daemon the CPU to move the bytes
+        except KvtierError as e:
+            log.warning("kvtier: load failed (%s); vLLM recomputes those blocks", e)
+            ld.handle = None  # the daemon dropped the acquire and its pins
+            self._fail()
+            return False
+        hbm = self.client.hbm
+        assert hbm is not None
+        rows = [hbm[int(sl)] for sl in slots.tolist()]
+        if not all(torch.equal(self.geo.trailer(layer, r), ld.want[i]) for i, r in enumerate(rows)):
+            log.warning("kvtier: a block's stored hash does not match (a 64-bit key collision); recomputed")
+            self._fail()  # the full vLLM hash stored beside the bytes is not the one asked for
+            return False
+        for vid, r in zip(ld.vids.tolist(), rows):
+            self.geo.load(layer, vid, r)
+        ld.done_layers = layer + 1
+        return True
+
+    def _fail(self) -> None:
+        ld = self.load
+        if ld is None:
+            return
+        ld.failed = True
+        self.errors.update(ld.vids.tolist())
+        self.failed_reqs.update(t.req_id for t in ld.transfers)
+        self.stats["failed_blocks"] += int(ld.vids.numel())
+
+    def finish_load(self) -> None:
+        """After the forward: any layer not waited for is copied, then our pins and refs go."""
+        ld = self.load
+        if ld is None:
+            return
+        if not ld.failed:
+            self.wait_layer(self.geo.layers[-1].name)
+        try:
+            if ld.handle is not None:  # our pins: wait for the acquire to settle, then let them go
+                ld.handle.wait(self.timeout_s)
+                self.client.release(blocks=np.unique(ld.blocks))
+                if not ld.failed:
+                    self.stats["loaded_blocks"] += int(ld.vids.numel())
+            if ld.blocks.size:
+                self.client.free(blocks=ld.blocks)
+        except KvtierError as e:
+            log.warning("kvtier: releasing loaded blocks failed: %s", e)
+        self.load = None
+
+    def take_errors(self) -> set[int]:
+        out, self.errors = self.errors, set()
+        return out
+
+    # -- save ---------------------------------------------------------------------
+    def save(self, saves: list[Transfer]) -> None:
+        saves = [t for t in saves if t.req_id not in self.failed_reqs]
+        vids = [b for t in saves for b in t.block_ids]
+        hashes = [h for t in saves for h in t.hashes]
+        segs = [s for t in saves for s in (t.segment or ["user"] * len(t.block_ids))]
+        for i in range(0, len(vids), self.save_batch):
+            self._save_batch(vids[i:i + self.save_batch], hashes[i:i + self.save_batch], segs[i:i + self.save_batch])
+
+    def _save_batch(self, vids: list[int], hashes: list[Any], segs: list[str]) -> None:
+        if not vids:
+            return
+        hbm = self.client.hbm
+        assert hbm is not None
+        try:
+            blocks, slots = self.client.alloc(len(vids), pin=True)
+        except KvtierError as e:
+            log.warning("kvtier: no staging room to save %d blocks (%s); they stay in vLLM only", len(vids), e)
+            return
+        trailer = torch.from_numpy(digests(hashes))
+        for i, (vid, sl) in enumerate(zip(vids, slots.tolist())):
+            row = hbm[int(sl)]
+            for layer in range(len(self.geo.layers)):
+                self.geo.save(layer, vid, row)
+                self.geo.trailer(layer, row).copy_(trailer[i])
+        try:
+            canon = self.client.seal(blocks, block_keys(hashes))
+            self.client.release(blocks=canon[canon == blocks])  # a folded block's pins went with it
+            for tag in sorted(set(segs)):
+                self.client.report_segment(canon[np.array(segs) == tag], tag)
+            self.client.free(blocks=canon)  # one reference per sealed block, folded or not
+            self.stats["saved_blocks"] += len(vids)
+        except KvtierError as e:
+            log.warning("kvtier: saving %d blocks failed: %s", len(vids), e)
+
+
+__all__ = ["Geometry", "WorkerSide"]

@@ -1,0 +1,87 @@
+"""Shadow caches: miniature simulations that pick, online, the model the cache ranks by.
+
+Each candidate model gets a miniature cache over a spatial sample of block ids
+(SHARDS-style: a block is in the sample iff a hash of its id falls below a
+threshold, so a sampled block's every access is seen) with the capacity scaled
+by the same rate. The miniatures run the same mechanism as the real cache
+(sampled victims, value-based admission), each ranking by its own candidate;
+the candidate whose miniature earns the most (decayed) hits is the one the real
+cache uses. Nothing here is tuned per trace: the workload in front of the cache
+chooses.
+
+Cost: the sample is sized to ``target_blocks`` residents per miniature, so the
+work per access falls as the cache grows. Residency is one bit per candidate
+per block (``member``); victims are chosen by slot position, so no reverse
+index is needed.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+_HASH = 0x9E3779B1
+
+
+class ShadowCaches:
+    def __init__(self, capacity: int, max_blocks: int, n_candidates: int, target_blocks: int = 128,
+                 samples: int = 8, seed: int = 1) -> None:
+        if not 1 <= n_candidates <= 8:
+            raise ValueError("1-8 candidates (one residency bit each)")
+        rate = min(1.0, target_blocks / max(1, capacity))
+        self.threshold = int(rate * (1 << 32))
+        self.capacity = max(4, int(round(capacity * rate)))
+        self.k = n_candidates
+        self.samples = int(samples)
+        self.slots = np.zeros((n_candidates, self.capacity), dtype=np.int64)
+        self.size = [0] * n_candidates
+        self.member = np.zeros(max_blocks, dtype=np.uint8)
+        self.hits = np.zeros(n_candidates)
+        self.rng = np.random.default_rng(seed)
+        self._pool = self.rng.integers(0, self.capacity, size=4096 * self.samples)
+        self._at = 0
+
+    def sampled(self, b: int) -> bool:
+        return (b * _HASH) & 0xFFFFFFFF < self.threshold
+
+    def access(self, b: int, values: Callable[[int, np.ndarray], np.ndarray], value_new: Callable[[int], float]) -> None:
+        """A sampled block ``b`` was accessed (after the model recorded it)."""
+        bits = int(self.member[b])
+        for k in range(self.k):
+            if bits >> k & 1:
+                self.hits[k] += 1.0
+                continue
+            n = self.size[k]
+            row = self.slots[k]
+            if n < self.capacity:
+                row[n] = b
+                self.size[k] = n + 1
+                bits |= 1 << k
+                continue
+            if self._at + self.samples > self._pool.size:
+                self._pool = self.rng.integers(0, self.capacity, size=self._pool.size)
+                self._at = 0
+            pos = self._pool[self._at: self._at + self.samples]
+            self._at += self.samples
+            cand = row[pos]
+            v = values(k, cand)
+            i = int(v.argmin())
+            if value_new(k) < v[i]:
+                continue  # not admitted
+            victim = int(cand[i])
+            self.member[victim] &= ~np.uint8(1 << k)
+            row[pos[i]] = b
+            bits |= 1 << k
+        self.member[b] = bits
+
+    def best(self, default: int) -> int:
+        """The candidate with the most hits (``default`` until any has one)."""
+        return int(self.hits.argmax()) if self.hits.max() > 0 else default
+
+    def decay(self, factor: float) -> None:
+        self.hits *= factor
+
+    def forget(self, b: int) -> None:
+        """Block id ``b`` was freed: stale slots that still name it are harmless to the estimate."""
+        self.member[b] = 0

@@ -1,0 +1,249 @@
+"""P(a block is reused within the next W accesses | its features, its age): a Beta-Bayesian model.
+
+Evidence is read off the access stream, not off this cache's hits: every access
+of a block records, for the cell the block was in at its previous access, the
+distance (in accesses) since that access. So the evidence does not depend on
+what the policy kept: no exploration quota, no self-fulfilling eviction, and
+every candidate model (below) learns from the same counts.
+
+Cells are feature class x access stage (``kvtier.predictor.classes``). Per cell
+``c`` and distance bucket ``j`` (half octaves of accesses): ``n[c, j]`` reuses
+and ``N[c]`` accesses. The tail mass ``T[c, j] = N[c] - sum_{k<j} n[c, k]``
+counts accesses whose next reuse is at distance >= edge ``j`` (never reused
+included; accesses still pending count as not yet reused, a small bias that
+the decay bounds). A block in cell ``c`` at age ``a`` (bucket ``j``) is reused
+within the next ``W`` accesses with probability ``(T[c, j] - T[c, j_W]) / T[c, j]``,
+``j_W`` the bucket of ``a + W``. Each cell's estimate is a Beta posterior whose
+prior is its parent's rate at the same age with ``prior_strength``
+pseudo-observations (hierarchical shrinkage: class x stage -> stage -> all),
+so a cell with little evidence answers with its parent's rate.
+
+A candidate model is a partition of the cells (which features it conditions
+on) and a horizon multiple (W = multiple x this cache's mean eviction age: "reused
+before this cache would forget it"). Tables for all candidates are rebuilt
+every ``refresh_every`` accesses from the same counts; counts decay with a time
+constant of ``memory_horizons`` eviction ages, so the model's memory scales with
+the cache instead of being a constant chosen on one trace.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from kvtier.predictor.classes import N_CLASSES, N_STAGES
+
+N_BUCKETS = 48  # half octaves: distances up to 2^24 accesses, beyond in the last bucket
+PENDING_SAMPLE = 4096  # block ids sampled per refresh to estimate the not-yet-reused accesses
+N_AGES = 256  # linear age buckets of the lookup tables ...
+AGE_STEPS_PER_EVICTION_AGE = 8  # ... 1/8 of the eviction age wide: they cover 32 eviction ages
+
+
+def distance_bucket(d: np.ndarray) -> np.ndarray:
+    """Bucket of distances ``d`` >= 1 (vectorised): floor(2 log2 d), capped."""
+    out = (2.0 * np.log2(np.maximum(d, 1))).astype(np.int64)
+    return np.minimum(out, N_BUCKETS - 1)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One model: which features it conditions on, and its horizon in eviction ages."""
+
+    partition: str
+    horizon_multiple: float
+
+
+N_IRR = 14  # last reuse distance in octaves (0: never reused), a per-block feature (LIRS's IRR)
+N_CELLS = N_CLASSES * N_IRR  # cell = (class * N_STAGES + stage) * N_IRR + irr
+_FINE = np.arange(N_CELLS)
+PARTITIONS: dict[str, np.ndarray] = {  # fine cell -> the partition's cell
+    "class_stage_irr": _FINE,
+    "class_stage": _FINE // N_IRR,
+    "stage_irr": (_FINE // N_IRR % N_STAGES) * N_IRR + _FINE % N_IRR,
+    "stage": _FINE // N_IRR % N_STAGES,
+    "all": np.zeros(N_CELLS, dtype=np.int64),
+}
+_SUM: dict[str, Callable[[np.ndarray], np.ndarray]] = {  # fine-cell rows -> partition-cell rows, summed
+    "class_stage_irr": lambda a: a,
+    "class_stage": lambda a: a.reshape(N_CLASSES, N_IRR, *a.shape[1:]).sum(1),
+    "stage_irr": lambda a: a.reshape(N_CLASSES // N_STAGES, N_STAGES * N_IRR, *a.shape[1:]).sum(0),
+    "stage": lambda a: a.reshape(N_CLASSES // N_STAGES, N_STAGES, N_IRR, *a.shape[1:]).sum((0, 2)),
+    "all": lambda a: a.sum(0, keepdims=True),
+}
+PARENT = {"class_stage_irr": "class_stage", "class_stage": "stage", "stage_irr": "stage", "stage": "all",
+          "all": None}
+
+# The grid the shadow caches choose from: a spread of horizons on the full features,
+# and coarser feature sets; none of it is fitted to a trace.
+DEFAULT_CANDIDATES: tuple[Candidate, ...] = (
+    Candidate("class_stage", 1.0), Candidate("class_stage", 2.0), Candidate("class_stage", 4.0),
+    Candidate("class_stage", 8.0), Candidate("stage_irr", 4.0), Candidate("class_stage_irr", 4.0),
+)
+
+
+class ReuseModel:
+    """Per-block access state and the reuse-distance counts; owner of ``last``, ``stage``, ``cell``."""
+
+    def __init__(self, max_blocks: int, candidates: tuple[Candidate, ...] = DEFAULT_CANDIDATES,
+                 prior_strength: float = 2.0, refresh_every: int = 2000, memory_horizons: float = 32.0,
+                 initial_age: float = 1024.0) -> None:
+        if not candidates:
+            raise ValueError("at least one candidate model is required")
+        for c in candidates:
+            if c.partition not in PARTITIONS or c.horizon_multiple <= 0:
+                raise ValueError(f"bad candidate {c}: partition in {sorted(PARTITIONS)}, horizon_multiple > 0")
+        self.candidates = tuple(candidates)
+        self.m = float(prior_strength)
+        self.refresh_every = int(refresh_every)
+        self.memory_horizons = float(memory_horizons)
+        self.clock = 0
+        self.last = np.zeros(max_blocks, dtype=np.int64)  # clock of the block's latest access
+        self.stage = np.zeros(max_blocks, dtype=np.uint8)  # accesses so far, saturating at N_STAGES
+        self.cell = np.zeros(max_blocks, dtype=np.int16)  # class x stage at the latest access
+        self.reuses = np.zeros((N_CELLS, N_BUCKETS))
+        self.accesses = np.zeros(N_CELLS)
+        self.eviction_age = float(initial_age)  # this cache's mean eviction age, in accesses
+        self._ev_sum, self._ev_n = 0.0, 0.0
+        self._since = 0
+        self._rng = np.random.default_rng(0)
+        # lookups use linear age buckets of a granularity that follows the eviction age (two
+        # numpy ops per lookup); the counts keep log-spaced distances (scale-free evidence)
+        self.granularity = max(1.0, self.eviction_age / AGE_STEPS_PER_EVICTION_AGE)
+        self._inv_g = 1.0 / self.granularity
+        # tables[k][cell, age bucket] = P(reused within W_k); before evidence: younger is better
+        self.tables = [np.tile(np.linspace(1.0, 0.0, N_AGES), (N_CELLS, 1)) for _ in self.candidates]
+        self.flat = [t.reshape(-1) for t in self.tables]  # the same tables, for one-gather lookups
+        self.horizons = np.ones(len(self.candidates))
+
+    # -- evidence ----------------------------------------------------------
+    def access(self, b: int, cls: int) -> bool:
+        """One access of block ``b`` with feature class ``cls`` (the per-access path: scalar work only).
+        True when the tables were rebuilt by this access."""
+        self.clock += 1
+        st = int(self.stage[b])
+        irr = 0
+        if st:
+            d = self.clock - int(self.last[b])
+            j = min(int(2.0 * math.log2(d)), N_BUCKETS - 1)
+            self.reuses[int(self.cell[b]), j] += 1.0
+            irr = min(1 + j // 2, N_IRR - 1)
+        st = min(st + 1, N_STAGES)
+        self.stage[b] = st
+        cell = (cls * N_STAGES + st - 1) * N_IRR + irr
+        self.cell[b] = cell
+        self.accesses[cell] += 1.0
+        self.last[b] = self.clock
+        self._since += 1
+        if self._since >= self.refresh_every:
+            self.refresh()
+            return True
+        return False
+
+    def evicted(self, b: int) -> None:
+        """The cache this model serves evicted ``b``: its age feeds the horizon."""
+        self._ev_sum += float(self.clock - self.last[b])
+        self._ev_n += 1.0
+
+    def reset(self, b: int) -> None:
+        """Block id ``b`` was freed: the next block with this id starts with no history."""
+        self.stage[b] = 0
+        self.cell[b] = 0
+        self.last[b] = 0
+
+    # -- tables ------------------------------------------------------------
+    def refresh(self) -> None:
+        """Rebuild every candidate's table from the decayed counts (O(cells x buckets))."""
+        self._since = 0
+        if self._ev_n >= 1.0:
+            self.eviction_age = max(1.0, self._ev_sum / self._ev_n)
+        self.granularity = max(1.0, self.eviction_age / AGE_STEPS_PER_EVICTION_AGE)
+        self._inv_g = 1.0 / self.granularity
+        tau = self.memory_horizons * self.eviction_age
+        pending = self._pending(tau)
+        hazards: dict[str, np.ndarray] = {}
+        for k, cand in enumerate(self.candidates):
+            w = max(1.0, cand.horizon_multiple * self.eviction_age)
+            self.horizons[k] = w
+            self.tables[k] = self._table(self._hazard(cand.partition, pending, hazards), w)
+            self.flat[k] = self.tables[k].reshape(-1)
+        decay = math.exp(-self.refresh_every / tau)
+        self.reuses *= decay
+        self.accesses *= decay
+        self._ev_sum *= decay
+        self._ev_n *= decay
+
+    def _pending(self, tau: float) -> np.ndarray:
+        """Accesses not yet followed by a reuse, per (cell, bucket of their age so far):
+        they are right-censored there, not evidence of no reuse. Estimated from a
+        uniform sample of block ids, so a refresh costs O(sample), not O(blocks)."""
+        n = self.last.size
+        ids = self._rng.integers(0, n, size=min(n, PENDING_SAMPLE)) if n > PENDING_SAMPLE else np.arange(n)
+        ids = ids[self.stage[ids] > 0]
+        ages = self.clock - self.last[ids]
+        weight = np.exp(-ages / tau) * (n / max(1, min(n, PENDING_SAMPLE)))  # decayed like the counts
+        flat = self.cell[ids].astype(np.int64) * N_BUCKETS + distance_bucket(ages + 1)
+        return np.bincount(flat, weights=weight, minlength=N_CELLS * N_BUCKETS).reshape(N_CELLS, N_BUCKETS)
+
+    def _hazard(self, partition: str, pending: np.ndarray, memo: dict[str, np.ndarray]) -> np.ndarray:
+        """Posterior mean hazard per (partition cell, distance bucket), indexed by fine cell:
+        reuses in the bucket over accesses still at risk there (Kaplan-Meier), each cell
+        shrunk towards its parent's hazard with ``prior_strength`` pseudo-observations."""
+        if partition in memo:
+            return memo[partition]
+        cmap = PARTITIONS[partition]
+        n_cells = int(cmap.max()) + 1
+        agg = _SUM[partition]
+        reuses, censored, total = agg(self.reuses), agg(pending), agg(self.accesses)
+        gone = np.cumsum(reuses + censored, axis=1)  # reused or censored at or before bucket j
+        at_risk = np.maximum(total[:, None] - np.concatenate((np.zeros((n_cells, 1)), gone[:, :-1]), axis=1), 0.0)
+        parent = PARENT[partition]
+        if parent is None:
+            prior, strength = np.zeros((n_cells, N_BUCKETS)), 1.0
+        else:
+            prior, strength = self._hazard(parent, pending, memo)[_first_cell_of(cmap, n_cells)], self.m
+        hazard = (strength * prior + reuses) / (strength + at_risk)
+        full = np.minimum(hazard, 1.0)[cmap]
+        memo[partition] = full
+        return full
+
+    def _table(self, hazard: np.ndarray, w: float) -> np.ndarray:
+        """P(reused within the next ``w`` accesses | fine cell, age bucket) from the hazards."""
+        log_surv = np.concatenate((np.zeros((hazard.shape[0], 1)),
+                                   np.cumsum(np.log1p(-np.minimum(hazard, 1 - 1e-12)), axis=1)), axis=1)
+        ages = np.arange(N_AGES) * self.granularity  # each lookup bucket's lower edge
+        start = distance_bucket(ages + 1)
+        end = distance_bucket(ages + 1 + w) + 1  # survival past the bucket where the window ends
+        # many age buckets share a (start, end) pair of distance buckets: compute each pair once
+        pairs, inverse = np.unique(start * (N_BUCKETS + 1) + end, return_inverse=True)
+        p = 1.0 - np.exp(log_surv[:, pairs % (N_BUCKETS + 1)] - log_surv[:, pairs // (N_BUCKETS + 1)])
+        return p[:, inverse]
+
+    # -- queries -------------------------------------------------------------
+    def values(self, k: int, blocks: np.ndarray) -> np.ndarray:
+        """Candidate ``k``'s P(reuse within its horizon) for ``blocks`` at their current age."""
+        idx = ((self.clock - self.last[blocks]) * self._inv_g).astype(np.intp)
+        np.minimum(idx, N_AGES - 1, out=idx)
+        idx += self.cell[blocks].astype(np.intp) * N_AGES
+        return self.flat[k].take(idx)
+
+    def age_buckets(self, blocks: np.ndarray) -> np.ndarray:
+        idx = ((self.clock - self.last[blocks]) * self._inv_g).astype(np.int64)
+        np.minimum(idx, N_AGES - 1, out=idx)
+        return idx
+
+    def value_new(self, k: int, b: int, cls: int) -> float:
+        """Candidate ``k``'s value of block ``b`` just accessed (age 0) in feature class ``cls``."""
+        return float(self.tables[k][int(self.cell[b]), 0])
+
+    def stats(self) -> dict:
+        return {"eviction_age_accesses": self.eviction_age}
+
+
+def _first_cell_of(cmap: np.ndarray, n_cells: int) -> np.ndarray:
+    """For each partition cell, one fine cell that maps to it (to look up its parent)."""
+    first = np.zeros(n_cells, dtype=np.int64)
+    first[cmap[::-1]] = np.arange(cmap.size)[::-1]
+    return first

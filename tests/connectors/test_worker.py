@@ -1,0 +1,99 @@
+"""The connector's worker half against a real daemon: vLLM-shaped KV tensors (no vLLM needed)
+saved to kvtier and loaded back into other blocks, byte for byte; a key collision or a
+missing block is reported for recomputation and never written into vLLM's KV."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from kvtier.bench.spawn import DaemonProcess
+from kvtier.connectors.keys import block_key
+from kvtier.connectors.vllm_scheduler import Transfer
+from kvtier.connectors.vllm_worker import Geometry, WorkerSide
+
+NB, BS, H, D, L = 16, 8, 2, 4, 3
+HS = [hashlib.sha256(f"block-{i}".encode()).digest() for i in range(6)]
+
+
+@pytest.fixture
+def worker(tmp_path):
+    torch.manual_seed(0)
+    kv = {f"model.layers.{i}.self_attn.attn": torch.randn(2, NB, BS, H, D) for i in range(L)}  # blocks on dim 1
+    geo = Geometry(kv, NB)
+    d = DaemonProcess(tmp_path, f"tiers.hbm_bytes={8 * 4096 * 2}", f"tiers.dram_bytes={4 * 4096 * 2}",
+                      f"tiers.nvme_bytes={32 * 4096 * 3}")
+    c = d.client()
+    c.register(block_bytes=geo.block_bytes, block_tokens=BS, layout={"layers": L}, namespace="m")
+    try:
+        yield kv, WorkerSide(c, geo, timeout_s=10.0), c
+    finally:
+        c.close()
+        d.stop()
+
+
+def _load(ws, kv, transfers):
+    ws.start(transfers)
+    for name in kv:
+        ws.wait_layer(name)
+    ws.finish_load()
+    return ws.take_errors()
+
+
+def test_saved_blocks_come_back_byte_for_byte_into_other_blocks(worker):
+    kv, ws, c = worker
+    orig = {n: t.clone() for n, t in kv.items()}
+    ws.save([Transfer("a", [1, 2, 3, 4, 5, 6], HS)])
+    for t in kv.values():
+        t[:, 8:14] = 0
+    assert _load(ws, kv, [Transfer("b", [8, 9, 10], HS[:3]), Transfer("c", [11, 12, 13], HS[3:])]) == set()
+    for n, t in kv.items():
+        assert torch.equal(t[:, 8:14], orig[n][:, 1:7])
+        assert torch.equal(t[:, :8], orig[n][:, :8]) and torch.equal(t[:, 14:], orig[n][:, 14:])
+    assert c.stats()["service"]["hits_hbm"] + c.stats()["service"].get("hits_dram", 0) + \
+        c.stats()["service"].get("hits_nvme", 0) >= 6
+
+
+def test_a_hash_colliding_in_64_bits_is_refused_not_served(worker):
+    kv, ws, _ = worker
+    ws.save([Transfer("a", [1], HS[:1])])
+    twin = block_key(HS[0])  # an integer hash with the very same 64-bit key, a different block
+    before = {n: t[:, 15].clone() for n, t in kv.items()}
+    assert _load(ws, kv, [Transfer("b", [15], [twin])]) == {15}
+    assert all(torch.equal(kv[n][:, 15], before[n]) for n in kv)  # nothing written
+    assert _load(ws, kv, [Transfer("c", [14], HS[:1])]) == set()  # the real owner still loads
+    assert all(torch.equal(kv[n][:, 14], kv[n][:, 1]) for n in kv)
+
+
+def test_a_block_kvtier_does_not_hold_is_reported_and_saves_of_that_request_are_skipped(worker):
+    kv, ws, c = worker
+    ws.start([Transfer("r", [3, 4], [HS[0], HS[1]])])
+    ws.finish_load()
+    assert ws.take_errors() == {3, 4}
+    ws.save([Transfer("r", [5], HS[5:])])  # computed on top of a failed load: not saved
+    ws.save([Transfer("s", [6], HS[4:5])])
+    got, _ = c.lookup([block_key(HS[5]), block_key(HS[4])])
+    assert got[0] == -1 and got[1] >= 0
+
+
+def test_a_second_model_with_its_own_geometry_shares_the_daemon(worker):
+    kv, ws, c = worker
+    small = {f"m2.layers.{i}": torch.randn(NB, 2, BS, 1, D) for i in range(2)}  # another model: blocks on dim 0
+    geo2 = Geometry(small, NB)
+    c2 = type(c)(runtime_dir=c.runtime_dir)
+    try:
+        info = c2.register(block_bytes=geo2.block_bytes, block_tokens=BS, layout={"layers": 2}, namespace="m2")
+        assert info["block_bytes"] == geo2.block_bytes < info["slot_bytes"]
+        ws2 = WorkerSide(c2, geo2, timeout_s=10.0)
+        assert not ws2.layerwise  # the daemon's parts are the first model's
+        ws.save([Transfer("a", [1], HS[:1])])
+        ws2.save([Transfer("x", [2], HS[:1])])  # the same hash in another namespace: its own block
+        orig = {n: t[2].clone() for n, t in small.items()}
+        assert _load(ws2, small, [Transfer("y", [7], HS[:1])]) == set()
+        assert all(torch.equal(small[n][7], orig[n]) for n in small)
+        assert _load(ws, kv, [Transfer("z", [9], HS[:1])]) == set()
+        assert all(torch.equal(kv[n][:, 9], kv[n][:, 1]) for n in kv)
+    finally:
+        c2.close()

@@ -1,0 +1,40 @@
+"""Calibration metrics and the pair log behind them."""
+
+import numpy as np
+import pytest
+
+from kvtier.predictor.calibration import CalibrationTracker, brier, ece
+
+
+def test_calibration_metrics():
+    p = np.array([0.1, 0.1, 0.9, 0.9])
+    y = np.array([0, 0, 1, 1])
+    assert brier(p, y) == pytest.approx(0.01)
+    assert ece(p, y) == pytest.approx(0.1)
+    t = CalibrationTracker(3)
+    t.predict(0, 0.8, now=0.0, horizon=5.0)
+    t.predict(1, 0.3, now=0.0, horizon=5.0)
+    t.access(0, 3.0)  # within horizon: outcome 1
+    t.finish(10.0)  # block 1 never came back: outcome 0
+    p, y = t.arrays()
+    assert p.tolist() == [0.8, 0.3] and y.tolist() == [1, 0]
+
+
+def test_calibration_pairs_keep_the_newest_window_in_fixed_memory():
+    t = CalibrationTracker(max_blocks=4, window=5)
+    for i in range(12):  # 12 resolved predictions, p = i / 100, outcome = i odd
+        t.predict(0, i / 100, now=float(i), horizon=0.5 if i % 2 else -1.0)
+        t.access(0, now=float(i))
+    p, y = t.arrays()
+    assert sorted(p.tolist()) == [0.07, 0.08, 0.09, 0.10, 0.11] and t.n_scored == 5
+    assert dict(zip(p.tolist(), y.tolist())) == {0.07: 1, 0.08: 0, 0.09: 1, 0.10: 0, 0.11: 1}
+    nbytes = t.pairs.p.nbytes + t.pairs.y.nbytes
+    for _ in range(1000):
+        t.predict(1, 0.5, now=0.0, horizon=1.0)
+        t.access(1, now=0.5)
+    assert t.pairs.p.nbytes + t.pairs.y.nbytes == nbytes  # a ring: nothing grows
+    u = CalibrationTracker(max_blocks=2)  # replay: every pair kept
+    for _ in range(3000):
+        u.predict(0, 0.25, now=0.0, horizon=1.0)
+        u.access(0, now=2.0)
+    assert u.n_scored == 3000 and u.arrays()[1].sum() == 0

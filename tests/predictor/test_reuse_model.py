@@ -1,0 +1,113 @@
+"""The Beta reuse model: counts read off the access stream, posteriors per cell, shrinkage, reset."""
+
+import math
+
+import numpy as np
+import pytest
+
+from kvtier.predictor.classes import N_STAGES
+from kvtier.predictor.reuse_model import N_IRR, Candidate, ReuseModel, distance_bucket
+
+
+def _cell(cls: int, stage: int, irr: int = 0) -> int:
+    return (cls * N_STAGES + stage - 1) * N_IRR + irr
+
+
+def test_counts_are_reuse_distances_of_the_cell_of_the_previous_access():
+    m = ReuseModel(8, refresh_every=10_000)
+    m.access(3, cls=1)  # clock 1: first access, cell (1, stage 1)
+    m.access(5, cls=2)  # clock 2
+    m.access(3, cls=1)  # clock 3: reuse of block 3 at distance 2, counted in its previous cell
+    first = _cell(1, 1)
+    assert m.reuses[first].tolist() == [0.0] * 2 + [1.0] + [0.0] * (m.reuses.shape[1] - 3)  # bucket(2) = 2
+    assert m.accesses[first] == 1.0 and m.accesses[_cell(2, 1)] == 1.0
+    # the second access is stage 2 and remembers its reuse distance (octave 1)
+    assert int(m.cell[3]) == _cell(1, 2, irr=1 + 2 // 2) and int(m.stage[3]) == 2
+    assert m.accesses[int(m.cell[3])] == 1.0
+
+
+def test_distance_buckets_are_half_octaves():
+    d = np.array([1, 2, 3, 4, 8, 1 << 30])
+    assert distance_bucket(d).tolist() == [0, 2, 3, 4, 6, 47]
+
+
+def test_a_class_reused_soon_is_worth_more_than_one_never_reused():
+    cands = (Candidate("class_stage", 4.0),)
+    m = ReuseModel(4000, candidates=cands, refresh_every=500, initial_age=50.0)
+    # class 0: blocks 0..9 read in a loop (distance 10); class 1: a scan of fresh blocks
+    nxt = 100
+    for _ in range(300):
+        for b in range(10):
+            m.access(b, cls=0)
+            m.access(nxt, cls=1)
+            nxt += 1
+    m.refresh()
+    loop = float(m.values(0, np.array([3]))[0])
+    scan = float(m.values(0, np.array([nxt - 1]))[0])
+    assert loop > 0.95 and scan < 0.05
+
+
+def test_a_cell_without_evidence_answers_with_its_parents_hazard():
+    """Hazard = reuses in a distance bucket / accesses still at risk there, shrunk towards
+    the parent cell (class x stage -> stage -> all) with ``prior_strength`` observations."""
+    cands = (Candidate("class_stage", 4.0),)
+    m = ReuseModel(16, candidates=cands, refresh_every=10_000, prior_strength=2.0, initial_age=8.0)
+    m.reuses[_cell(0, 1), 4] = 30.0  # class 0, stage 1: 30 of 40 reused at distance 4-5
+    m.accesses[_cell(0, 1)] = 40.0
+    m.accesses[_cell(1, 1)] = 40.0  # class 1, stage 1: 40, never reused
+    m.refresh()  # no block was accessed, so nothing is pending (censored)
+    pooled = 30.0 / (1.0 + 80.0)
+    stage1 = (2.0 * pooled + 30.0) / (2.0 + 80.0)
+    # at age 0 the window (32 accesses) covers bucket 4, the only one with a hazard
+    assert m.tables[0][_cell(0, 1), 0] == pytest.approx((2.0 * stage1 + 30.0) / 42.0)
+    assert m.tables[0][_cell(1, 1), 0] == pytest.approx((2.0 * stage1 + 0.0) / 42.0)
+    assert m.tables[0][_cell(5, 1), 0] == pytest.approx(stage1)  # never seen: its parent's rate
+    # past distance 5.6 (bucket 4) nothing is reused: an older block's window holds no reuse
+    assert m.tables[0][_cell(0, 1), 8] == pytest.approx(0.0)
+
+
+def test_accesses_not_yet_reused_are_censored_not_counted_as_never():
+    """A block accessed 3 accesses ago says nothing about reuse at distance 100."""
+    cands = (Candidate("all", 1.0),)
+    m = ReuseModel(64, candidates=cands, refresh_every=10_000, initial_age=1000.0, memory_horizons=1e9)
+    for b in range(40):  # 40 blocks each read once just now: all pending, all censored young
+        m.access(b, cls=0)
+    m.reuses[_cell(0, 1), 13] = 10.0  # and 10 earlier accesses reused at distance ~100
+    m.accesses[_cell(0, 1)] += 10.0
+    m.refresh()
+    # at risk at distance 100: the 10 old accesses only; without censoring it would be 50
+    assert m.tables[0][_cell(0, 1), 0] == pytest.approx(10.0 / 11.0)
+
+
+def test_counts_decay_with_the_eviction_age_not_a_constant():
+    m = ReuseModel(4, refresh_every=100, memory_horizons=10.0, initial_age=50.0)
+    m.accesses[:] = 1.0
+    m.refresh()
+    assert m.accesses[0] == pytest.approx(math.exp(-100 / (10.0 * 50.0)))
+
+
+def test_reset_gives_a_recycled_id_no_history():
+    m = ReuseModel(4, refresh_every=10_000)
+    m.access(2, cls=0)
+    m.access(2, cls=0)
+    m.reset(2)
+    before = m.reuses.copy()
+    m.access(2, cls=3)  # a new block with the same id: a first access, not a reuse
+    assert np.array_equal(m.reuses, before) and int(m.stage[2]) == 1 and int(m.cell[2]) == _cell(3, 1)
+
+
+def test_bad_candidates_are_refused():
+    with pytest.raises(ValueError, match="partition"):
+        ReuseModel(4, candidates=(Candidate("nope", 1.0),))
+    with pytest.raises(ValueError, match="at least one"):
+        ReuseModel(4, candidates=())
+
+
+def test_partition_sums_match_their_cell_maps():
+    from kvtier.predictor.reuse_model import _SUM, N_CELLS, PARTITIONS
+
+    a = np.random.default_rng(0).random((N_CELLS, 3))
+    for name, cmap in PARTITIONS.items():
+        expect = np.zeros((int(cmap.max()) + 1, 3))
+        np.add.at(expect, cmap, a)
+        assert np.allclose(_SUM[name](a), expect), name
