@@ -17,10 +17,11 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 
 from kvtier.bench.spawn import DaemonProcess
-from kvtier.bench.workload import Comparison, ReferenceRunner, TieredRunner, Workload, build_model
+from kvtier.bench.workload import Comparison, ReferenceRunner, TieredRunner, TurnResult, Workload, build_model
 from kvtier.client.hf_cache import KVLayout
 
 
@@ -36,6 +37,16 @@ class DemoOptions(Workload):
     workdir: Optional[str] = None
     dram: bool = True  # False: no DRAM tier, idle sessions go straight to NVMe
     io_backend: str = "posix"
+    dram_budget: Optional[float] = None  # DRAM slots as a fraction of the workload's KV (None: half of HBM's)
+    workload: str = "demo"
+
+
+# --workload presets: "node" is at least 1 GiB of KV in 512 KiB blocks, HBM and DRAM 25% each, the rest on NVMe
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "demo": {},
+    "node": dict(model="node", sessions=24, turns=3, system_tokens=512, user_tokens=512, gen_tokens=16,
+                 budget=0.25, dram_budget=0.25),
+}
 
 
 def plan_tiers(opts: DemoOptions, layout: KVLayout) -> dict[str, int]:
@@ -45,8 +56,9 @@ def plan_tiers(opts: DemoOptions, layout: KVLayout) -> dict[str, int]:
     total = math.ceil(opts.system_tokens / T) + opts.sessions * (per_session - opts.system_tokens // T)
     want = max(1, round(opts.budget * total))
     hbm = max(want, per_session + 2)
+    dram = max(2, hbm // 2) if opts.dram_budget is None else max(2, round(opts.dram_budget * total))
     return {"total_blocks": total, "hbm_blocks": hbm, "hbm_raised": int(hbm > want),
-            "dram_blocks": max(2, hbm // 2), "nvme_blocks": 2 * total + 16, "session_blocks": per_session}
+            "dram_blocks": dram, "nvme_blocks": 2 * total + 16, "session_blocks": per_session}
 
 
 def check_policy(name: str) -> None:
@@ -79,15 +91,13 @@ def run_demo(opts: DemoOptions, progress: Callable[[int, int, str], None] = lamb
     finally:
         if not keep and opts.workdir is None:
             shutil.rmtree(root, ignore_errors=True)
-    stats, cmp, ref_s, tier_s, decode_tokens = run.stats, run.cmp, run.ref_s, run.tier_s, run.decode_tokens
+    stats, cmp = run.stats, run.cmp
     svc = stats.get("service", {})
     return {
         "options": asdict(opts), "plan": plan, "block_bytes": layout.block_bytes,
+        "kv_bytes": plan["total_blocks"] * layout.block_bytes,
         "bit_exact": cmp.bit_exact, "turns_checked": cmp.turns, "steps_checked": cmp.steps,
-        "mismatched_turns": cmp.mismatched_turns, "decode_tokens": decode_tokens,
-        "tokens_per_s_untiered": decode_tokens / ref_s if ref_s else 0.0,
-        "tokens_per_s_tiered": decode_tokens / tier_s if tier_s else 0.0,
-        "ratio": (ref_s / tier_s) if tier_s else 0.0,
+        "mismatched_turns": cmp.mismatched_turns, **turn_figures(run.turns),
         "prefetch_on_time": stats.get("prefetch_on_time_ratio", 0.0), "stall_s": stats.get("acquire_stall_s_total", 0.0),
         "acquires": svc.get("acquires", 0), "tiers": stats.get("tiers", []), "paths": stats.get("paths", {}),
         "prefetch": stats.get("prefetch", {}), "remote": stats.get("remote", {"enabled": False}),
@@ -97,15 +107,44 @@ def run_demo(opts: DemoOptions, progress: Callable[[int, int, str], None] = lamb
     }
 
 
+def _sum(turns: list[tuple[TurnResult, TurnResult]], engine: int, name: str) -> float:
+    return float(sum(getattr(pair[engine], name) for pair in turns))
+
+
+def turn_figures(turns: list[tuple[TurnResult, TurnResult]]) -> dict[str, Any]:
+    """Whole-turn, prefill and decode throughput of both engines and their ratios (same
+    tokens on both sides, so a ratio of throughputs is a ratio of times), and TTFT per turn."""
+    out: dict[str, Any] = {}
+    decode = _sum(turns, 0, "decode_tokens")
+    prefill = _sum(turns, 0, "prefill_tokens")
+    whole = prefill + decode + len(turns)  # the prompt, then every token generated (the first by the prefill)
+    for i, side in enumerate(("untiered", "tiered")):
+        out[f"tokens_per_s_{side}"] = whole / max(_sum(turns, i, "total_s"), 1e-12)
+        out[f"prefill_tokens_per_s_{side}"] = prefill / max(_sum(turns, i, "prefill_s"), 1e-12)
+        out[f"decode_tokens_per_s_{side}"] = decode / max(_sum(turns, i, "forward_s"), 1e-12)
+        ttft = np.array([pair[i].ttft_s for pair in turns])
+        out[f"ttft_s_{side}"] = {"per_turn": ttft.tolist(), "p50": float(np.median(ttft)) if ttft.size else 0.0,
+                                 "max": float(ttft.max()) if ttft.size else 0.0}
+    ratio = lambda name: _sum(turns, 0, name) / max(_sum(turns, 1, name), 1e-12)
+    out |= {"ratio": ratio("total_s"), "decode_ratio": ratio("forward_s"), "prefill_ratio": ratio("prefill_s"),
+            "turn_tokens": whole, "prefill_tokens": prefill, "decode_tokens": decode,
+            "seconds": {side: {k: _sum(turns, i, k) for k in ("total_s", "prefill_s", "forward_s")}
+                        for i, side in enumerate(("untiered", "tiered"))}}
+    # what the tiered turn spends outside the two engines' shared compute: the step that costs
+    out["overhead_s"] = {k: out["seconds"]["tiered"][k] - out["seconds"]["untiered"][k]
+                         for k in ("total_s", "prefill_s", "forward_s")}
+    out["overhead_s"]["outside_forward_s"] = out["overhead_s"]["total_s"] - out["overhead_s"]["prefill_s"] - \
+        out["overhead_s"]["forward_s"]
+    return out
+
+
 @dataclass
 class _Run:
-    """What the turns produced: the comparison, forward seconds per engine, the daemon's final stats."""
+    """What the turns produced: the comparison, both engines' turn clocks, the daemon's final stats."""
 
     stats: dict[str, Any]
     cmp: Comparison
-    ref_s: float
-    tier_s: float
-    decode_tokens: int
+    turns: list[tuple[TurnResult, TurnResult]]
     runtime_dir: str
     pid: int
 
@@ -120,8 +159,7 @@ def _run(opts: DemoOptions, model: Any, layout: KVLayout, plan: dict[str, int], 
                            f'tiers.io_backend="{opts.io_backend}"', env=env)
     wl = Workload(**{f.name: getattr(opts, f.name) for f in fields(Workload)} | {"vocab": model.config.vocab_size})
     cmp = Comparison()
-    ref_s = tier_s = 0.0
-    decode_tokens = 0
+    turns: list[tuple[TurnResult, TurnResult]] = []
     client = daemon.client(engine_id="demo-engine", heartbeat_s=1.0)
     try:
         client.register(block_bytes=layout.block_bytes, block_tokens=layout.block_tokens, layout=layout.describe())
@@ -132,15 +170,16 @@ def _run(opts: DemoOptions, model: Any, layout: KVLayout, plan: dict[str, int], 
         schedule = [(s, t) for t in range(opts.turns) for s in range(opts.sessions)]
         for i, (s, t) in enumerate(schedule):
             progress(i, len(schedule), f"session {s} turn {t}")
+            t0 = time.perf_counter()
             if opts.hints and i + 1 < len(schedule):  # the engine knows its schedule: tell the daemon
                 tiered.cache(schedule[i + 1][0]).hint(deadline_s=0.05)
+            hint_s = time.perf_counter() - t0
             user = wl.user_turn(s, t)
             ref = reference.turn(s, user, opts.gen_tokens)
             got = tiered.turn(s, user, opts.gen_tokens)
+            got.total_s += hint_s  # the hint is the tiered engine's work too
             cmp.check(s, t, ref, got)
-            ref_s += ref.forward_s
-            tier_s += got.forward_s
-            decode_tokens += ref.decode_tokens
+            turns.append((ref, got))
         progress(len(schedule), len(schedule), "done")
         time.sleep(1.1)  # one stats snapshot period, so the exporter shows the end state too
         stats = client.stats()
@@ -151,7 +190,7 @@ def _run(opts: DemoOptions, model: Any, layout: KVLayout, plan: dict[str, int], 
         if not keep:
             client.close()
             daemon.stop()
-    return _Run(stats, cmp, ref_s, tier_s, decode_tokens, str(daemon.runtime_dir), daemon.proc.pid)
+    return _Run(stats, cmp, turns, str(daemon.runtime_dir), daemon.proc.pid)
 
 
 __all__ = ["DemoOptions", "check_policy", "run_demo", "plan_tiers"]

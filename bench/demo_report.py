@@ -10,7 +10,7 @@ from rich.table import Table
 
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
-    from kvtier.bench.demo import DemoOptions
+    from kvtier.bench.demo import WORKLOADS, DemoOptions
     from kvtier.bench.workload import MODEL_SIZES
 
     d = DemoOptions()
@@ -24,10 +24,18 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default=d.policy, help="placement policy of the daemon")
     p.add_argument("--no-hints", action="store_true", help="do not tell the daemon the schedule (no prefetch)")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--workload", default=d.workload, choices=sorted(WORKLOADS),
+                   help="node: >= 1 GiB of KV in 512 KiB blocks, HBM and DRAM 25%% each, the rest on NVMe "
+                        "(flags left at their defaults take the preset's values)")
 
 
 def options_from(args: argparse.Namespace):
-    from kvtier.bench.demo import DemoOptions
+    from kvtier.bench.demo import WORKLOADS, DemoOptions
+
+    d = DemoOptions()
+    for name, value in WORKLOADS[getattr(args, "workload", "demo")].items():  # a preset fills flags left at default
+        if getattr(args, name, getattr(d, name)) == getattr(d, name):
+            setattr(args, name, value)
 
     for name in ("sessions", "turns", "system_tokens", "user_tokens", "gen_tokens"):
         if getattr(args, name) < 1:
@@ -38,7 +46,8 @@ def options_from(args: argparse.Namespace):
         raise ValueError("--budget must be in (0, 1]")
     return DemoOptions(sessions=args.sessions, turns=args.turns, system_tokens=args.system_tokens,
                        user_tokens=args.user_tokens, gen_tokens=args.gen_tokens, seed=args.seed, model=args.model,
-                       budget=args.budget, hints=not args.no_hints, policy=args.policy)
+                       budget=args.budget, hints=not args.no_hints, policy=args.policy,
+                       dram_budget=getattr(args, "dram_budget", None), workload=getattr(args, "workload", "demo"))
 
 
 def run_with_progress(opts, keep: bool = False) -> dict:
@@ -59,7 +68,8 @@ def print_summary(r: dict) -> None:
     con = Console()
     plan = r["plan"]
     con.print(f"model [bold]{r['options']['model']}[/], {r['options']['sessions']} sessions x {r['options']['turns']} turns, "
-              f"{plan['total_blocks']} KV blocks of {r['block_bytes'] // 1024} KiB; HBM {plan['hbm_blocks']} blocks "
+              f"{plan['total_blocks']} KV blocks of {r['block_bytes'] // 1024} KiB ({r['kv_bytes'] / 2**20:.0f} MiB); "
+              f"HBM {plan['hbm_blocks']} blocks, DRAM {plan['dram_blocks']} "
               f"({plan['hbm_blocks'] / plan['total_blocks']:.0%} of the KV"
               + (", raised to fit one session" if plan["hbm_raised"] else "") + ")")
     t = Table(title="tiers")
@@ -80,9 +90,16 @@ def print_summary(r: dict) -> None:
     s = Table(title="run")
     s.add_column("metric")
     s.add_column("value", justify="right")
-    s.add_row("decode tokens/s untiered (DynamicCache)", f"{r['tokens_per_s_untiered']:.1f}")
-    s.add_row("decode tokens/s tiered (kvtier)", f"{r['tokens_per_s_tiered']:.1f}")
-    s.add_row("ratio tiered / untiered", f"{r['ratio']:.2f}")
+    s.add_row("whole-turn tokens/s untiered (DynamicCache) / tiered (kvtier)",
+              f"{r['tokens_per_s_untiered']:.1f} / {r['tokens_per_s_tiered']:.1f}")
+    s.add_row("prefill tokens/s untiered / tiered", f"{r['prefill_tokens_per_s_untiered']:.1f} / "
+                                                     f"{r['prefill_tokens_per_s_tiered']:.1f}")
+    s.add_row("decode tokens/s untiered / tiered", f"{r['decode_tokens_per_s_untiered']:.1f} / "
+                                                    f"{r['decode_tokens_per_s_tiered']:.1f}")
+    s.add_row("ratio tiered / untiered: whole turn (prefill, decode)",
+              f"{r['ratio']:.2f} ({r['prefill_ratio']:.2f}, {r['decode_ratio']:.2f})")
+    s.add_row("TTFT p50 untiered / tiered", f"{r['ttft_s_untiered']['p50'] * 1e3:.1f} / "
+                                             f"{r['ttft_s_tiered']['p50'] * 1e3:.1f} ms")
     s.add_row("prefetch on-time (acquires finding all blocks in HBM)", f"{r['prefetch_on_time']:.3f} of {r['acquires']}")
     s.add_row("acquire stall", f"{r['stall_s']:.3f} s")
     pf = r.get("prefetch", {})

@@ -30,6 +30,10 @@ MODEL_SIZES: dict[str, dict[str, Any]] = {
                  num_key_value_heads=2, head_dim=32, vocab_size=512),
     "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=8,
                   num_key_value_heads=2, head_dim=32, vocab_size=2048),
+    # KV-heavy for its compute (32 KiB of KV per token, 512 KiB blocks of 16 tokens): a node-scale
+    # cache of GiBs is built in minutes on a CPU, as a big model's would be on a GPU
+    "node": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
+                 num_key_value_heads=8, head_dim=64, vocab_size=2048),
 }
 
 
@@ -70,10 +74,20 @@ class Workload:
 
 @dataclass
 class TurnResult:
+    """One turn's outputs and clocks. ``forward_s`` is the decode steps' forward time;
+    ``prefill_s`` the first step's (the prompt, and for the tiered engine the acquire,
+    the allocation and the gather from the slots); ``total_s`` the whole turn, hooks
+    and the engine's RPCs around it included; ``ttft_s`` from the turn's start to its
+    first token."""
+
     tokens: list[int]
     logits: list[torch.Tensor]
     forward_s: float
     decode_tokens: int
+    prefill_s: float = 0.0
+    prefill_tokens: int = 0
+    total_s: float = 0.0
+    ttft_s: float = 0.0
 
 
 class ReferenceRunner:
@@ -97,29 +111,41 @@ class ReferenceRunner:
         return self.caches[s]
 
     def turn(self, s: int, user: torch.Tensor, gen: int) -> TurnResult:
-        return run_turn(self.model, self._cache(s), user, gen)
+        start = time.perf_counter()
+        res = run_turn(self.model, self._cache(s), user, gen)
+        res.total_s = time.perf_counter() - start  # a session's first turn copies the system prompt's cache
+        return res
 
 
 def run_turn(model: torch.nn.Module, cache: object, user: torch.Tensor, gen: int,
              before: Callable[[torch.Tensor], None] = lambda ids: None,
              after: Callable[[], None] = lambda: None) -> TurnResult:
-    """Prefill the user tokens, then decode ``gen`` tokens greedily; logits of every step."""
+    """Prefill the user tokens, then decode ``gen`` tokens greedily; logits of every step.
+    Every step is timed, the first (prefill) apart from the rest (decode)."""
     out_tokens: list[int] = []
     logits: list[torch.Tensor] = []
     ids = user
-    seconds = 0.0
+    seconds = prefill = ttft = 0.0
+    start = time.perf_counter()
     with torch.no_grad():
         for step in range(gen):
             before(ids)
             t0 = time.perf_counter()
             out = model(input_ids=ids, cache=cache, logits_to_keep=1)
-            seconds += time.perf_counter() - t0 if step else 0.0  # decode steps only
+            took = time.perf_counter() - t0
+            if step:
+                seconds += took
+            else:
+                prefill = took
             after()
             last = out.logits[:, -1]
             logits.append(last.clone())
             ids = last.argmax(-1, keepdim=True)
             out_tokens.append(int(ids))
-    return TurnResult(out_tokens, logits, seconds, gen - 1)
+            if not step:
+                ttft = time.perf_counter() - start
+    return TurnResult(out_tokens, logits, seconds, gen - 1, prefill, int(user.shape[1]),
+                      time.perf_counter() - start, ttft)
 
 
 class TieredRunner:
@@ -170,6 +196,7 @@ class TieredRunner:
         cache.feed_tokens(ids)
 
     def turn(self, s: int, user: torch.Tensor, gen: int) -> TurnResult:
+        start = time.perf_counter()
         cache = self.cache(s)
         install_recorder(self.model, self.recorder)
         try:
@@ -178,6 +205,7 @@ class TieredRunner:
         finally:
             install_recorder(self.model, None)
         cache.deactivate()
+        res.total_s = time.perf_counter() - start  # the release is part of the turn
         return res
 
     def close(self) -> None:

@@ -1,4 +1,4 @@
-"""``kvtier bench {tiers,rpc,e2e,soak,remote}``: benchmark registry."""
+"""``kvtier bench {tiers,rpc,e2e,soak,scale,vllm,remote}``: benchmark registry."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ BENCHES: dict[str, str] = {
     "rpc": "kvtier.bench.rpc",
     "e2e": "kvtier.bench.e2e",
     "soak": "kvtier.bench.soak",
+    "scale": "kvtier.bench.scale",
     "vllm": "kvtier.bench.vllm_bench",
     "remote": "kvtier.bench.remote",
 }

@@ -28,6 +28,8 @@ from kvtier.predictor.classes import block_class
 from kvtier.tiers.manager import TierManager
 from kvtier.tiers.types import DRAM, FREE, HBM, NVME, SEALED, Tier
 
+EPOCH_WRAP = (1 << 31) - 1  # logged epochs are compared for equality only: int32 suffices
+
 
 class Placement:
     def __init__(self, mgr: TierManager, policy_name: str, params: dict, clock: Callable[[], float]) -> None:
@@ -44,7 +46,7 @@ class Placement:
         self._log = np.zeros(1 << 16, dtype=np.int64)
         self._log_n = 0
         self.epoch_s = float(params.get("epoch_s", 1.0))
-        self.logged_epoch = np.full(n, -1, dtype=np.int64)
+        self.logged_epoch = np.full(n, -1, dtype=np.int32)  # epoch mod 2^31: equality is all it is read for
         self.protect_until = np.zeros(n)  # hinted blocks: not victims before their acquire is due
         self.dropped = 0
         self.demoted = 0
@@ -103,7 +105,7 @@ class Placement:
     def _log_access(self, blocks: np.ndarray) -> None:
         """Queue accesses for the policies, once per block per epoch (the predictor's
         time unit): repeated acquires of a hot block within an epoch are one event."""
-        epoch = int(self.clock() / self.epoch_s)
+        epoch = int(self.clock() / self.epoch_s) % EPOCH_WRAP
         fresh = self.logged_epoch[blocks] != epoch
         if not fresh.any():
             return

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .intrusive import NIL, IndexLists
-from .key_index import KeyIndex
+from .key_index import KeyIndex, all_distinct
 from .types import FREE, N_TIERS, OPEN, SEALED, Tier
 
 
@@ -136,9 +136,9 @@ class BlockTable:
         keys = np.asarray(keys, dtype=np.uint64)
         if n > len(self.free_blocks):
             raise ValueError(f"{n} blocks to adopt, {len(self.free_blocks)} entries free")
-        if n and (np.any(self.slot_owner[tier][slots] != NIL) or np.unique(slots).size != n):
+        if n and (np.any(self.slot_owner[tier][slots] != NIL) or not all_distinct(slots)):
             raise ValueError(f"a {Tier(tier).name} slot to adopt is taken or repeated")
-        if np.unique(keys).size != n or (n and np.any(self.keys.get_many(keys) != NIL)):
+        if not all_distinct(keys) or (n and np.any(self.keys.get_many(keys) != NIL)):
             raise ValueError("a key to adopt is repeated or already indexed")
         blocks = self.free_blocks.pop_front_n(n)
         self._init_entries(blocks)
@@ -151,8 +151,7 @@ class BlockTable:
         self.slot_owner[tier][slots] = blocks
         self.slot[tier, blocks] = slots
         self.copies[blocks] = np.uint8(1 << tier)
-        for k, b in zip(keys.tolist(), blocks.tolist()):
-            self.keys.insert(k, b)
+        self.keys.insert_many(keys, blocks, checked=True)  # distinct and absent: checked above
         self.refresh_evictable_many(blocks)
         return blocks
 
@@ -311,7 +310,7 @@ class BlockTable:
             owner = self.slot_owner[t]
             held = np.flatnonzero(self.slot[t] != NIL)
             slots = self.slot[t, held]
-            if np.unique(slots).size != slots.size:
+            if not all_distinct(slots):
                 raise RuntimeError(f"{Tier(t).name}: two blocks share a slot")
             if np.any(owner[slots] != held):
                 raise RuntimeError(f"{Tier(t).name}: slot owner does not point back")

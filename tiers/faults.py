@@ -77,6 +77,9 @@ class FaultyBackend:
 
         return gather([self.pread(handle, [buf], off) for buf, off in reads])  # faults hit single reads
 
+    def pwrite_many(self, writes: Sequence[tuple[Any, Sequence[Any], int]]) -> "Future[list[Any]]":
+        return gather([self.pwrite(h, bufs, off) for h, bufs, off in writes])  # faults hit single writes
+
     def fsync(self, handle: Any) -> None:
         self.inner.fsync(handle)
 

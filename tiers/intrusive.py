@@ -14,6 +14,8 @@ from typing import Iterator
 
 import numpy as np
 
+from .key_index import all_distinct
+
 NIL = -1
 
 
@@ -131,9 +133,14 @@ class IndexLists:
             return out
         s = self.sentinel(lst)
         e = int(self.next[s])
-        for i in range(k):
-            out[i] = e
-            e = int(self.next[e])
+        run = np.arange(e, e + k, dtype=np.int64)  # a fresh list holds its elements in id order: check that
+        if e + k <= self.capacity and bool(np.all(self.next[run[:-1]] == run[1:])):
+            out[:] = run
+            e = int(self.next[run[-1]])
+        else:
+            for i in range(k):
+                out[i] = e
+                e = int(self.next[e])
         # splice the run [out[0] .. out[k-1]] out in O(1) link updates
         self.next[s] = e
         self.prev[e] = s
@@ -148,7 +155,7 @@ class IndexLists:
         elems = np.asarray(elems, dtype=np.int64)
         if elems.size == 0:
             return
-        if np.any(self.owner[elems] != NIL) or np.unique(elems).size != elems.size:
+        if np.any(self.owner[elems] != NIL) or not all_distinct(elems):
             raise ValueError("extend_back: some elements are already linked or repeated")
         s = self.sentinel(lst)
         tail = int(self.prev[s])
@@ -164,7 +171,7 @@ class IndexLists:
         Each removed element's nearest surviving neighbours are found by pointer
         doubling over the removed set (sorted, looked up by binary search), so the
         cost is O(k log k) for k elements whatever the list length: no array of
-        the list's size is touched."""
+        the list's size is touched unless k is a sixteenth of it or more."""
         elems = np.asarray(elems, dtype=np.int64)
         if elems.size <= 4:  # a Python loop is cheaper than the vector setup
             for e in elems.tolist():
@@ -173,13 +180,32 @@ class IndexLists:
         srt = np.sort(elems)
         if np.any(srt[1:] == srt[:-1]) or np.any(self.owner[srt] == NIL):
             raise ValueError("remove_many: some elements are repeated or not linked")
+        emptied = np.bincount(self.owner[srt].astype(np.int64), minlength=self.n_lists)
+        if np.all((emptied == 0) | (emptied == self.lengths)):  # whole lists go (a restart adopting every slot)
+            for lst in np.flatnonzero(emptied).tolist():
+                s = self.sentinel(lst)
+                self.next[s] = self.prev[s] = s
+            self.lengths -= emptied
+            self.prev[srt] = self.next[srt] = self.owner[srt] = NIL
+            return
         last = srt.size - 1
         nxt = self.next[srt].astype(np.int64)
         prv = self.prev[srt].astype(np.int64)
+        # where each removed element sits in ``srt``: a binary search per lookup, or, when a
+        # large share of the lists goes at once (a restart adopting every NVMe slot), one
+        # table of the lists' size, so each doubling round is a gather, not a search
+        table = None
+        if srt.size * 16 >= self.next.size:
+            table = np.full(self.next.size, -1, dtype=np.int64)
+            table[srt] = np.arange(srt.size)
         for ptr in (nxt, prv):
             while True:  # jump over removed runs: log2(longest run) rounds
-                i = np.minimum(np.searchsorted(srt, ptr), last)
-                hit = srt[i] == ptr
+                if table is None:
+                    i = np.minimum(np.searchsorted(srt, ptr), last)
+                    hit = srt[i] == ptr
+                else:
+                    i = table[ptr]
+                    hit = i >= 0
                 if not hit.any():
                     break
                 ptr[hit] = ptr[i[hit]]

@@ -16,6 +16,18 @@ _MUL = 0x9E3779B97F4A7C15
 _M64 = (1 << 64) - 1
 
 
+def all_distinct(a: np.ndarray) -> bool:
+    """No value twice. A sort and a neighbour compare: numpy 2's hash-based ``np.unique``
+    took 1.9 s for 10^6 keys where this takes 0.1 s (a restart adopts 10^7)."""
+    if a.size < 2:
+        return True
+    a = a.reshape(-1)
+    if bool(np.all(a[1:] > a[:-1])):  # already increasing (slot and block ranges): no sort needed
+        return True
+    s = np.sort(a)
+    return not bool(np.any(s[1:] == s[:-1]))
+
+
 class KeyIndex:
     def __init__(self, max_entries: int) -> None:
         cap = 8
@@ -78,6 +90,40 @@ class KeyIndex:
         keys[slot] = key
         vals[slot] = value
         self.size += 1
+
+    def insert_many(self, keys_in: np.ndarray, values: np.ndarray, checked: bool = False) -> None:
+        """Insert new keys in one vectorised pass (a restart adopts millions at once: a
+        Python insert per key took ~5 s per 10^6). All or nothing: ValueError, with no
+        change, if a key repeats, is present already, or the table would overflow
+        (``checked``: the caller has just verified the keys are distinct and absent)."""
+        q = np.asarray(keys_in, dtype=np.uint64).reshape(-1)
+        vals = np.asarray(values, dtype=np.int64).reshape(-1)
+        if q.size != vals.size:
+            raise ValueError(f"{q.size} keys but {vals.size} values")
+        if q.size == 0:
+            return
+        if np.any(vals < 0):
+            raise ValueError("values must be >= 0")
+        if self.size + q.size > self.max_entries:
+            raise ValueError("key index is full")
+        if not checked and (not all_distinct(q) or np.any(self.get_many(q) >= 0)):
+            raise ValueError("a key to insert is repeated or already indexed")
+        with np.errstate(over="ignore"):
+            pos = ((q * np.uint64(_MUL)) >> np.uint64(self.shift)).astype(np.int64)
+        todo = np.arange(q.size)
+        while todo.size:  # each round: every key still looking claims its free position, one per position wins
+            free = np.flatnonzero(self.vals[pos[todo]] < 0)  # empty or a tombstone (the keys are absent)
+            cand = todo[free]
+            self.vals[pos[cand]] = cand  # claims: of keys sharing a position, one write stays
+            mine = self.vals[pos[cand]] == cand
+            won = cand[mine]
+            self.keys[pos[won]] = q[won]
+            self.vals[pos[won]] = vals[won]  # every claimed position has a winner: no claim is left behind
+            keep = np.ones(todo.size, dtype=bool)
+            keep[free[mine]] = False
+            todo = todo[keep]
+            pos[todo] = (pos[todo] + 1) & self.mask
+        self.size += q.size
 
     def pop(self, key: int) -> int:
         """Remove ``key``; returns its value, or -1 if absent."""

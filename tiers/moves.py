@@ -31,6 +31,7 @@ from .types import DRAM, FREE, HBM, NVME, OPEN, SEALED, Tier, parse_tier
 EventListener = Callable[[str, int, int], None]  # (kind, block, tier)
 FailureListener = Callable[[np.ndarray, int], None]  # (blocks a failed move left in tier, tier)
 log = logging.getLogger("kvtier.tiers")
+TID_WRAP = (1 << 31) - 1  # transfer ids cycle through 1 .. 2^31-1: 4 B a block, not 8
 
 
 @dataclass
@@ -82,7 +83,7 @@ class TierMoves:
         self.nvme_backoff = WriteBackoff(nvme_backoff_s, max(30.0, nvme_backoff_s))
         self.corrupt = self.table.add_column("corrupt", np.bool_)  # reset when the entry is reused
         self.io_failures = self.table.add_column("io_failures", np.uint8)
-        self.inflight = self.table.add_column("inflight_tid", np.int64)  # transfer moving the block (0: none)
+        self.inflight = self.table.add_column("inflight_tid", np.int32)  # transfer moving the block (0: none)
         self.namespace = self.table.add_column("namespace", np.uint16)  # whose block: set at alloc, never crossed
         self.hbm_slot_ns = np.zeros(hbm_slots, dtype=np.uint16)  # namespace whose bytes an HBM slot last held
         self.held_elsewhere: list[Callable[[], np.ndarray]] = []  # blocks busy with I/O outside the mover (remote)
@@ -176,7 +177,7 @@ class TierMoves:
             return 0
         dst_slots = t.assign_slots(io, d)
         assert dst_slots is not None
-        tid = next(self._tids)
+        tid = next(self._tids) % TID_WRAP + 1  # int32 in the table; a pending tid never comes round again
         layered = chunks > 1 and (s, d) == (DRAM, HBM)
         progress = np.zeros(1, dtype=np.int64) if layered else None
         xfer = Transfer(

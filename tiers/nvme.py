@@ -17,7 +17,7 @@ import os
 import struct
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ import xxhash
 from kvtier.kernels.checksum import block_checksum
 
 from .aligned import aligned_empty, is_aligned
+from .futures import Failures
 from .io_backends import IOBackend
 from .pools import ALIGN, round_up
 
@@ -207,6 +208,21 @@ class NvmeStore:
         encode_header(SlotHeader(int(key), int(length), int(checksum), int(seq),
                                  FLAG_SEALED if sealed else 0), hdr)
         return self.backend.pwrite(handle, [hdr, self._payload(data)], off)
+
+    def write_many(self, items: Sequence[tuple[int, "np.ndarray | torch.Tensor", int, int, int, bool, Optional[int]]]
+                   ) -> "Future[Failures]":
+        """``write`` of many slots (slot, data, key, length, checksum, sealed, seq) as one
+        backend call, run one after the other; each fails alone (its error, or None)."""
+        writes = []
+        for slot, data, key, length, checksum, sealed, seq in items:
+            handle, off = self._locate(slot)
+            if seq is None:
+                seq = int(self.reserve_seqs(1)[0])
+            hdr = aligned_empty(HEADER_BYTES)
+            encode_header(SlotHeader(int(key), int(length), int(checksum), int(seq),
+                                     FLAG_SEALED if sealed else 0), hdr)
+            writes.append((handle, [hdr, self._payload(data)], off))
+        return self.backend.pwrite_many(writes)
 
     def read(self, slot: int, out: "np.ndarray | torch.Tensor") -> "Future[int]":
         """Read the payload (stride bytes) into ``out``: host memory, or (kvikio) a

@@ -117,22 +117,45 @@ def _dram_to_hbm(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict) -> No
 def _write_nvme(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict,
                 source: Callable[[int], "np.ndarray | torch.Tensor"]) -> np.ndarray:
     """Write each block with its header. Open blocks have no checksum yet:
-    it is computed here from the bytes written and returned to the owner."""
+    it is computed here from the bytes written and returned to the owner.
+
+    The blocks go to the backend in as many shares as it has threads, each share one
+    call that writes its blocks one after the other: as many writes in flight as with
+    a call per block, without a future and a thread hand-off per block (on a small
+    host that Python cost 20-25% of the disk's write bandwidth)."""
     assert m.nvme is not None
-    futs = []
     sums = t.checksums.copy()
-    for i in range(t.blocks.size):
+    shares = max(1, min(t.blocks.size, int(getattr(m.nvme.backend, "threads", 8))))
+    bounds = [t.blocks.size * k // shares for k in range(shares + 1)]
+    calls = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        mine, items = [], []
+        for i in range(lo, hi):
+            try:
+                buf = source(int(t.src_slots[i]))
+                if not t.sealed[i]:
+                    sums[i] = block_checksum(buf, int(t.lengths[i]))
+                items.append((int(t.dst_slots[i]), buf, int(t.keys[i]), int(t.lengths[i]), int(sums[i]),
+                              bool(t.sealed[i]), None if t.seqs is None else int(t.seqs[i])))
+                mine.append(i)
+            except Exception as e:
+                errors[int(t.blocks[i])] = f"{type(e).__name__}: {e}"
+        if items:
+            try:
+                calls.append((mine, m.nvme.write_many(items)))
+            except Exception as e:
+                for i in mine:
+                    errors[int(t.blocks[i])] = f"{type(e).__name__}: {e}"
+    for mine, fut in calls:
         try:
-            buf = source(int(t.src_slots[i]))
-            if not t.sealed[i]:
-                sums[i] = block_checksum(buf, int(t.lengths[i]))
-            fut = m.nvme.write(int(t.dst_slots[i]), buf, int(t.keys[i]), int(t.lengths[i]), int(sums[i]),
-                               bool(t.sealed[i]), None if t.seqs is None else int(t.seqs[i]))
+            failures = fut.result()
         except Exception as e:
-            errors[int(t.blocks[i])] = f"{type(e).__name__}: {e}"
-            continue
-        futs.append((i, fut))
-    _wait_all(t, futs, ok, errors)
+            failures = [e] * len(mine)
+        for i, err in zip(mine, failures):
+            if err is None:
+                ok[i] = True
+            else:
+                errors[int(t.blocks[i])] = f"{type(err).__name__}: {err}"
     return sums
 
 

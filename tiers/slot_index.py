@@ -20,6 +20,7 @@ import numpy as np
 
 from kvtier.kernels.checksum import block_checksum
 
+from .key_index import all_distinct
 from .nvme import NvmeStore
 
 INDEX_FILE = "slots.kvx"
@@ -96,9 +97,9 @@ def _invalid(store: NvmeStore, raw: bytes) -> str:
         return "torn or corrupt"
     entries = np.frombuffer(body, dtype=ENTRY)
     slots, keys = entries["slot"], entries["key"]
-    if slots.size and (slots.min() < 0 or slots.max() >= store.n_slots or np.unique(slots).size != slots.size):
+    if slots.size and (slots.min() < 0 or slots.max() >= store.n_slots or not all_distinct(slots)):
         return "slot numbers out of range or repeated"
-    if np.unique(keys).size != keys.size:
+    if not all_distinct(keys):
         return "a key listed twice"
     return ""
 

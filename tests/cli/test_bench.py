@@ -17,13 +17,20 @@ def test_bench_tiers_writes_ratios(tmp_path):
     host = ("dram_copy", "nvme_write", "nvme_read")
     gpu = ("h2d", "d2h", "kvikio_read", "kvikio_write")
     assert set(r["ratios"]) == {*host, *gpu}
-    assert all(r["ratios"][k] > 0 for k in host) and r["metadata_bytes_per_block"] <= 256
+    assert all(r["ratios"][k] > 0 for k in host) and r["metadata_bytes_per_block"] > 0
+    assert r["metadata"]["metadata_bytes_per_block_all"] == r["metadata_bytes_per_block"]
     assert all((r["ratios"][k] is None) == (not torch.cuda.is_available()) for k in ("h2d", "d2h"))
     size = r["sizes"]["64KiB"]
-    assert size["dram_copy_vs_torch_copy"] > 0 and size["memcpy_tier_gbps"] > 0
+    by = size["ratios_by_baseline"]  # every baseline measured, the headline against the fastest
+    assert set(by) == set(host) and set(by["dram_copy"]) == {"memcpy_tier", "torch_copy_tier", "threads_copy_tier"}
+    assert set(by["nvme_write"]) == {"raw_odirect_write_tier", "raw_odirect_write_tier_qd"}
+    for k in host:
+        fastest = min(by[k], key=lambda x: sorted(size["samples_s"][x])[len(size["samples_s"][x]) // 2])
+        assert size["best_baseline"][k] == fastest and size["ratios"][k] == by[k][fastest]
+        assert r["ratios_old_baseline"][k] == size["ratios_old_baseline"][k] > 0
     samples = size["samples_s"]  # copies: --copy-rounds (3) a repetition; the rest once
-    assert len(samples["hbm_to_dram"]) == len(samples["memcpy_tier"]) == 3
-    assert len(samples["dram_to_nvme"]) == len(samples["raw_odirect_write_tier"]) == 1
+    assert len(samples["hbm_to_dram"]) == len(samples["memcpy_tier"]) == len(samples["threads_copy_tier"]) == 3
+    assert len(samples["dram_to_nvme"]) == len(samples["raw_odirect_write_tier_qd"]) == 1
 
 
 def test_bench_rpc_writes_the_issue_fields(tmp_path):

@@ -114,3 +114,15 @@ def test_remove_many_rejects_unlinked_or_repeated_and_keeps_state():
             ls.remove_many(np.array(bad))
         assert ls.to_array().tolist() == list(range(10))
     ls.check()
+
+
+def test_pop_front_n_in_id_order_and_shuffled():
+    """A fresh list (ids in order) pops as one range; a shuffled one is walked; both in list order."""
+    for order in (np.arange(50), np.random.default_rng(5).permutation(50)):
+        ls = IndexLists(50, n_lists=2)
+        ls.extend_back(order[:40], 1)
+        ls.extend_back(order[40:], 0)
+        assert ls.pop_front_n(25, 1).tolist() == order[:25].tolist()
+        assert ls.to_array(1).tolist() == order[25:40].tolist() and ls.to_array(0).tolist() == order[40:].tolist()
+        assert ls.pop_front_n(99, 1).tolist() == order[25:40].tolist() and ls.length(1) == 0
+        ls.check()

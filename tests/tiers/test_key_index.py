@@ -36,3 +36,39 @@ def test_duplicate_and_full():
     with pytest.raises(ValueError):
         idx.insert(7, 3)
     assert idx.get(5) == 1 and idx.get(6) == 2 and 7 not in idx
+
+
+def test_insert_many_matches_one_by_one_after_churn():
+    """Batch inserts (a restart's adoption) land where single inserts and pops can find them,
+    tombstones included; colliding homes within one batch all get a place."""
+    rng = np.random.default_rng(7)
+    idx = KeyIndex(3000)
+    ref: dict[int, int] = {}
+    pool = np.unique(rng.integers(0, 2**64 - 1, 7000, dtype=np.uint64))[:6000]
+    rng.shuffle(pool)
+    for k in pool[:1500].tolist():  # churn: leaves tombstones behind
+        idx.insert(k, 1)
+        ref[k] = 1
+    for k in pool[:1000].tolist():
+        assert idx.pop(k) == ref.pop(k)
+    batch = pool[1500:3500]
+    idx.insert_many(batch, np.arange(batch.size))
+    ref.update(zip(batch.tolist(), range(batch.size)))
+    q = pool
+    assert np.array_equal(idx.get_many(q), np.array([ref.get(k, -1) for k in q.tolist()]))
+    assert len(idx) == len(ref)
+    for k in batch[:50].tolist():
+        assert idx.pop(k) == ref.pop(k)
+    assert np.array_equal(idx.get_many(q), np.array([ref.get(k, -1) for k in q.tolist()]))
+
+
+def test_insert_many_refuses_without_changing_anything():
+    idx = KeyIndex(4)
+    idx.insert(5, 1)
+    before = (idx.keys.copy(), idx.vals.copy(), len(idx))
+    for keys in ([6, 6], [7, 5], [1, 2, 3, 4]):  # repeated, present, too many
+        with pytest.raises(ValueError):
+            idx.insert_many(np.array(keys, dtype=np.uint64), np.arange(len(keys)))
+        assert np.array_equal(idx.keys, before[0]) and np.array_equal(idx.vals, before[1]) and len(idx) == before[2]
+    idx.insert_many(np.array([6, 7, 8], dtype=np.uint64), np.array([2, 3, 4]))
+    assert idx.get_many(np.array([5, 6, 7, 8, 9], dtype=np.uint64)).tolist() == [1, 2, 3, 4, -1]
