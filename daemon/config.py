@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvtier.protocol.runtime import default_data_dir, default_runtime_dir
 
-from .config_sources import ConfigError, env_names, explain, layers, settings_class
+from .config_sources import ConfigError, env_names, explain, layers, redacted, settings_class
 from .remote_config import RemoteConfig
 
 HOT_SECTIONS = ("policy", "scoring", "predictor")  # reloadable without restart
@@ -227,14 +227,8 @@ def config_sources(path: "str | Path | None", environ: Optional[Mapping[str, str
     if path is not None:
         out.append(f"file {path}")
     out += [f"environment {k}" for k in env_names(os.environ if environ is None else environ)]
-    out += [f"--set {_redacted(o)}" for o in overrides]
+    out += [f"--set {redacted(o)}" for o in overrides]
     return out
-
-
-def _redacted(pair: str) -> str:
-    """A ``--set`` pair as it may be printed: a password's value never is."""
-    key, eq, _ = pair.partition("=")
-    return f"{key}=(hidden)" if eq and "password" in key.lower() and "password_env" not in key.lower() else pair
 
 
 SHIPPED_DEFAULT = "kvtier/daemon/defaults/kvtier.toml"

@@ -101,6 +101,12 @@ class Environment(EnvSettingsSource):
         return f"environment {name}" if name else "environment"
 
 
+def redacted(pair: str) -> str:
+    """A ``--set`` pair as it may be printed: a password's value never is."""
+    key, eq, _ = pair.partition("=")
+    return f"{key}=(hidden)" if eq and "password" in key.lower() and "password_env" not in key.lower() else pair
+
+
 def _scalar(text: str) -> Any:
     """A ``--set`` value as a TOML value when it is one, else a string."""
     try:
@@ -117,22 +123,22 @@ class SetFlags(InitSettingsSource):
         data: dict[str, Any] = {}
         for pair in self.pairs:
             if "=" not in pair:
-                raise ConfigError(f"--set {pair!r}: expected section.field=value")
+                raise ConfigError(f"--set {redacted(pair)!r}: expected section.field=value")
             key, value = (s.strip() for s in pair.split("=", 1))
             parts = [p for p in key.split(".") if p]
             if len(parts) < 2:
-                raise ConfigError(f"--set {pair}: {key!r} must be section.field")
+                raise ConfigError(f"--set {redacted(pair)}: {key!r} must be section.field")
             node = data
             for p in parts[:-1]:
                 node = node.setdefault(p, {})
                 if not isinstance(node, dict):
-                    raise ConfigError(f"--set {pair}: {key!r} is not a table")
+                    raise ConfigError(f"--set {redacted(pair)}: {key!r} is not a table")
             node[parts[-1]] = _scalar(value)
         super().__init__(settings_cls, data)
 
     def where(self, loc: Sequence[str]) -> str:
         pair = next((p for p in reversed(self.pairs) if _overlaps(p.split("=", 1)[0].strip().split("."), loc)), None)
-        return f"--set {pair}" if pair else "--set"
+        return f"--set {redacted(pair)}" if pair else "--set"
 
 
 def layers(settings_cls: type[BaseSettings], files: Sequence[tuple["str | Path", str]],

@@ -48,3 +48,14 @@ def test_errors_name_the_variable_or_flag_that_set_the_key(env, overrides, line)
     with pytest.raises(ConfigError) as e:
         load_config(environ=env, overrides=overrides)
     assert line in str(e.value)
+
+
+def test_a_password_given_with_set_is_never_printed_in_an_error():
+    from kvtier.daemon.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(environ={}, overrides=["tiers.remote.password=hunter2", "tiers.remote.timeout_s=-1"])
+    assert "hunter2" not in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config(environ={}, overrides=["tiers.remote.password.x=hunter2"])
+    assert "hunter2" not in str(e.value)
