@@ -79,8 +79,10 @@ class CalibrationTracker:
 
     def __init__(self, max_blocks: int, n_bins: int = 10, window: Optional[int] = None) -> None:
         self.n_bins = n_bins
-        self.pred = np.full(max_blocks, np.nan)
-        self.deadline = np.zeros(max_blocks)
+        # float32: a probability needs no more, and a deadline in accesses is exact to 2^24 and
+        # within 1e-7 of itself beyond (a calibration deadline, not a correctness one): 8 B a block
+        self.pred = np.full(max_blocks, np.nan, dtype=np.float32)
+        self.deadline = np.zeros(max_blocks, dtype=np.float32)
         # a long-running daemon keeps the newest ``window`` pairs; replay keeps all
         self.pairs = PairLog(window)
 

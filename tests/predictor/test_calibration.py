@@ -6,6 +6,10 @@ import pytest
 from kvtier.predictor.calibration import CalibrationTracker, brier, ece
 
 
+def _f32(xs: list) -> list:
+    return np.asarray(xs, dtype=np.float32).astype(np.float64).tolist()
+
+
 def test_calibration_metrics():
     p = np.array([0.1, 0.1, 0.9, 0.9])
     y = np.array([0, 0, 1, 1])
@@ -17,7 +21,7 @@ def test_calibration_metrics():
     t.access(0, 3.0)  # within horizon: outcome 1
     t.finish(10.0)  # block 1 never came back: outcome 0
     p, y = t.arrays()
-    assert p.tolist() == [0.8, 0.3] and y.tolist() == [1, 0]
+    assert p.tolist() == _f32([0.8, 0.3]) and y.tolist() == [1, 0]  # predictions are kept as float32
 
 
 def test_calibration_pairs_keep_the_newest_window_in_fixed_memory():
@@ -26,8 +30,8 @@ def test_calibration_pairs_keep_the_newest_window_in_fixed_memory():
         t.predict(0, i / 100, now=float(i), horizon=0.5 if i % 2 else -1.0)
         t.access(0, now=float(i))
     p, y = t.arrays()
-    assert sorted(p.tolist()) == [0.07, 0.08, 0.09, 0.10, 0.11] and t.n_scored == 5
-    assert dict(zip(p.tolist(), y.tolist())) == {0.07: 1, 0.08: 0, 0.09: 1, 0.10: 0, 0.11: 1}
+    assert sorted(p.tolist()) == _f32([0.07, 0.08, 0.09, 0.10, 0.11]) and t.n_scored == 5
+    assert dict(zip(p.tolist(), y.tolist())) == dict(zip(_f32([0.07, 0.08, 0.09, 0.10, 0.11]), [1, 0, 1, 0, 1]))
     nbytes = t.pairs.p.nbytes + t.pairs.y.nbytes
     for _ in range(1000):
         t.predict(1, 0.5, now=0.0, horizon=1.0)
