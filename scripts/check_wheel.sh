@@ -30,6 +30,14 @@ fi
 if (cd "$work" && "$py" -c "import build.__main__") 2>/dev/null; then
     echo "== build sdist"
     "$py" -m build -q --sdist --outdir "$work/dist" "$root"
+    echo "== wheel from the sdist: the same files as the wheel built from the tree"
+    "$py" -m pip wheel -q --no-deps -w "$work/from-sdist" "$work"/dist/kvtier-*.tar.gz >>"$work/build.log" 2>&1 \
+        || { cat "$work/build.log" >&2; echo "check_wheel: the sdist does not build a wheel" >&2; exit 1; }
+    list() { "$py" -c "import sys, zipfile; print('\n'.join(sorted(n for n in zipfile.ZipFile(sys.argv[1]).namelist() if '.dist-info/' not in n)))" "$1"; }
+    if ! diff <(list "$(ls "$work"/dist/kvtier-*.whl)") <(list "$(ls "$work"/from-sdist/kvtier-*.whl)") >&2; then
+        echo "check_wheel: the sdist is missing files the wheel has (above)" >&2; exit 1
+    fi
+    echo "sdist ok: $(basename "$(ls "$work"/dist/kvtier-*.tar.gz)")"
 else
     echo "== no sdist: the 'build' package is not installed"
 fi

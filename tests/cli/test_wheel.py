@@ -21,3 +21,5 @@ def test_wheel_installs_and_serves():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "GET http://127.0.0.1:" in r.stdout and "/healthz: 200" in r.stdout
     assert "check_wheel: OK" in r.stdout
+    if "== no sdist" not in r.stdout:  # with `build` (the test extra) the sdist is checked too
+        assert "sdist ok: kvtier-" in r.stdout
