@@ -47,6 +47,18 @@ def list_victims(lists: IndexLists, lst: int, n: int, eligible: Optional[Eligibl
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 
+def swap_remove(slots: np.ndarray, where: np.ndarray, size: int, b: int) -> int:
+    """Remove ``b`` from a dense resident array ``slots[:size]`` with reverse index ``where``
+    in O(1) (the last resident takes its place); returns the new size. Sampled-eviction
+    policies keep residents so, for O(1) uniform sampling."""
+    i = int(where[b])
+    last = int(slots[size - 1])
+    slots[i] = last
+    where[last] = i
+    where[b] = -1
+    return size - 1
+
+
 class Policy:
     """Hooks called by the cache mechanism for every access.
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvtier.policy import register_policy
-from kvtier.policy.base import Policy
+from kvtier.policy.base import Policy, swap_remove
 
 HIT_AGE_CLASSES = 16
 MAX_AGE = 20000
@@ -111,12 +111,7 @@ class LHDPolicy(Policy):
         return v
 
     def _unlink(self, b: int) -> None:
-        i = int(self.where[b])
-        last = int(self.slots[self.size - 1])
-        self.slots[i] = last
-        self.where[last] = i
-        self.where[b] = -1
-        self.size -= 1
+        self.size = swap_remove(self.slots, self.where, self.size, b)
 
     def remove(self, b: int) -> None:
         self._unlink(b)

@@ -30,7 +30,7 @@ from typing import Optional
 import numpy as np
 
 from kvtier.policy import register_policy
-from kvtier.policy.base import Eligible, Policy, budget
+from kvtier.policy.base import Eligible, Policy, budget, swap_remove
 from kvtier.policy.shadow import ShadowCaches
 from kvtier.predictor.calibration import CalibrationTracker
 from kvtier.predictor.classes import N_STAGES
@@ -152,12 +152,7 @@ class ValuePolicy(Policy):
         self.size += 1
 
     def _unlink(self, b: int) -> None:
-        i = int(self.where[b])
-        last = int(self.slots[self.size - 1])
-        self.slots[i] = last
-        self.where[last] = i
-        self.where[b] = -1
-        self.size -= 1
+        self.size = swap_remove(self.slots, self.where, self.size, b)
 
     def remove(self, b: int) -> None:
         self._unlink(b)
