@@ -171,32 +171,24 @@ class PosixBackend:
     def pread_many(self, handle: PosixHandle, reads: Sequence[tuple[Buffer, int]]) -> "Future[Failures]":
         """Many small reads (a restart's slot headers) as one pool task: a future per
         4 KiB read costs as much Python as the read itself. Each read fails alone."""
-        jobs = [(self._views([buf]), off) for buf, off in reads]
-
-        def run() -> Failures:
-            out: Failures = []
-            for views, off in jobs:
-                try:
-                    self._loop(os.preadv, handle, views, off, "read")
-                    out.append(None)
-                except (OSError, TierError) as e:
-                    out.append(e)
-            return out
-
-        return self._pool.submit(run)
+        return self._each(os.preadv, [(handle, self._views([buf]), off) for buf, off in reads], "read")
 
     def pwrite_many(self, writes: Sequence[tuple[PosixHandle, Sequence[Buffer], int]]) -> "Future[Failures]":
         """Many block writes (handle, buffers, offset) as one pool task, one after the other,
         each failing alone. The mover gives each pool thread one such share of a batch: a
         future and a hand-off per block cost as much Python as a 256 KiB write, and on a
         small host that Python competes with the I/O threads for the cores."""
-        jobs = [(h, self._views(bufs), off) for h, bufs, off in writes]
+        return self._each(os.pwritev, [(h, self._views(bufs), off) for h, bufs, off in writes], "write")
+
+    def _each(self, op: Callable[..., int], jobs: list[tuple[PosixHandle, list[memoryview], int]],
+              kind: str) -> "Future[Failures]":
+        """Jobs (handle, views, offset) as one pool task, one after the other, each failing alone."""
 
         def run() -> Failures:
             out: Failures = []
             for h, views, off in jobs:
                 try:
-                    self._loop(os.pwritev, h, views, off, "write")
+                    self._loop(op, h, views, off, kind)
                     out.append(None)
                 except (OSError, TierError) as e:
                     out.append(e)

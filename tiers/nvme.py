@@ -17,7 +17,7 @@ import os
 import struct
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -201,28 +201,24 @@ class NvmeStore:
               checksum: int, sealed: bool, seq: Optional[int] = None) -> "Future[int]":
         """Write header + payload of one slot in one vectored I/O (``seq``: from
         ``reserve_seqs``; a direct caller without one takes the next)."""
+        return self.backend.pwrite(*self._write_job(slot, data, key, length, checksum, sealed, seq))
+
+    def _write_job(self, slot: int, data: "np.ndarray | torch.Tensor", key: int, length: int, checksum: int,
+                   sealed: bool, seq: Optional[int]) -> tuple[Any, list[Any], int]:
+        """(handle, [header, payload], offset) of one slot's write."""
         handle, off = self._locate(slot)
         if seq is None:
             seq = int(self.reserve_seqs(1)[0])
         hdr = aligned_empty(HEADER_BYTES)
         encode_header(SlotHeader(int(key), int(length), int(checksum), int(seq),
                                  FLAG_SEALED if sealed else 0), hdr)
-        return self.backend.pwrite(handle, [hdr, self._payload(data)], off)
+        return handle, [hdr, self._payload(data)], off
 
     def write_many(self, items: Sequence[tuple[int, "np.ndarray | torch.Tensor", int, int, int, bool, Optional[int]]]
                    ) -> "Future[Failures]":
         """``write`` of many slots (slot, data, key, length, checksum, sealed, seq) as one
         backend call, run one after the other; each fails alone (its error, or None)."""
-        writes = []
-        for slot, data, key, length, checksum, sealed, seq in items:
-            handle, off = self._locate(slot)
-            if seq is None:
-                seq = int(self.reserve_seqs(1)[0])
-            hdr = aligned_empty(HEADER_BYTES)
-            encode_header(SlotHeader(int(key), int(length), int(checksum), int(seq),
-                                     FLAG_SEALED if sealed else 0), hdr)
-            writes.append((handle, [hdr, self._payload(data)], off))
-        return self.backend.pwrite_many(writes)
+        return self.backend.pwrite_many([self._write_job(*item) for item in items])
 
     def read(self, slot: int, out: "np.ndarray | torch.Tensor") -> "Future[int]":
         """Read the payload (stride bytes) into ``out``: host memory, or (kvikio) a
