@@ -8,8 +8,11 @@ value(b) = P(b is reused within W | its features, its age) x weight(b)
 * W, the horizon, is a multiple of this cache's own mean eviction age: "reused
   before this cache would forget it". All slots cost the same time W, so the
   probability is the expected hits per slot over the horizon.
-* weight(b) is set by the daemon: attention importance times the cost of
-  bringing the block back from where it would go (``set_weights``); 1 in replay.
+* weight(b) is set by the daemon: the block's attention importance
+  (``set_weights``); 1 in replay. A restore-cost factor is not applied: within
+  one tier and one block geometry every victim comes back the same way, so it
+  could not change a decision; with engines of mixed geometry it could, and is
+  not modelled yet.
 
 Which features to condition on and which multiple of the eviction age to use
 are chosen online by shadow caches (``kvtier.policy.shadow``): the workload in
@@ -56,7 +59,7 @@ class ValuePolicy(Policy):
         self.active = self.default_candidate
         self.samples = int(samples)
         self.admission = admission
-        self.weight = np.ones(max_blocks, dtype=np.float32)  # importance x restore cost (the daemon's)
+        self.weight = np.ones(max_blocks, dtype=np.float32)  # importance (the daemon's)
         self._weighted = False
         self.slots = np.zeros(capacity, dtype=np.int64)  # dense resident list
         self.where = np.full(max_blocks, -1, dtype=np.int32)
