@@ -46,8 +46,10 @@ class PairLog:
     def __init__(self, window: Optional[int] = None) -> None:
         self.window = window
         cap = int(window) if window else 1024
-        self.p = np.empty(cap, dtype=np.float64)
-        self.y = np.empty(cap, dtype=np.uint8)
+        # written now (np.full, not empty/zeros): the OS maps untouched pages lazily, and a ring
+        # filling up over minutes reads as a growing RSS in a soak, though its size is fixed
+        self.p = np.full(cap, 0.0, dtype=np.float64)
+        self.y = np.full(cap, 0, dtype=np.uint8)
         self.n = 0  # pairs held
         self.head = 0  # ring: next write position
 
