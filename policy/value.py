@@ -78,10 +78,6 @@ class ValuePolicy(Policy):
             v = v * self.weight[blocks]
         return v
 
-    def _new_value(self, b: int) -> float:
-        v = float(self.model.tables[self.active][int(self.model.cell[b]), 0])
-        return v * float(self.weight[b]) if self._weighted else v
-
     def _scored(self, b: int) -> bool:
         return self.calib is not None and not ((b * _HASH) >> 7) % self.calibration_sample
 
@@ -98,10 +94,8 @@ class ValuePolicy(Policy):
         if model.access(b, cls):
             self.active = self.shadows.best(self.default_candidate)
             self.shadows.decay(0.9)
-        shadows = self.shadows
-        if (b * _HASH) & 0xFFFFFFFF < shadows.threshold:
-            tables, cell = model.tables, int(model.cell[b])
-            shadows.access(b, model.values, lambda k: float(tables[k][cell, 0]))
+        if self.shadows.sampled(b):
+            self.shadows.access(b, model.values, lambda k: model.value_just_accessed(k, b))
 
     def on_hit(self, b: int, now: float, cls: int, next_use: int) -> None:
         pass  # the model recorded the access in ``observe``
@@ -128,9 +122,10 @@ class ValuePolicy(Policy):
             return True
         victim, v_value = self._find_victim()
         self._victim = victim
-        mine = self._new_value(b)
+        p = self.model.value_just_accessed(self.active, b)
+        mine = p * float(self.weight[b]) if self._weighted else p
         if self._scored(b):
-            self._predict(b, float(self.model.tables[self.active][int(self.model.cell[b]), 0]))
+            self._predict(b, p)
         if not self.admission or mine >= v_value:
             return True
         self._victim = -1

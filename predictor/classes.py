@@ -20,16 +20,9 @@ class online.
 
 from __future__ import annotations
 
-import numpy as np
-
 N_FEATURE_CLASSES = 16
 N_STAGES = 4
 N_CLASSES = N_FEATURE_CLASSES * N_STAGES
-
-
-def stage_class(feature_class: "int | np.ndarray", accesses: "int | np.ndarray") -> "int | np.ndarray":
-    """Prior class of a block after its ``accesses``-th access (1-based); elementwise on arrays."""
-    return feature_class * N_STAGES + np.clip(accesses, 1, N_STAGES) - 1
 
 
 def span_bucket(new_blocks: int) -> int:

@@ -224,9 +224,8 @@ class ReuseModel:
     # -- queries -------------------------------------------------------------
     def values(self, k: int, blocks: np.ndarray) -> np.ndarray:
         """Candidate ``k``'s P(reuse within its horizon) for ``blocks`` at their current age."""
-        idx = ((self.clock - self.last[blocks]) * self._inv_g).astype(np.intp)
-        np.minimum(idx, N_AGES - 1, out=idx)
-        idx += self.cell[blocks].astype(np.intp) * N_AGES
+        idx = self.age_buckets(blocks)
+        idx += self.cell[blocks].astype(np.int64) * N_AGES
         return self.flat[k].take(idx)
 
     def age_buckets(self, blocks: np.ndarray) -> np.ndarray:
@@ -234,12 +233,9 @@ class ReuseModel:
         np.minimum(idx, N_AGES - 1, out=idx)
         return idx
 
-    def value_new(self, k: int, b: int, cls: int) -> float:
-        """Candidate ``k``'s value of block ``b`` just accessed (age 0) in feature class ``cls``."""
+    def value_just_accessed(self, k: int, b: int) -> float:
+        """Candidate ``k``'s value of block ``b`` at age 0, in the cell its latest access put it in."""
         return float(self.tables[k][int(self.cell[b]), 0])
-
-    def stats(self) -> dict:
-        return {"eviction_age_accesses": self.eviction_age}
 
 
 def _first_cell_of(cmap: np.ndarray, n_cells: int) -> np.ndarray:
