@@ -7,11 +7,13 @@ Faults: a shard killed mid-run, a corrupt value, a wrong password.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -47,6 +49,21 @@ def node(tmp_path, name, cluster, layout, fleet, password=PW, **extra):
             "tiers.remote.connect_timeout_s=0.5", "tiers.remote.lookup_timeout_s=5.0",
             *[f"tiers.remote.{k}={v}" for k, v in extra.items()]]
     return DaemonProcess(tmp_path / name, *sets, env={"KVTIER_REMOTE_PASSWORD": password})
+
+
+@contextlib.contextmanager
+def two_nodes(tmp_path, cluster, layout, fleet) -> Iterator[tuple[Any, Any, DaemonProcess, DaemonProcess]]:
+    """Nodes A and B on one fleet namespace, an engine registered on each; both must stop cleanly."""
+    a, b = node(tmp_path, "a", cluster, layout, fleet), node(tmp_path, "b", cluster, layout, fleet)
+    try:
+        ca, cb = a.client(engine_id="a"), b.client(engine_id="b")
+        for c in (ca, cb):
+            c.register(block_bytes=layout.block_bytes, block_tokens=T, layout=layout.describe())
+        yield ca, cb, a, b
+        for c in (ca, cb):
+            c.close()
+    finally:
+        assert a.stop() == 0 and b.stop() == 0
 
 
 def prefix_keys(tokens: list[int]) -> list[int]:
@@ -115,12 +132,7 @@ def tokens(seed, n):
 def test_prefix_from_node_a_is_served_on_node_b_bit_exact(model, redis_cluster, tmp_path):
     layout = KVLayout.from_config(model.config, T)
     system, user = tokens(1, 5 * T), tokens(2, 9)
-    a = node(tmp_path, "a", redis_cluster, layout, "fleet-1")
-    b = node(tmp_path, "b", redis_cluster, layout, "fleet-1")
-    try:
-        ca, cb = a.client(engine_id="a"), b.client(engine_id="b")
-        for c in (ca, cb):
-            c.register(block_bytes=layout.block_bytes, block_tokens=T, layout=layout.describe())
+    with two_nodes(tmp_path, redis_cluster, layout, "fleet-1") as (ca, cb, a, b):
         keys, ref = publish_on_a(model, ca, layout, system, user)
         res, recomputed = tiered_turn(model, cb, layout, keys, system, user)
         assert not recomputed and same(res, ref)  # B never ran the system prompt: its KV came from A
@@ -132,21 +144,12 @@ def test_prefix_from_node_a_is_served_on_node_b_bit_exact(model, redis_cluster, 
         assert out.returncode == 0 and "remote (ok)" in out.stdout and f"hits {len(keys)}  misses 0" in out.stdout
         cb.check()
         ca.check()
-        for c in (ca, cb):
-            c.close()
-    finally:
-        assert a.stop() == 0 and b.stop() == 0
 
 
 def test_a_killed_shard_degrades_then_recovers(model, redis_cluster, tmp_path):
     layout = KVLayout.from_config(model.config, T)
     system, user = tokens(3, 6 * T), tokens(4, 7)
-    a = node(tmp_path, "a", redis_cluster, layout, "fleet-2")
-    b = node(tmp_path, "b", redis_cluster, layout, "fleet-2")
-    try:
-        ca, cb = a.client(engine_id="a"), b.client(engine_id="b")
-        for c in (ca, cb):
-            c.register(block_bytes=layout.block_bytes, block_tokens=T, layout=layout.describe())
+    with two_nodes(tmp_path, redis_cluster, layout, "fleet-2") as (ca, cb, a, b):
         keys, ref = publish_on_a(model, ca, layout, system, user)
         shard = redis_cluster.shard_of(value_name(namespace_tag("fleet-2", ""), keys[0]))
         redis_cluster.kill(shard)  # the shard holding the prefix's first block
@@ -173,10 +176,6 @@ def test_a_killed_shard_degrades_then_recovers(model, redis_cluster, tmp_path):
             time.sleep(0.2)
         assert not recomputed and cb.stats()["remote"]["state"] == "ok"
         cb.check()
-        for c in (ca, cb):
-            c.close()
-    finally:
-        assert a.stop() == 0 and b.stop() == 0
 
 
 def test_a_corrupt_value_is_refused_deleted_and_recomputed(model, redis_cluster, tmp_path):
@@ -184,12 +183,7 @@ def test_a_corrupt_value_is_refused_deleted_and_recomputed(model, redis_cluster,
 
     layout = KVLayout.from_config(model.config, T)
     system, user = tokens(5, 3 * T), tokens(6, 5)
-    a = node(tmp_path, "a", redis_cluster, layout, "fleet-3")
-    b = node(tmp_path, "b", redis_cluster, layout, "fleet-3")
-    try:
-        ca, cb = a.client(engine_id="a"), b.client(engine_id="b")
-        for c in (ca, cb):
-            c.register(block_bytes=layout.block_bytes, block_tokens=T, layout=layout.describe())
+    with two_nodes(tmp_path, redis_cluster, layout, "fleet-3") as (ca, cb, a, b):
         keys, ref = publish_on_a(model, ca, layout, system, user)
         rc = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", p) for p in redis_cluster.ports], password=PW)
         name = value_name(namespace_tag("fleet-3", ""), keys[1], 0)  # its payload
@@ -203,10 +197,6 @@ def test_a_corrupt_value_is_refused_deleted_and_recomputed(model, redis_cluster,
         assert rc.exists(name) == 0  # deleted from the cluster
         rc.close()
         cb.check()
-        for c in (ca, cb):
-            c.close()
-    finally:
-        assert a.stop() == 0 and b.stop() == 0
 
 
 def test_wrong_password_is_a_clear_error_at_start(model, redis_cluster, tmp_path):
