@@ -44,6 +44,24 @@ def _rss_kb(pid: int) -> int:
     return 0
 
 
+def _rss_by_kind_kb(pid: int) -> dict[str, int]:
+    """Resident KB by mapping kind (heap, anonymous, shared memory, files): which
+    kind grows says whether a slope is Python objects, allocator arenas or pool pages."""
+    kinds: dict[str, int] = {}
+    kind = "anon"
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=6)
+            if "-" in head[0] and len(head) >= 5:  # a mapping's first line: range perms offset dev inode [path]
+                path = head[5].strip() if len(head) > 5 else ""
+                kind = ("shm" if path.startswith("/dev/shm") else "heap" if path == "[heap]"
+                        else "anon" if not path or path.startswith("[anon") else "stack" if "stack" in path
+                        else "file")
+            elif head[0] == "Rss:":
+                kinds[kind] = kinds.get(kind, 0) + int(head[1])
+    return kinds
+
+
 def _slope_kb_per_s(samples: list[tuple[float, int]], skip_s: float) -> float:
     pts = [(t, r) for t, r in samples if t >= skip_s]
     if len(pts) < 3:
@@ -68,6 +86,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                       f'tiers.io_backend="{"faulty" if args.faults else "auto"}"', "server.heartbeat_timeout_s=30",
                       env=env)
     samples: list[tuple[float, int]] = []
+    by_kind: list[tuple[float, dict[str, int]]] = []
     try:
         procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(d.runtime_dir), str(i), str(seconds),
                                    str(args.seed)], stdout=subprocess.PIPE, text=True)
@@ -77,6 +96,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             while any(p.poll() is None for p in procs):
                 now = time.monotonic() - t0
                 samples.append((now, _rss_kb(d.proc.pid)))
+                if len(samples) % 10 == 1:
+                    by_kind.append((now, _rss_by_kind_kb(d.proc.pid)))
                 status.update(f"soak: {now:.0f}/{seconds:.0f} s, daemon RSS {samples[-1][1] / 1024:.1f} MiB")
                 time.sleep(1.0)
         results = []
@@ -101,6 +122,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "verified_blocks": total["verified_blocks"], "engines_crashed": crashed, "daemon_exit_code": rc,
         "rss_slope_kb_per_s": slope, "rss_skip_s": skip, "rss_kb_first": samples[0][1] if samples else 0,
         "rss_kb_last": samples[-1][1] if samples else 0, "rss_samples": samples,
+        "rss_by_kind_kb": by_kind,
         "daemon_errors": {k: v for k, v in stats.get("paths", {}).items() if v.get("errors")},
         "per_engine": results,
         "targets": {"mismatches": 0, "lost_live_blocks": 0, "rss_slope_kb_per_s_max": 1.0},

@@ -43,7 +43,9 @@ class DaemonProcess:
                 except json.JSONDecodeError:
                     pass
             time.sleep(0.02)
-        raise TimeoutError(f"daemon did not start: {self.read_log()}")
+        log = self.read_log()
+        self.stop(timeout=5.0)  # never leave a half-started daemon running behind a failed bench
+        raise TimeoutError(f"daemon did not start within {timeout:g} s: {log}")
 
     def read_log(self) -> str:
         if not self.log.closed:

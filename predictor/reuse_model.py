@@ -167,8 +167,7 @@ class ReuseModel:
         for k, cand in enumerate(self.candidates):
             w = max(1.0, cand.horizon_multiple * self.eviction_age)
             self.horizons[k] = w
-            self.tables[k] = self._table(self._hazard(cand.partition, pending, hazards), w)
-            self.flat[k] = self.tables[k].reshape(-1)
+            self._table(self._hazard(cand.partition, pending, hazards), w, out=self.tables[k])
         decay = math.exp(-self.refresh_every / tau)
         self.reuses *= decay
         self.accesses *= decay
@@ -209,8 +208,10 @@ class ReuseModel:
         memo[partition] = full
         return full
 
-    def _table(self, hazard: np.ndarray, w: float) -> np.ndarray:
-        """P(reused within the next ``w`` accesses | fine cell, age bucket) from the hazards."""
+    def _table(self, hazard: np.ndarray, w: float, out: np.ndarray) -> None:
+        """P(reused within the next ``w`` accesses | fine cell, age bucket) from the hazards,
+        written into ``out`` in place: a refresh reallocating every table churned tens of MB
+        through the allocator each time, which showed as a slowly rising daemon RSS."""
         log_surv = np.concatenate((np.zeros((hazard.shape[0], 1)),
                                    np.cumsum(np.log1p(-np.minimum(hazard, 1 - 1e-12)), axis=1)), axis=1)
         ages = np.arange(N_AGES) * self.granularity  # each lookup bucket's lower edge
@@ -219,7 +220,7 @@ class ReuseModel:
         # many age buckets share a (start, end) pair of distance buckets: compute each pair once
         pairs, inverse = np.unique(start * (N_BUCKETS + 1) + end, return_inverse=True)
         p = 1.0 - np.exp(log_surv[:, pairs % (N_BUCKETS + 1)] - log_surv[:, pairs // (N_BUCKETS + 1)])
-        return p[:, inverse]
+        np.take(p, inverse.reshape(-1), axis=1, out=out)
 
     # -- queries -------------------------------------------------------------
     def values(self, k: int, blocks: np.ndarray) -> np.ndarray:
