@@ -45,34 +45,44 @@ class ShadowCaches:
     def sampled(self, b: int) -> bool:
         return (b * _HASH) & 0xFFFFFFFF < self.threshold
 
-    def access(self, b: int, values: Callable[[int, np.ndarray], np.ndarray], value_new: Callable[[int], float]) -> None:
-        """A sampled block ``b`` was accessed (after the model recorded it)."""
+    def access(self, b: int, values_rows: Callable[[np.ndarray, np.ndarray], np.ndarray],
+               values_new: Callable[[np.ndarray, int], np.ndarray]) -> None:
+        """A sampled block ``b`` was accessed (after the model recorded it). Every
+        candidate that must evict for it draws its sample, then all are valued in one
+        gather (``values_rows``: candidates x sampled blocks)."""
         bits = int(self.member[b])
+        full: list[int] = []
+        draws: list[np.ndarray] = []
         for k in range(self.k):
             if bits >> k & 1:
                 self.hits[k] += 1.0
                 continue
             n = self.size[k]
-            row = self.slots[k]
             if n < self.capacity:
-                row[n] = b
+                self.slots[k, n] = b
                 self.size[k] = n + 1
                 bits |= 1 << k
                 continue
             if self._at + self.samples > self._pool.size:
                 self._pool = self.rng.integers(0, self.capacity, size=self._pool.size)
                 self._at = 0
-            pos = self._pool[self._at: self._at + self.samples]
+            draws.append(self._pool[self._at: self._at + self.samples])
             self._at += self.samples
-            cand = row[pos]
-            v = values(k, cand)
-            i = int(v.argmin())
-            if value_new(k) < v[i]:
-                continue  # not admitted
-            victim = int(cand[i])
-            self.member[victim] &= ~np.uint8(1 << k)
-            row[pos[i]] = b
-            bits |= 1 << k
+            full.append(k)
+        if full:
+            ks = np.array(full)
+            pos = np.stack(draws)
+            cand = self.slots[ks[:, None], pos]
+            v = values_rows(ks, cand)
+            i = v.argmin(axis=1)
+            rows = np.arange(ks.size)
+            lowest = v[rows, i]
+            admitted = values_new(ks, b) >= lowest  # else: not admitted
+            for r in np.flatnonzero(admitted).tolist():
+                k = full[r]
+                self.member[int(cand[r, i[r]])] &= ~np.uint8(1 << k)
+                self.slots[k, pos[r, i[r]]] = b
+                bits |= 1 << k
         self.member[b] = bits
 
     def best(self, default: int) -> int:

@@ -95,7 +95,7 @@ class ValuePolicy(Policy):
             self.active = self.shadows.best(self.default_candidate)
             self.shadows.decay(0.9)
         if self.shadows.sampled(b):
-            self.shadows.access(b, model.values, lambda k: model.value_just_accessed(k, b))
+            self.shadows.access(b, model.values_rows, model.values_just_accessed)
 
     def on_hit(self, b: int, now: float, cls: int, next_use: int) -> None:
         pass  # the model recorded the access in ``observe``

@@ -114,8 +114,13 @@ class ReuseModel:
         self.granularity = max(1.0, self.eviction_age / AGE_STEPS_PER_EVICTION_AGE)
         self._inv_g = 1.0 / self.granularity
         # tables[k][cell, age bucket] = P(reused within W_k); before evidence: younger is better
-        self.tables = [np.tile(np.linspace(1.0, 0.0, N_AGES), (N_CELLS, 1)) for _ in self.candidates]
-        self.flat = [t.reshape(-1) for t in self.tables]  # the same tables, for one-gather lookups
+        # one array for all candidates, so the shadow caches look every candidate up in one
+        # gather; stored age-major ([k, age, cell]): a rebuild then copies whole rows of cells
+        young_first = np.linspace(1.0, 0.0, N_AGES)[:, None]
+        self.table3 = np.tile(young_first, (len(self.candidates), 1, N_CELLS))
+        self.tables = [t.T for t in self.table3]  # views indexed [cell, age]
+        self.flat = [t.reshape(-1) for t in self.table3]  # flat index: age * N_CELLS + cell
+        self.flat3 = self.table3.reshape(len(self.candidates), -1)
         self.horizons = np.ones(len(self.candidates))
 
     # -- evidence ----------------------------------------------------------
@@ -164,10 +169,13 @@ class ReuseModel:
         tau = self.memory_horizons * self.eviction_age
         pending = self._pending(tau)
         hazards: dict[str, np.ndarray] = {}
+        survival: dict[str, np.ndarray] = {}  # candidates of one partition share their survival curves
         for k, cand in enumerate(self.candidates):
             w = max(1.0, cand.horizon_multiple * self.eviction_age)
             self.horizons[k] = w
-            self._table(self._hazard(cand.partition, pending, hazards), w, out=self.tables[k])
+            if cand.partition not in survival:
+                survival[cand.partition] = _log_survival(self._hazard(cand.partition, pending, hazards))
+            self._table(survival[cand.partition], w, out=self.table3[k])
         decay = math.exp(-self.refresh_every / tau)
         self.reuses *= decay
         self.accesses *= decay
@@ -208,35 +216,52 @@ class ReuseModel:
         memo[partition] = full
         return full
 
-    def _table(self, hazard: np.ndarray, w: float, out: np.ndarray) -> None:
-        """P(reused within the next ``w`` accesses | fine cell, age bucket) from the hazards,
-        written into ``out`` in place: a refresh reallocating every table churned tens of MB
-        through the allocator each time, which showed as a slowly rising daemon RSS."""
-        log_surv = np.concatenate((np.zeros((hazard.shape[0], 1)),
-                                   np.cumsum(np.log1p(-np.minimum(hazard, 1 - 1e-12)), axis=1)), axis=1)
+    def _table(self, log_surv: np.ndarray, w: float, out: np.ndarray) -> None:
+        """P(reused within the next ``w`` accesses | fine cell, age bucket) from the survival
+        curves, written into ``out`` ([age, cell]) in place: a refresh reallocating every
+        table churned tens of MB through the allocator each time, which showed as a slowly
+        rising daemon RSS."""
         ages = np.arange(N_AGES) * self.granularity  # each lookup bucket's lower edge
         start = distance_bucket(ages + 1)
         end = distance_bucket(ages + 1 + w) + 1  # survival past the bucket where the window ends
         # many age buckets share a (start, end) pair of distance buckets: compute each pair once
         pairs, inverse = np.unique(start * (N_BUCKETS + 1) + end, return_inverse=True)
         p = 1.0 - np.exp(log_surv[:, pairs % (N_BUCKETS + 1)] - log_surv[:, pairs // (N_BUCKETS + 1)])
-        np.take(p, inverse.reshape(-1), axis=1, out=out)
+        np.take(p.T, inverse.reshape(-1), axis=0, out=out)
 
     # -- queries -------------------------------------------------------------
     def values(self, k: int, blocks: np.ndarray) -> np.ndarray:
         """Candidate ``k``'s P(reuse within its horizon) for ``blocks`` at their current age."""
         idx = self.age_buckets(blocks)
-        idx += self.cell[blocks].astype(np.int64) * N_AGES
+        idx *= N_CELLS
+        idx += self.cell.take(blocks)
         return self.flat[k].take(idx)
 
     def age_buckets(self, blocks: np.ndarray) -> np.ndarray:
-        idx = ((self.clock - self.last[blocks]) * self._inv_g).astype(np.int64)
+        idx = ((self.clock - self.last.take(blocks)) * self._inv_g).astype(np.int64)
         np.minimum(idx, N_AGES - 1, out=idx)
         return idx
 
+    def values_rows(self, ks: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        """Row i: candidate ``ks[i]``'s values of ``blocks[i]`` (a 2-D array), in one gather."""
+        idx = self.age_buckets(blocks)
+        idx *= N_CELLS
+        idx += self.cell.take(blocks)
+        return self.flat3[ks[:, None], idx]
+
+    def values_just_accessed(self, ks: np.ndarray, b: int) -> np.ndarray:
+        """Candidates ``ks``' values of block ``b`` at age 0."""
+        return self.table3[ks, 0, int(self.cell[b])]
+
     def value_just_accessed(self, k: int, b: int) -> float:
         """Candidate ``k``'s value of block ``b`` at age 0, in the cell its latest access put it in."""
-        return float(self.tables[k][int(self.cell[b]), 0])
+        return float(self.table3[k, 0, int(self.cell[b])])
+
+
+def _log_survival(hazard: np.ndarray) -> np.ndarray:
+    """log P(not reused by the end of distance bucket j-1), per fine cell; column 0 is 0."""
+    return np.concatenate((np.zeros((hazard.shape[0], 1)),
+                           np.cumsum(np.log1p(-np.minimum(hazard, 1 - 1e-12)), axis=1)), axis=1)
 
 
 def _first_cell_of(cmap: np.ndarray, n_cells: int) -> np.ndarray:

@@ -92,9 +92,12 @@ def test_shadow_caches_choose_the_candidate_that_earns_hits():
     last = np.zeros(64)
     clock = [0]
 
-    def values(k: int, blocks: np.ndarray) -> np.ndarray:
+    def values(ks: np.ndarray, blocks: np.ndarray) -> np.ndarray:  # row i: candidate ks[i]'s values
         age = clock[0] - last[blocks]
-        return -age if k == 0 else age
+        return np.where((ks == 0)[:, None], -age, age)
+
+    def value_new(ks: np.ndarray, b: int) -> np.ndarray:
+        return np.where(ks == 0, 0.0, -1e9)
 
     sh = ShadowCaches(capacity=8, max_blocks=64, n_candidates=2, target_blocks=8, samples=8)
     assert sh.capacity == 8 and sh.sampled(5)  # rate 1: every block is in the sample
@@ -102,5 +105,5 @@ def test_shadow_caches_choose_the_candidate_that_earns_hits():
         for b in range(12):
             clock[0] += 1
             last[b] = clock[0]
-            sh.access(b, values, lambda k: 0.0 if k == 0 else -1e9)
+            sh.access(b, values, value_new)
     assert sh.hits[1] > 4 * sh.hits[0] and sh.hits[1] > 100 and sh.best(default=0) == 1

@@ -111,3 +111,20 @@ def test_partition_sums_match_their_cell_maps():
         expect = np.zeros((int(cmap.max()) + 1, 3))
         np.add.at(expect, cmap, a)
         assert np.allclose(_SUM[name](a), expect), name
+
+
+def test_one_gather_over_all_candidates_equals_each_candidates_lookup():
+    """The shadow caches value every candidate at once (``values_rows``); it must agree,
+    element for element, with candidate-by-candidate lookups, and with the [cell, age] views."""
+    m = ReuseModel(500, refresh_every=300, initial_age=40.0)
+    rng = np.random.default_rng(7)
+    for b in rng.integers(0, 500, size=5000).tolist():
+        m.access(int(b), cls=int(b) % 3)
+    ks = np.array([0, 3, 5, 1])
+    blocks = rng.integers(0, 500, size=(4, 9))
+    rows = m.values_rows(ks, blocks)
+    for i, k in enumerate(ks.tolist()):
+        assert rows[i].tolist() == m.values(k, blocks[i]).tolist()
+        ages = m.age_buckets(blocks[i])
+        assert rows[i].tolist() == m.tables[k][m.cell[blocks[i]], ages].tolist()
+    assert m.values_just_accessed(ks, 17).tolist() == [m.value_just_accessed(k, 17) for k in ks.tolist()]
