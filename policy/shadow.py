@@ -22,6 +22,7 @@ from typing import Callable
 import numpy as np
 
 _HASH = 0x9E3779B1
+SWITCH_MARGIN = 0.002  # a challenger must earn 0.2% more decayed hits than the model in use
 
 
 class ShadowCaches:
@@ -85,9 +86,13 @@ class ShadowCaches:
                 bits |= 1 << k
         self.member[b] = bits
 
-    def best(self, default: int) -> int:
-        """The candidate with the most hits (``default`` until any has one)."""
-        return int(self.hits.argmax()) if self.hits.max() > 0 else default
+    def best(self, current: int) -> int:
+        """The candidate with the most hits, if it beats ``current`` by more than
+        ``SWITCH_MARGIN``; else ``current``. Candidates that tie (several good ones) would
+        otherwise trade places on noise, and every switch re-ranks a cache that the
+        previous model filled."""
+        top = int(self.hits.argmax())
+        return top if self.hits[top] > self.hits[current] * (1.0 + SWITCH_MARGIN) else current
 
     def decay(self, factor: float) -> None:
         self.hits *= factor

@@ -92,7 +92,7 @@ class ValuePolicy(Policy):
             assert self.calib is not None
             self.calib.access(b, float(model.clock + 1))
         if model.access(b, cls):
-            self.active = self.shadows.best(self.default_candidate)
+            self.active = self.shadows.best(self.active)
             self.shadows.decay(0.9)
         if self.shadows.sampled(b):
             self.shadows.access(b, model.values_rows, model.values_just_accessed)
@@ -125,7 +125,7 @@ class ValuePolicy(Policy):
         p = self.model.value_just_accessed(self.active, b)
         mine = p * float(self.weight[b]) if self._weighted else p
         if self._scored(b):
-            self._predict(b, p)
+            self._predict(b, self.model.probability_just_accessed(self.active, b))
         if not self.admission or mine >= v_value:
             return True
         self._victim = -1
@@ -141,7 +141,7 @@ class ValuePolicy(Policy):
     def _record_eviction(self, v: int) -> None:
         self.model.evicted(v)
         if self._scored(v):
-            self._predict(v, float(self.model.values(self.active, np.array([v]))[0]))
+            self._predict(v, float(self.model.probabilities(self.active, np.array([v]))[0]))
         self._unlink(v)
 
     def insert(self, b: int, now: float, cls: int, next_use: int) -> None:

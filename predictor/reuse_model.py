@@ -54,6 +54,7 @@ class Candidate:
 
     partition: str
     horizon_multiple: float
+    density: bool = False  # value = P(reused within W) / expected slot time until then (hit density)
 
 
 N_IRR = 14  # last reuse distance in octaves (0: never reused), a per-block feature (LIRS's IRR)
@@ -77,10 +78,13 @@ PARENT = {"class_stage_irr": "class_stage", "class_stage": "stage", "stage_irr":
           "all": None}
 
 # The grid the shadow caches choose from: a spread of horizons on the full features,
-# and coarser feature sets; none of it is fitted to a trace.
+# coarser feature sets, and two hit-density models with long horizons (a loop longer than
+# the cache: P within a short horizon is 0 at mid ages, density keeps rising towards the
+# reuse). None of it is fitted to a trace.
 DEFAULT_CANDIDATES: tuple[Candidate, ...] = (
     Candidate("class_stage", 1.0), Candidate("class_stage", 2.0), Candidate("class_stage", 4.0),
     Candidate("class_stage", 8.0), Candidate("stage_irr", 4.0), Candidate("class_stage_irr", 4.0),
+    Candidate("class_stage_irr", 32.0, density=True), Candidate("class_stage", 8.0, density=True),
 )
 
 
@@ -122,6 +126,9 @@ class ReuseModel:
         self.flat = [t.reshape(-1) for t in self.table3]  # flat index: age * N_CELLS + cell
         self.flat3 = self.table3.reshape(len(self.candidates), -1)
         self.horizons = np.ones(len(self.candidates))
+        # density candidates rank by hit density; their P(reused within W) is kept beside it for
+        # the calibration of the decisions they make
+        self.prob = {k: np.zeros((N_AGES, N_CELLS)) for k, c in enumerate(self.candidates) if c.density}
 
     # -- evidence ----------------------------------------------------------
     def access(self, b: int, cls: int) -> bool:
@@ -175,7 +182,11 @@ class ReuseModel:
             self.horizons[k] = w
             if cand.partition not in survival:
                 survival[cand.partition] = _log_survival(self._hazard(cand.partition, pending, hazards))
-            self._table(survival[cand.partition], w, out=self.table3[k])
+            if cand.density:
+                self._table(survival[cand.partition], w, out=self.prob[k])
+                self._density(survival[cand.partition], w, self.prob[k], out=self.table3[k])
+            else:
+                self._table(survival[cand.partition], w, out=self.table3[k])
         decay = math.exp(-self.refresh_every / tau)
         self.reuses *= decay
         self.accesses *= decay
@@ -229,6 +240,34 @@ class ReuseModel:
         p = 1.0 - np.exp(log_surv[:, pairs % (N_BUCKETS + 1)] - log_surv[:, pairs // (N_BUCKETS + 1)])
         np.take(p.T, inverse.reshape(-1), axis=0, out=out, mode="clip")  # "raise" would buffer out: 5x slower
 
+    def _density(self, log_surv: np.ndarray, w: float, prob: np.ndarray, out: np.ndarray) -> None:
+        """Hit density (LHD's measure) within the horizon: P(reused within ``w``) over the
+        expected accesses the block holds its slot until reused or ``w`` passes. Unlike P
+        alone it keeps rising as a block nears a reuse farther off than ``w`` (a loop longer
+        than the cache): the block that is closest to its reuse is worth most."""
+        ages = np.arange(N_AGES) * self.granularity
+        lo = ages + 1.0  # the window, in distances since the last access: [lo, lo + w)
+        overlap = np.clip(np.minimum(_EDGES[1:], lo[:, None] + w) - np.maximum(_EDGES[:-1], lo[:, None]), 0.0, None)
+        surv = np.exp(log_surv)  # survival to the start of each bucket
+        mean_surv = 0.5 * (surv[:, :-1] + surv[:, 1:])  # within each bucket (trapezoid)
+        start = distance_bucket(lo)
+        held = (overlap @ mean_surv.T) / np.maximum(surv[:, start].T, 1e-300)  # [age, cell]
+        np.divide(prob, np.maximum(held, 1.0), out=out)
+
+    def probability_just_accessed(self, k: int, b: int) -> float:
+        """Candidate ``k``'s P(reused within its horizon) of block ``b`` at age 0."""
+        table = self.prob.get(k)
+        return float((self.table3[k] if table is None else table)[0, int(self.cell[b])])
+
+    def probabilities(self, k: int, blocks: np.ndarray) -> np.ndarray:
+        table = self.prob.get(k)
+        if table is None:
+            return self.values(k, blocks)
+        idx = self.age_buckets(blocks)
+        idx *= N_CELLS
+        idx += self.cell.take(blocks)
+        return table.reshape(-1).take(idx)
+
     # -- queries -------------------------------------------------------------
     def values(self, k: int, blocks: np.ndarray) -> np.ndarray:
         """Candidate ``k``'s P(reuse within its horizon) for ``blocks`` at their current age."""
@@ -256,6 +295,10 @@ class ReuseModel:
     def value_just_accessed(self, k: int, b: int) -> float:
         """Candidate ``k``'s value of block ``b`` at age 0, in the cell its latest access put it in."""
         return float(self.table3[k, 0, int(self.cell[b])])
+
+
+_EDGES = 2.0 ** (np.arange(N_BUCKETS + 1) / 2.0)  # distance bucket j covers [_EDGES[j], _EDGES[j + 1])
+_EDGES[-1] = np.inf  # the last bucket takes every longer distance
 
 
 def _log_survival(hazard: np.ndarray) -> np.ndarray:

@@ -106,4 +106,4 @@ def test_shadow_caches_choose_the_candidate_that_earns_hits():
             clock[0] += 1
             last[b] = clock[0]
             sh.access(b, values, value_new)
-    assert sh.hits[1] > 4 * sh.hits[0] and sh.hits[1] > 100 and sh.best(default=0) == 1
+    assert sh.hits[1] > 4 * sh.hits[0] and sh.hits[1] > 100 and sh.best(current=0) == 1

@@ -128,3 +128,26 @@ def test_one_gather_over_all_candidates_equals_each_candidates_lookup():
         ages = m.age_buckets(blocks[i])
         assert rows[i].tolist() == m.tables[k][m.cell[blocks[i]], ages].tolist()
     assert m.values_just_accessed(ks, 17).tolist() == [m.value_just_accessed(k, 17) for k in ks.tolist()]
+
+
+def test_hit_density_keeps_rising_towards_a_reuse():
+    """A loop of 400 blocks (every reuse at distance 400), horizon 800 accesses: P(reused
+    within W) is ~1 at every age below 400, so it cannot tell a block 50 accesses from its
+    reuse from one 350 away (and a short horizon would see 0 for both); hit density can
+    (about 1 / remaining distance). The density candidate's P is still the probability
+    that calibration scores."""
+    cands = (Candidate("class_stage", 8.0), Candidate("class_stage", 8.0, density=True))
+    m = ReuseModel(400, candidates=cands, refresh_every=1000, initial_age=100.0)
+    for _ in range(12):
+        for b in range(400):
+            m.access(b, cls=0)
+    m.refresh()
+    assert m.horizons.tolist() == [800.0, 800.0]
+    cell = int(m.cell[0])
+    ages = (np.array([50, 200, 340]) / m.granularity).astype(int)  # age-bucket indices
+    p = m.tables[0][cell, ages]
+    dens = m.tables[1][cell, ages]
+    assert p.min() > 0.95 and p.max() - p.min() < 0.05  # P: flat, blind to how close the reuse is
+    assert 0 < dens[0] < dens[1] < dens[2] and dens[2] > 3 * dens[0]  # closer to the reuse: worth more
+    assert np.array_equal(m.prob[1], m.table3[0])  # the density model's P is the P model's table
+    assert m.probability_just_accessed(1, 0) == m.value_just_accessed(0, 0)
