@@ -29,6 +29,7 @@ from .aligned import aligned_empty, is_aligned
 from .futures import Failures
 from .io_backends import IOBackend
 from .pools import ALIGN, round_up
+from .types import CorruptBlockError
 
 MAGIC = b"KVTSLOT1"
 # 2: payload checksums by kernels.checksum's device-computable value (1: xxh3). A slot of
@@ -222,7 +223,11 @@ class NvmeStore:
 
     def read(self, slot: int, out: "np.ndarray | torch.Tensor") -> "Future[int]":
         """Read the payload (stride bytes) into ``out``: host memory, or (kvikio) a
-        contiguous device slot, read device-direct."""
+        contiguous device slot, read device-direct. Not verified: see ``read_checked``."""
+        return self.backend.pread(*self._read_job(slot, out))
+
+    def _read_job(self, slot: int, out: "np.ndarray | torch.Tensor") -> tuple[Any, list[Any], int]:
+        """(handle, [payload buffer], offset) of one slot's payload read."""
         handle, off = self._locate(slot)
         if isinstance(out, torch.Tensor):
             if not out.is_cuda:
@@ -231,7 +236,23 @@ class NvmeStore:
                 raise ValueError("a device read target must be one contiguous slot")
         if out.nbytes != self.data_stride:
             raise ValueError(f"read buffer must be {self.data_stride} bytes, got {out.nbytes}")
-        return self.backend.pread(handle, [out], off + HEADER_BYTES)
+        return handle, [out], off + HEADER_BYTES
+
+    def read_checked(self, items: Sequence[tuple[int, "np.ndarray | torch.Tensor", int, Optional[int]]]
+                     ) -> "Future[Failures]":
+        """Read the payloads of many (slot, out, length, checksum) as one backend call,
+        each verified against ``checksum`` (None: an open block's, not verified) on the
+        I/O thread that read it, so the checksum of one block overlaps the reads of
+        the others. Per item: None, or its error (``CorruptBlockError`` when the bytes
+        do not match: they must not be served). A bad argument raises here."""
+        jobs = [self._read_job(slot, out) for slot, out, _, _ in items]
+
+        def check(i: int) -> None:
+            slot, out, length, checksum = items[i]
+            if checksum is not None and block_checksum(out, length) != checksum:
+                raise CorruptBlockError(f"NVMe slot {slot} failed its checksum")
+
+        return self.backend.pread_checked(jobs, check)
 
     def read_header(self, slot: int) -> Optional[SlotHeader]:
         handle, off = self._locate(slot)
