@@ -131,6 +131,24 @@ def test_read_checked_verifies_on_the_io_threads(backend, nvme_dir):
     st.close()
 
 
+def test_batched_headers_are_whole_pages_of_one_header_each(backend, nvme_dir):
+    """A batch's headers share one buffer: each slot's 4 KiB header page on disk holds
+    its own header and zeros after it (no other slot's bytes, no stale memory)."""
+    from kvtier.tiers.nvme import decode_header
+
+    st = NvmeStore(nvme_dir, 4, 4096, backend, slots_per_file=4)
+    items = [(s, pattern(s, 4096), 500 + s, 4096 - s, 9 * s, s % 2 == 0, 40 + s) for s in (2, 0, 3)]
+    assert st.write_many(items).result() == [None] * 3
+    st.close()
+    with open(os.path.join(nvme_dir, "slab-0000.kvt"), "rb") as f:
+        raw = np.frombuffer(f.read(), dtype=np.uint8).reshape(4, -1)
+    for s in (2, 0, 3):
+        h = decode_header(raw[s, :HEADER_BYTES])
+        assert h is not None and (h.key, h.length, h.checksum, h.seq, h.sealed) == (500 + s, 4096 - s, 9 * s, 40 + s,
+                                                                                  s % 2 == 0)
+        assert not raw[s, 56:HEADER_BYTES].any() and np.array_equal(raw[s, HEADER_BYTES:], pattern(s, 4096))
+
+
 def test_write_many_lands_each_slot_and_fails_alone(backend, nvme_dir):
     """A batch of slot writes across slab files as one backend call: every slot reads back
     with its header; with injected faults the failed writes fail alone, in order."""
