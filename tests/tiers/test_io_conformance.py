@@ -83,7 +83,7 @@ def test_pread_many_fails_reads_one_by_one(backend, nvme_dir):
     st.close()
 
 
-def test_read_checked_verifies_on_the_io_threads(backend, nvme_dir):
+def test_read_checked_verifies_on_the_io_threads(backend, nvme_dir, monkeypatch):
     """Verified batch reads: every payload lands, the checksums run on the backend's
     threads (not the caller's), and a slot whose bytes on disk no longer match its
     checksum, or whose read fails, fails alone with its own error."""
@@ -108,14 +108,12 @@ def test_read_checked_verifies_on_the_io_threads(backend, nvme_dir):
         where.append(threading.current_thread().name)
         return block_checksum(buf, length)
 
-    nvme.block_checksum, real = spy, nvme.block_checksum
-    try:
-        order = [5, 4, 0, 2, 1]
-        outs = [aligned_empty(st.data_stride) for _ in order]
-        errors = st.read_checked([(s, out, 5000, sums[s]) for s, out in zip(order, outs)]).result()
-        unchecked = st.read_checked([(4, outs[1], 5000, None)]).result()  # an open block's read: not verified
-    finally:
-        nvme.block_checksum = real
+    monkeypatch.setattr(nvme, "block_checksum", spy)
+    order = [5, 4, 0, 2, 1]
+    outs = [aligned_empty(st.data_stride) for _ in order]
+    errors = st.read_checked([(s, out, 5000, sums[s]) for s, out in zip(order, outs)]).result()
+    unchecked = st.read_checked([(4, outs[1], 5000, None)]).result()  # an open block's read: not verified
+    monkeypatch.undo()
     assert [e is None for e in errors] == [True, False, True, True, True]
     assert isinstance(errors[1], CorruptBlockError) and "slot 4 failed its checksum" in str(errors[1])
     for s, out, err in zip(order, outs, errors):
