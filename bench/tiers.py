@@ -3,7 +3,7 @@
 Every figure is measured in the same run, on the same bytes and block size:
 the raw baselines (``baselines.py``) are memory copies between two POSIX
 shared-memory buffers, the memory both pools are made of (one numpy copy,
-torch's multi-threaded copy, a pool of threads), and O_DIRECT I/O at queue
+torch's multi-threaded copy, a pool of threads, the mover's chunked copy), and O_DIRECT I/O at queue
 depth 1 and from as many threads as the I/O backend has; each ratio divides
 by the best of its baselines. The kvtier figures go through ``TierManager``
 and its mover. Raw and kvtier steps
@@ -114,6 +114,7 @@ def interleaved_figures(directory: str, block: int, n: int, reps: int, args: arg
                 *pair(i, ("dram_to_hbm", lambda: run(lambda b: m.promote(b, Tier.HBM))),  # -> HBM + DRAM
                       ("torch_copy_tier", shm.torch_copy)),
                 ("threads_copy_tier", shm.threads_copy),
+                ("chunks_copy_tier", shm.chunks_copy),
                 *([("raw_d2h", gpu.d2h), ("raw_h2d", gpu.h2d)] if gpu is not None else []),
                 ("", lambda: drop(Tier.DRAM)),
             ]
@@ -275,6 +276,7 @@ def run(args: argparse.Namespace) -> dict:
     rows = (("memcpy, shared memory (raw, 1 thread)", "memcpy_tier_gbps"), ("memcpy, anonymous memory", "memcpy_gbps"),
             (f"torch copy, shared memory (raw, {ct} threads)", "torch_copy_tier_gbps"),
             (f"memcpy, shared memory (raw, {ct} threads)", "threads_copy_tier_gbps"),
+            (f"memcpy, 4 MiB chunks pulled by {ct} threads (raw)", "chunks_copy_tier_gbps"),
             ("hbm→dram (kvtier)", "hbm_to_dram_gbps"), ("dram→hbm (kvtier)", "dram_to_hbm_gbps"),
             ("O_DIRECT write (raw, QD1)", "raw_odirect_write_tier_gbps"),
             (f"O_DIRECT write (raw, {it} threads)", "raw_odirect_write_tier_qd_gbps"),

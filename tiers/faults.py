@@ -12,11 +12,12 @@ import errno
 import os
 import time
 from concurrent.futures import Future
-from typing import Any, Sequence
+from functools import partial
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .futures import gather
+from .futures import gather, then_check
 
 
 class FaultyBackend:
@@ -74,8 +75,14 @@ class FaultyBackend:
         return fut
 
     def pread_many(self, handle: Any, reads: Sequence[tuple[Any, int]]) -> "Future[list[Any]]":
-
         return gather([self.pread(handle, [buf], off) for buf, off in reads])  # faults hit single reads
+
+    def pread_checked(self, reads: Sequence[tuple[Any, Sequence[Any], int]],
+                      check: Callable[[int], None]) -> "Future[list[Any]]":
+        """Faults hit single reads; each check runs after the read and after any
+        corruption injected into it (on the I/O thread, or here once it is done)."""
+        return gather([then_check(self.pread(h, bufs, off), partial(check, i))
+                       for i, (h, bufs, off) in enumerate(reads)])
 
     def pwrite_many(self, writes: Sequence[tuple[Any, Sequence[Any], int]]) -> "Future[list[Any]]":
         return gather([self.pwrite(h, bufs, off) for h, bufs, off in writes])  # faults hit single writes

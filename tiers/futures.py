@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 Failures = list[Optional[BaseException]]  # per read of a pread_many: its error, or None
 
@@ -30,4 +30,27 @@ def gather(futs: Sequence["Future[Any]"]) -> "Future[Failures]":
     return out
 
 
-__all__ = ["Failures", "gather"]
+def then_check(fut: "Future[Any]", check: Callable[[], None]) -> "Future[None]":
+    """A future that completes once ``fut`` did and ``check()`` then passed (its
+    exception, or ``fut``'s, fails it). ``check`` runs where ``fut`` completes,
+    on the I/O thread that did the work, or at once if it is already done: a
+    read's checksum overlaps the other reads instead of queuing behind them."""
+    out: "Future[None]" = Future()
+
+    def done(f: "Future[Any]") -> None:
+        exc = f.exception()
+        if exc is None:
+            try:
+                check()
+            except Exception as e:  # a failed check fails this job alone
+                exc = e
+        if exc is None:
+            out.set_result(None)
+        else:
+            out.set_exception(exc)
+
+    fut.add_done_callback(done)
+    return out
+
+
+__all__ = ["Failures", "gather", "then_check"]

@@ -12,11 +12,9 @@ stays until its holders let go, so nobody's reference dangles.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
-
-from kvtier.kernels.checksum import block_checksum
 
 from .aligned import aligned_empty
 from .block_table import BlockTable
@@ -42,20 +40,19 @@ def quarantine(t: BlockTable, corrupt: np.ndarray, counters: Counter[str],
 def read_nvme_verified(nvme: NvmeStore, counters: Counter[str], b: int, slot: int, length: int,
                        checksum: "int | None") -> bytes:
     """Payload of ``b`` from NVMe ``slot``, checked against ``checksum`` (None: not
-    verified, an open block's); a failed or mismatching read is read again before it raises."""
+    verified, an open block's) on the I/O thread that read it; a failed or mismatching
+    read is read again before it raises."""
     buf = aligned_empty(nvme.data_stride)
-    err: Exception = CorruptBlockError(f"block {b}: NVMe slot {slot} failed its checksum")
+    err: Optional[BaseException] = None
     for attempt in range(READ_ATTEMPTS):
         if attempt:
             counters["nvme_read_retries"] += 1
-        try:
-            nvme.read(slot, buf).result()
-        except OSError as e:
-            err = e
-            continue
-        if checksum is None or block_checksum(buf, length) == checksum:
+        err = nvme.read_checked([(slot, buf, length, checksum)]).result()[0]
+        if err is None:
             return bytes(buf[:length])
-        err = CorruptBlockError(f"block {b}: NVMe slot {slot} failed its checksum")
+        if isinstance(err, CorruptBlockError):
+            err = CorruptBlockError(f"block {b}: {err}")
+    assert err is not None
     raise err
 
 

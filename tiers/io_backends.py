@@ -22,11 +22,12 @@ import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Protocol, Sequence
+from functools import partial
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
-from .futures import Failures, gather
+from .futures import Failures, gather, then_check
 from .types import TierError
 
 Buffer = Any  # numpy uint8 array (host) or torch CUDA tensor (kvikio only)
@@ -41,6 +42,8 @@ class IOBackend(Protocol):
     def pread(self, handle: Any, buffers: Sequence[Buffer], offset: int) -> "Future[int]": ...
     def pread_many(self, handle: Any, reads: Sequence[tuple[Buffer, int]]) -> "Future[Failures]": ...
     def pwrite_many(self, writes: Sequence[tuple[Any, Sequence[Buffer], int]]) -> "Future[Failures]": ...
+    def pread_checked(self, reads: Sequence[tuple[Any, Sequence[Buffer], int]],
+                      check: Callable[[int], None]) -> "Future[Failures]": ...
     def fsync(self, handle: Any) -> None: ...
     def close(self, handle: Any) -> None: ...
     def shutdown(self) -> None: ...
@@ -125,11 +128,17 @@ class PosixBackend:
 
     @staticmethod
     def _views(buffers: Sequence[Buffer]) -> list[memoryview]:
+        """Byte views for the vectored calls. ``memoryview(b)``, not ``b.data``: numpy
+        exports ``.data`` as a writable buffer, which walks the array's bases and probes
+        the shared-memory mmap under a pool slot, ~5x the cost (2-10 µs a block
+        under load), paid twice per block written and once per block read."""
         out = []
         for b in buffers:
             if not isinstance(b, np.ndarray):
                 raise TypeError("the posix backend takes host numpy buffers")
-            out.append(b.reshape(-1).view(np.uint8).data)
+            if b.ndim != 1 or b.dtype != np.uint8:
+                b = b.reshape(-1).view(np.uint8)
+            out.append(memoryview(b))
         return out
 
     @staticmethod
@@ -180,17 +189,28 @@ class PosixBackend:
         small host that Python competes with the I/O threads for the cores."""
         return self._each(os.pwritev, [(h, self._views(bufs), off) for h, bufs, off in writes], "write")
 
+    def pread_checked(self, reads: Sequence[tuple[PosixHandle, Sequence[Buffer], int]],
+                      check: Callable[[int], None]) -> "Future[Failures]":
+        """Reads (handle, buffers, offset) as one pool task, like ``pwrite_many``, each
+        followed on the same I/O thread by ``check(i)`` (a checksum): verification
+        overlaps the other threads' reads instead of waiting for the caller's thread.
+        A read that fails, or whose check raises, fails alone."""
+        return self._each(os.preadv, [(h, self._views(bufs), off) for h, bufs, off in reads], "read", check)
+
     def _each(self, op: Callable[..., int], jobs: list[tuple[PosixHandle, list[memoryview], int]],
-              kind: str) -> "Future[Failures]":
-        """Jobs (handle, views, offset) as one pool task, one after the other, each failing alone."""
+              kind: str, check: Optional[Callable[[int], None]] = None) -> "Future[Failures]":
+        """Jobs (handle, views, offset) as one pool task, one after the other, each failing
+        alone; ``check(i)``, if given, runs after job i moved its bytes."""
 
         def run() -> Failures:
             out: Failures = []
-            for h, views, off in jobs:
+            for i, (h, views, off) in enumerate(jobs):
                 try:
                     self._loop(op, h, views, off, kind)
+                    if check is not None:
+                        check(i)
                     out.append(None)
-                except (OSError, TierError) as e:
+                except Exception as e:  # OSError, TierError, or the check's: this job's failure
                     out.append(e)
             return out
 
@@ -305,6 +325,13 @@ class KvikioBackend:
 
     def pwrite_many(self, writes: Sequence[tuple[KvikioHandle, Sequence[Buffer], int]]) -> "Future[Failures]":
         return gather([self.pwrite(h, bufs, off) for h, bufs, off in writes])  # kvikio queues each
+
+    def pread_checked(self, reads: Sequence[tuple[KvikioHandle, Sequence[Buffer], int]],
+                      check: Callable[[int], None]) -> "Future[Failures]":
+        """Each read queued on kvikio; ``check(i)`` runs on the waiter thread that saw
+        read i complete (a device buffer is checked on the device)."""
+        return gather([then_check(self.pread(h, bufs, off), partial(check, i))
+                       for i, (h, bufs, off) in enumerate(reads)])
 
     def fsync(self, handle: KvikioHandle) -> None:
         os.fsync(handle.file.fileno())

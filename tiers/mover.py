@@ -24,6 +24,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .hostcopy import HostCopier
 from .nvme import NvmeStore
 from .paths import PATHS
 from .pools import BounceBuffers, DramPool, HbmPool
@@ -58,8 +59,9 @@ class Mover:
         # two lanes, each with its own queue and threads: memory copies (HBM <-> DRAM)
         # never wait behind a long NVMe batch (a promotion an engine is stalled on
         # must not queue behind a demotion to disk), and one copy thread suffices
-        # because a large copy already spreads over torch's intra-op threads (on a
-        # GPU, over the copy engine); two copy threads only fight for the same cores
+        # because a large copy already spreads over helper threads (``HostCopier``,
+        # as many in all as torch has intra-op threads; on a GPU, over the copy
+        # engine); two copy threads only fight for the same cores
         self._lanes: dict[str, "queue.Queue[Optional[Transfer]]"] = {
             lane: queue.Queue(maxsize=queue_depth) for lane in ("copy", "io")}
         self._overflow: dict[str, deque[Transfer]] = {lane: deque() for lane in self._lanes}  # owner's only
@@ -68,6 +70,7 @@ class Mover:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self.stream = torch.cuda.Stream() if hbm.is_cuda else None
+        self.host_copier = HostCopier(torch.get_num_threads()) if self.stream is None else None
         # NVMe -> device reads that cannot go GPUDirect bounce through these (allocated
         # once, pinned; a pageable buffer per block would make every copy synchronous)
         self.bounce = (BounceBuffers(min(64, max(4, BOUNCE_BYTES // hbm.slot_stride)), hbm.slot_stride)
@@ -152,6 +155,8 @@ class Mover:
             t.join()
         if self.bounce is not None:
             self.bounce.close()
+        if self.host_copier is not None:
+            self.host_copier.close()
 
     # -- worker side -------------------------------------------------------
     def _run(self, todo: "queue.Queue[Optional[Transfer]]") -> None:
@@ -217,16 +222,17 @@ class Mover:
     def copy_rows(self, dst: torch.Tensor, dst_idx: np.ndarray, src: torch.Tensor, src_idx: np.ndarray,
                   sync: bool = True) -> None:
         """Copy rows ``src[src_idx]`` to ``dst[dst_idx]``. Runs where both sides are
-        consecutive slots go as one large copy each: on CPU torch splits a large run
-        over its intra-op threads (a numpy copy uses one core); on a GPU a run is one
-        DMA straight between the device pool and the pinned host pool. Scattered
-        rows on a GPU go as one gather, one transfer and one scatter instead. On a
-        GPU, ``sync=False`` leaves the copy queued on ``stream`` (the caller records
-        an event after it); on CPU copies are always done on return."""
+        consecutive slots go as one large copy each: on CPU in chunks that this
+        thread and idle helpers pull (``HostCopier``: no OpenMP spin-wait, no static
+        split that waits for its slowest share); on a GPU a run is one DMA straight
+        between the device pool and the pinned host pool. Scattered rows on a GPU
+        go as one gather, one transfer and one scatter instead. On a GPU,
+        ``sync=False`` leaves the copy queued on ``stream`` (the caller records an
+        event after it); on CPU copies are always done on return."""
         runs = _runs(dst_idx, src_idx)
-        if self.stream is None:
-            for di, si, k in runs:
-                dst[di: di + k].copy_(src[si: si + k])
+        if self.host_copier is not None:
+            d, s = dst.numpy(), src.numpy()
+            self.host_copier.copy([(d[di: di + k], s[si: si + k]) for di, si, k in runs])
             return
         with torch.cuda.stream(self.stream):
             if len(runs) <= MAX_DIRECT_RUNS:

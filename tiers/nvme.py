@@ -29,6 +29,7 @@ from .aligned import aligned_empty, is_aligned
 from .futures import Failures
 from .io_backends import IOBackend
 from .pools import ALIGN, round_up
+from .types import CorruptBlockError
 
 MAGIC = b"KVTSLOT1"
 # 2: payload checksums by kernels.checksum's device-computable value (1: xxh3). A slot of
@@ -53,18 +54,23 @@ class SlotHeader:
         return bool(self.flags & FLAG_SEALED)
 
 
-def _header_crc(body: bytes) -> int:
+def _header_crc(body: "bytes | memoryview") -> int:
     """The header's own checksum: host bytes only, so xxh3 (a recovery scan checks
     one per slot, and a numpy call per 48 bytes would cost more than the read)."""
     return xxhash.xxh3_64_intdigest(body)
 
 
 def encode_header(h: SlotHeader, out: np.ndarray) -> None:
-    body = _HDR.pack(MAGIC, VERSION, h.flags, h.key, h.length, h.checksum, h.seq)
-    crc = _header_crc(body)
     out[:] = 0
-    raw = body + _HDR_CRC.pack(crc)
-    out[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    _pack_header(out.data, h.key, h.length, h.checksum, h.seq, h.flags)
+
+
+def _pack_header(page: memoryview, key: int, length: int, checksum: int, seq: int, flags: int) -> None:
+    """Pack a header into the start of a zeroed page: in place, about 1 µs (a
+    ``SlotHeader``, ``bytes`` and a numpy copy per block cost ~9 µs, which at 256
+    KiB blocks doubled the CPU a write batch takes and slowed it ~10%)."""
+    _HDR.pack_into(page, 0, MAGIC, VERSION, flags, key, length, checksum, seq)
+    _HDR_CRC.pack_into(page, _HDR.size, _header_crc(page[: _HDR.size]))
 
 
 def decode_header(buf: np.ndarray) -> Optional[SlotHeader]:
@@ -76,6 +82,13 @@ def decode_header(buf: np.ndarray) -> Optional[SlotHeader]:
     if crc != _header_crc(raw[: _HDR.size]):
         return None
     return SlotHeader(key, length, checksum, seq, flags)
+
+
+def _header_pages(n: int) -> np.ndarray:
+    """``n`` zeroed, page-aligned header pages, one allocation and one memset in all."""
+    pages = aligned_empty(n * HEADER_BYTES).reshape(n, HEADER_BYTES)
+    pages[:] = 0
+    return pages
 
 
 @dataclass(frozen=True)
@@ -204,25 +217,31 @@ class NvmeStore:
         return self.backend.pwrite(*self._write_job(slot, data, key, length, checksum, sealed, seq))
 
     def _write_job(self, slot: int, data: "np.ndarray | torch.Tensor", key: int, length: int, checksum: int,
-                   sealed: bool, seq: Optional[int]) -> tuple[Any, list[Any], int]:
-        """(handle, [header, payload], offset) of one slot's write."""
+                   sealed: bool, seq: Optional[int], hdr: Optional[np.ndarray] = None) -> tuple[Any, list[Any], int]:
+        """(handle, [header, payload], offset) of one slot's write; ``hdr``: a zeroed
+        header page to fill (default: a new one)."""
         handle, off = self._locate(slot)
         if seq is None:
             seq = int(self.reserve_seqs(1)[0])
-        hdr = aligned_empty(HEADER_BYTES)
-        encode_header(SlotHeader(int(key), int(length), int(checksum), int(seq),
-                                 FLAG_SEALED if sealed else 0), hdr)
+        if hdr is None:
+            hdr = _header_pages(1)[0]
+        _pack_header(hdr.data, int(key), int(length), int(checksum), int(seq), FLAG_SEALED if sealed else 0)
         return handle, [hdr, self._payload(data)], off
 
     def write_many(self, items: Sequence[tuple[int, "np.ndarray | torch.Tensor", int, int, int, bool, Optional[int]]]
                    ) -> "Future[Failures]":
         """``write`` of many slots (slot, data, key, length, checksum, sealed, seq) as one
         backend call, run one after the other; each fails alone (its error, or None)."""
-        return self.backend.pwrite_many([self._write_job(*item) for item in items])
+        pages = _header_pages(len(items))  # one zeroed buffer for the batch's headers
+        return self.backend.pwrite_many([self._write_job(*item, hdr=page) for item, page in zip(items, pages)])
 
     def read(self, slot: int, out: "np.ndarray | torch.Tensor") -> "Future[int]":
         """Read the payload (stride bytes) into ``out``: host memory, or (kvikio) a
-        contiguous device slot, read device-direct."""
+        contiguous device slot, read device-direct. Not verified: see ``read_checked``."""
+        return self.backend.pread(*self._read_job(slot, out))
+
+    def _read_job(self, slot: int, out: "np.ndarray | torch.Tensor") -> tuple[Any, list[Any], int]:
+        """(handle, [payload buffer], offset) of one slot's payload read."""
         handle, off = self._locate(slot)
         if isinstance(out, torch.Tensor):
             if not out.is_cuda:
@@ -231,7 +250,23 @@ class NvmeStore:
                 raise ValueError("a device read target must be one contiguous slot")
         if out.nbytes != self.data_stride:
             raise ValueError(f"read buffer must be {self.data_stride} bytes, got {out.nbytes}")
-        return self.backend.pread(handle, [out], off + HEADER_BYTES)
+        return handle, [out], off + HEADER_BYTES
+
+    def read_checked(self, items: Sequence[tuple[int, "np.ndarray | torch.Tensor", int, Optional[int]]]
+                     ) -> "Future[Failures]":
+        """Read the payloads of many (slot, out, length, checksum) as one backend call,
+        each verified against ``checksum`` (None: an open block's, not verified) on the
+        I/O thread that read it, so the checksum of one block overlaps the reads of
+        the others. Per item: None, or its error (``CorruptBlockError`` when the bytes
+        do not match: they must not be served). A bad argument raises here."""
+        jobs = [self._read_job(slot, out) for slot, out, _, _ in items]
+
+        def check(i: int) -> None:
+            slot, out, length, checksum = items[i]
+            if checksum is not None and block_checksum(out, length) != checksum:
+                raise CorruptBlockError(f"NVMe slot {slot} failed its checksum")
+
+        return self.backend.pread_checked(jobs, check)
 
     def read_header(self, slot: int) -> Optional[SlotHeader]:
         handle, off = self._locate(slot)

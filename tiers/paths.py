@@ -52,28 +52,16 @@ def path(src: Tier, dst: Tier) -> Callable[[PathFn], PathFn]:
     return deco
 
 
-def _verify(t: Transfer, i: int, buf: Buf, ok: np.ndarray, errors: dict) -> None:
-    length = int(t.lengths[i])
-    if block_checksum(buf, length) == int(t.checksums[i]):
-        ok[i] = True
-        errors.pop(int(t.blocks[i]), None)
-    else:
-        errors[int(t.blocks[i])] = str(CorruptBlockError(
-            f"block {int(t.blocks[i])}: NVMe slot {int(t.src_slots[i])} failed its checksum"))
+def _split(idx: Sequence[int], k: int) -> list[Sequence[int]]:
+    """``idx`` in at most ``k`` contiguous shares, sizes within one of each other."""
+    k = max(1, min(len(idx), k))
+    bounds = [len(idx) * j // k for j in range(k + 1)]
+    return [idx[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
 
 
-def _wait_all(t: Transfer, futs: list, ok: np.ndarray, errors: dict,
-              on_ok: Optional[Callable[[int], None]] = None) -> None:
-    for i, fut in futs:
-        try:
-            fut.result()
-        except Exception as e:
-            errors[int(t.blocks[i])] = f"{type(e).__name__}: {e}"
-            continue
-        if on_ok is None:
-            ok[i] = True
-        else:
-            on_ok(i)
+def _io_threads(m: CopyEngine) -> int:
+    assert m.nvme is not None
+    return int(getattr(m.nvme.backend, "threads", 8))
 
 
 @path(Tier.HBM, Tier.DRAM)
@@ -125,12 +113,10 @@ def _write_nvme(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict,
     host that Python cost 20-25% of the disk's write bandwidth)."""
     assert m.nvme is not None
     sums = t.checksums.copy()
-    shares = max(1, min(t.blocks.size, int(getattr(m.nvme.backend, "threads", 8))))
-    bounds = [t.blocks.size * k // shares for k in range(shares + 1)]
     calls = []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
+    for share in _split(range(t.blocks.size), _io_threads(m)):
         mine, items = [], []
-        for i in range(lo, hi):
+        for i in share:
             try:
                 buf = source(int(t.src_slots[i]))
                 if not t.sealed[i]:
@@ -181,35 +167,59 @@ def _hbm_to_nvme(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict) -> np
 
 def _read_nvme(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict, target: Callable[[int], Buf],
                finish: Optional[Callable[[int, Buf], None]] = None, which: Optional[Sequence[int]] = None) -> None:
-    """Read blocks ``which`` (default all) of ``t`` into ``target(dst slot)``, verify
-    each (a failure is read once more), then ``finish(dst slot, buffer)`` the good ones."""
-    assert m.nvme is not None
-    futs, bufs = [], {}
-    todo = range(t.blocks.size) if which is None else which
-    for i in todo:
-        buf = target(int(t.dst_slots[i]))
-        bufs[i] = buf
-        try:
-            futs.append((i, m.nvme.read(int(t.src_slots[i]), buf)))
-        except Exception as e:
-            errors[int(t.blocks[i])] = f"{type(e).__name__}: {e}"
+    """Read blocks ``which`` (default all) of ``t`` into ``target(dst slot)``, each
+    verified against its checksum on the I/O thread that read it (a failure is read
+    once more), then ``finish(dst slot, buffer)`` the good ones on this thread.
 
-    def check(i: int) -> None:
-        _verify(t, i, bufs[i], ok, errors)
-        if ok[i] and finish is not None:
-            finish(int(t.dst_slots[i]), bufs[i])
-
-    _wait_all(t, futs, ok, errors, on_ok=check)
+    Like writes, the blocks go to the backend in one share per I/O thread: the
+    checksum (about as fast as the disk on a small host) then overlaps the other
+    threads' reads instead of running after all of them on the mover's thread."""
+    todo = list(range(t.blocks.size) if which is None else which)
+    bufs = {i: target(int(t.dst_slots[i])) for i in todo}
+    _read_verified(m, t, todo, bufs, ok, errors, "")
+    if finish is not None:
+        for i in todo:
+            if ok[i]:
+                finish(int(t.dst_slots[i]), bufs[i])
+    again = [i for i in todo if not ok[i]]  # one more read each: only a failure that repeats condemns the copy
+    if not again:
+        return
     retried: set = getattr(m.tls, "retried", set())
-    for i in [i for i in todo if not ok[i]]:  # one more read each: only a failure that repeats condemns the copy
-        b = int(t.blocks[i])
-        retried.add(b)
+    retried.update(int(t.blocks[i]) for i in again)
+    _read_verified(m, t, again, bufs, ok, errors, " (and on a second read)")
+    if finish is not None:
+        for i in again:
+            if ok[i]:
+                finish(int(t.dst_slots[i]), bufs[i])
+
+
+def _read_verified(m: CopyEngine, t: Transfer, idx: Sequence[int], bufs: dict[int, Buf], ok: np.ndarray,
+                   errors: dict, again: str) -> None:
+    """One verified read of blocks ``idx`` into ``bufs``: ``ok[i]`` only if the bytes
+    read match the block's checksum; otherwise its error (``again``: said of a retry)."""
+    assert m.nvme is not None
+    calls = []
+    for share in _split(idx, _io_threads(m)):
+        items = [(int(t.src_slots[i]), bufs[i], int(t.lengths[i]), int(t.checksums[i])) for i in share]
         try:
-            m.nvme.read(int(t.src_slots[i]), bufs[i]).result()
+            calls.append((share, m.nvme.read_checked(items)))
         except Exception as e:
-            errors[b] = f"{type(e).__name__}: {e} (and on a second read)"
-            continue
-        check(i)
+            for i in share:
+                errors[int(t.blocks[i])] = f"{type(e).__name__}: {e}{again}"
+    for share, fut in calls:
+        try:
+            failures = fut.result()
+        except Exception as e:
+            failures = [e] * len(share)
+        for i, err in zip(share, failures):
+            b = int(t.blocks[i])
+            if err is None:
+                ok[i] = True
+                errors.pop(b, None)
+            elif isinstance(err, CorruptBlockError):
+                errors[b] = f"block {b}: {err}"
+            else:
+                errors[b] = f"{type(err).__name__}: {err}{again}"
 
 
 @path(Tier.NVME, Tier.DRAM)

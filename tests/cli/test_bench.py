@@ -22,7 +22,8 @@ def test_bench_tiers_writes_ratios(tmp_path):
     assert all((r["ratios"][k] is None) == (not torch.cuda.is_available()) for k in ("h2d", "d2h"))
     size = r["sizes"]["64KiB"]
     by = size["ratios_by_baseline"]  # every baseline measured, the headline against the fastest
-    assert set(by) == set(host) and set(by["dram_copy"]) == {"memcpy_tier", "torch_copy_tier", "threads_copy_tier"}
+    assert set(by) == set(host) and set(by["dram_copy"]) == {"memcpy_tier", "torch_copy_tier", "threads_copy_tier",
+                                                                 "chunks_copy_tier"}
     assert set(by["nvme_write"]) == {"raw_odirect_write_tier", "raw_odirect_write_tier_qd"}
     for k in host:
         fastest = min(by[k], key=lambda x: sorted(size["samples_s"][x])[len(size["samples_s"][x]) // 2])

@@ -151,3 +151,38 @@ def test_cached_corrupt_block_is_replaced_and_its_index_entry_not_restored(nvme_
         assert m2.read(m2.lookup(KEY)) == pattern(7, BB).tobytes()
     finally:
         m2.close()
+
+
+def test_corrupt_slab_byte_is_refused_by_the_io_thread_that_read_it(nvme_dir, monkeypatch):
+    """A byte changed in a slab file under a real O_DIRECT posix backend: the promotion
+    verifies every block on the I/O thread that read it (never on the mover's thread),
+    refuses the corrupt one twice (the read and its retry), serves none of its bytes
+    and quarantines it, while the other blocks of the same batch land bit-exact."""
+    import threading
+
+    import kvtier.tiers.nvme as nvme
+    from kvtier.kernels.checksum import block_checksum
+
+    m = TierManager(BB, 4, 4, 8, nvme_dir=nvme_dir, io_backend="posix", io_threads=2)
+    where: list[str] = []
+
+    def spy(buf, length=None):
+        where.append(threading.current_thread().name)
+        return block_checksum(buf, length)
+
+    try:
+        blocks = [_sealed_on_nvme(m, 30 + i, KEY + i) for i in range(3)]
+        bad = blocks[1]
+        _flip_on_disk(m, bad)
+        monkeypatch.setattr(nvme, "block_checksum", spy)
+        m.promote(blocks, "hbm"); m.wait()
+        monkeypatch.undo()
+        assert len(where) == 4 and all(w.startswith("kvtier-io") for w in where)  # 3 reads + 1 retry
+        assert not m.table.has_copy(bad, Tier.HBM) and "failed its checksum" in m.last_errors[bad]
+        assert m.corrupt[bad] and m.lookup(KEY + 1) == -1 and m.counters["nvme_read_retries"] == 1
+        for i, b in enumerate(blocks):
+            if b != bad:
+                assert m.table.has_copy(b, Tier.HBM) and m.read(b) == pattern(30 + i, BB).tobytes()
+        m.check_invariants()
+    finally:
+        m.close()
