@@ -317,6 +317,13 @@ class TierClient:
         self._telemetry({"v": P.VERSION, "engine": self.engine_id, "kind": "segment", "blocks": pack_ids(blocks),
                          "tag": tag})
 
+    def report_class(self, blocks: ArrayLike, cont: bool, span: int) -> None:
+        """The request features of sealed blocks the daemon cannot see itself (an engine that
+        does not alloc by ``seq``): does the request continue a conversation, and how many new
+        blocks it adds. The predictor's class of each block follows them."""
+        self._telemetry({"v": P.VERSION, "engine": self.engine_id, "kind": "class", "blocks": pack_ids(blocks),
+                         "cont": bool(cont), "span": int(span)})
+
     # -- teardown ----------------------------------------------------------------------------
     def close(self, unregister: bool = True) -> None:
         if self.closed:

@@ -13,6 +13,7 @@ became full (to save), as plain lists: vLLM block ids and vLLM block hashes.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -24,6 +25,7 @@ from .keys import block_keys
 
 TIER_SOURCES = ("device", "host", "disk")  # kvtier tier -> vLLM CacheHitSource value
 SYNC_TIERS = 2  # tiers below this (staging, DRAM) load in the forward; NVMe and remote-only load async
+MAX_TRACKED = 1 << 16  # block hashes remembered to find shared prefixes
 
 
 @dataclass
@@ -32,7 +34,9 @@ class Transfer:
     req_id: str
     block_ids: list[int]
     hashes: list[Any]
-    segment: list[str] = field(default_factory=list)  # per block: "user" (prompt) or "assistant" (generated)
+    segment: list[str] = field(default_factory=list)  # per block: "system", "user" (prompt) or "assistant"
+    cont: bool = False   # the request continues a conversation (its first two blocks were held already)
+    span: int = 0        # new blocks the request adds (the predictor's features)
 
 
 @dataclass
@@ -46,6 +50,9 @@ class _Req:
     load_async: bool = False           # the pending load waits for NVMe: vLLM parks the request
     saved_any: bool = False            # the worker got saves of it: vLLM frees its blocks when told
     loaded: int = 0                    # blocks loaded from kvtier (for the request's output)
+    cont: bool = False                 # features told to the daemon with its saves
+    span: int = 0
+    system: int = 0                    # leading blocks shared with another conversation
     failed: int = 0                    # ... of which failed (recomputed)
 
 
@@ -58,6 +65,30 @@ class SchedulerSide:
         self.async_loads: list[Transfer] = []  # promised async loads not yet handed to the worker
         self.hit_tokens = np.zeros(len(TIER_SOURCES), dtype=np.int64)  # loaded tokens by source tier
         self.counts = {"sync_loads": 0, "async_loads": 0}
+        self.children: OrderedDict[Any, Any] = OrderedDict()  # block hash -> the next block first seen after it
+        self.branches: OrderedDict[Any, int] = OrderedDict()  # hash -> blocks up to it: a shared prefix
+
+    def _shared_prefix(self, hashes: list[Any]) -> int:
+        """Leading blocks this request shares with a conversation that continued differently (a
+        shared system prompt): a block seen followed by two different blocks ends a shared prefix.
+        Newly found shared blocks kvtier holds are re-tagged ``system``. Bounded memory (LRU)."""
+        shared = 0
+        for i in range(len(hashes) - 1):
+            h, nxt = hashes[i], hashes[i + 1]
+            seen = self.children.get(h)
+            if seen is None:
+                self.children[h] = nxt
+                if len(self.children) > MAX_TRACKED:
+                    self.children.popitem(last=False)
+            elif seen != nxt and h not in self.branches:
+                self.branches[h] = i + 1
+                if len(self.branches) > MAX_TRACKED:
+                    self.branches.popitem(last=False)
+                ids, _ = self.client.lookup(block_keys(hashes[:i + 1]))
+                if np.any(ids >= 0):
+                    self.client.report_segment(ids[ids >= 0], "system")
+            shared = max(shared, self.branches.get(h, 0))
+        return shared
 
     # -- vLLM hooks ---------------------------------------------------------------
     def matched(self, request: Any, num_computed: int) -> tuple[int, bool]:
@@ -70,15 +101,18 @@ class SchedulerSide:
         st = self.reqs.get(request.request_id)
         if st is None:
             st = self.reqs[request.request_id] = _Req(request)
+            st.system = self._shared_prefix(list(hashes))
         st.local = num_computed
         st.saved_upto = start
         st.tiers = []
         st.load_async = False
+        st.cont, st.span = start >= 2, max(len(hashes) - start, 0)
         if limit <= start:
             return 0, False
         ids, tiers = self.client.lookup(block_keys(hashes[start:limit]))
         miss = np.flatnonzero(ids < 0)
         p = int(miss[0]) if miss.size else int(ids.size)
+        st.cont, st.span = start + p >= 2, max(len(hashes) - start - p, 0)
         if p:
             self.client.hint(blocks=ids[:p], deadline_s=self.hint_deadline_s)  # promotions start now
         st.saved_upto = start + p
@@ -136,9 +170,10 @@ class SchedulerSide:
             full = min(done // self.block_size, len(hashes), len(st.block_ids))
             if full > st.saved_upto:
                 prompt_blocks = len(st.request.prompt_token_ids or ()) // self.block_size
-                seg = ["user" if i < prompt_blocks else "assistant" for i in range(st.saved_upto, full)]
+                seg = ["system" if i < st.system else "user" if i < prompt_blocks else "assistant"
+                       for i in range(st.saved_upto, full)]
                 saves.append(Transfer(st.request.request_id, st.block_ids[st.saved_upto:full],
-                                      list(hashes[st.saved_upto:full]), seg))
+                                      list(hashes[st.saved_upto:full]), seg, st.cont, st.span))
                 st.saved_upto = full
                 st.saved_any = True
         return loads, async_loads, saves

@@ -107,6 +107,8 @@ class _Save:
     hash: Any
     seg: str
     since: float  # monotonic time it was queued
+    cont: bool    # its request's features (the daemon's predictor class)
+    span: int
 
 
 class WorkerSide:
@@ -239,7 +241,7 @@ class WorkerSide:
             if t.req_id in self.failed_reqs:
                 continue
             for vid, h, seg in zip(t.block_ids, t.hashes, t.segment or ["user"] * len(t.block_ids)):
-                self.queue.append(_Save(t.req_id, vid, h, seg, now))
+                self.queue.append(_Save(t.req_id, vid, h, seg, now, t.cont, t.span))
         self.flush()
 
     def flush(self) -> None:
@@ -305,6 +307,9 @@ class WorkerSide:
             self.client.release(blocks=canon[canon == blocks])  # a folded block's pins went with it
             for tag in sorted(set(segs.tolist())):
                 self.client.report_segment(canon[segs == tag], tag)
+            feats = [(q.cont, q.span) for q in batch]
+            for cont, span in sorted(set(feats)):
+                self.client.report_class(canon[[f == (cont, span) for f in feats]], cont, span)
             self.client.free(blocks=canon)  # one reference per sealed block, folded or not
             self.stats["saved_blocks"] += len(batch)
         except KvtierError as e:

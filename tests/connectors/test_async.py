@@ -163,3 +163,22 @@ def test_a_save_that_finds_no_room_within_its_timeout_is_dropped_and_counted(rig
         assert ws.sent({"a"}) == {"a"}
     finally:
         other.close()
+
+
+def test_the_daemon_hears_each_saved_blocks_request_features_and_shared_prefixes(rig):
+    sched = SchedulerSide(rig.c, BS)
+    first = _request("a", HS[:3], 3 * BS + 1)
+    assert sched.matched(first, 0) == (0, False) and sched.reqs["a"].system == 0
+    rig.ws.save([Transfer("a", [1, 2, 3], HS[:3], ["user"] * 3, cont=False, span=3)])
+    # another conversation with the same first two blocks: they are a shared (system) prefix
+    other = _request("b", HS[:2] + [HS[5], HS[6], HS[7]], 5 * BS + 1)
+    assert sched.matched(other, 0) == (2 * BS, False)
+    st = sched.reqs["b"]
+    assert (st.system, st.cont, st.span) == (2, True, 3)
+    rig.ws.save([Transfer("b", [4, 5, 6], [HS[5], HS[6], HS[7]], ["user"] * 3, cont=True, span=3)])
+    want = [0] * 16
+    want[1] = 3  # a: not a continuation, 2-4 new blocks
+    want[4 + 1] = 3  # b: continues (its first two blocks were held), 2-4 new blocks (saved one by one)
+    _until(lambda: (rig.ws.flush(), not rig.ws.queue)[1], "the queued saves written")
+    _until(lambda: rig.c.stats()["feature_classes"] == want, "the class reports applied")
+    _until(lambda: rig.c.stats()["segments"].get("system") == 2, "the shared prefix re-tagged system")
