@@ -86,10 +86,13 @@ class KVTierConnector(KVConnectorBase_V1):
             group = kv_cache_config.kv_cache_groups[0]
             layers = len(group.layer_names)
             page = int(group.kv_cache_spec.page_size_bytes) // world  # one rank's share of a layer's block
-            client = self._client("sched", 0)
-            client.register(block_bytes=(page + DIGEST_BYTES) * layers, block_tokens=self._block_size,
-                            layout={"layers": layers, "role": "vllm-scheduler"}, namespace=self._namespace(0))
-            self.sched = SchedulerSide(client, self._block_size, float(extra.get("hint_deadline_s", 0.05)))
+            clients = []  # one per rank's namespace: a hit needs every rank's shard
+            for rank in range(world):
+                client = self._client("sched", rank)
+                client.register(block_bytes=(page + DIGEST_BYTES) * layers, block_tokens=self._block_size,
+                                layout={"layers": layers, "role": "vllm-scheduler"}, namespace=self._namespace(rank))
+                clients.append(client)
+            self.sched = SchedulerSide(clients, self._block_size, float(extra.get("hint_deadline_s", 0.05)))
 
     def _namespace(self, rank: int) -> str:
         """Each model and each tensor-parallel rank has its own key space (a rank holds its own shard).

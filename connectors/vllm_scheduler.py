@@ -57,8 +57,12 @@ class _Req:
 
 
 class SchedulerSide:
-    def __init__(self, client: TierClient, block_size: int, hint_deadline_s: float = 0.05) -> None:
-        self.client = client
+    """``clients``: one per tensor-parallel rank, each registered in that rank's namespace (a rank
+    holds its own shard of every block): a block is a hit only if every rank holds it."""
+
+    def __init__(self, clients: "TierClient | list[TierClient]", block_size: int, hint_deadline_s: float = 0.05) -> None:
+        self.clients = clients if isinstance(clients, list) else [clients]
+        self.client = self.clients[0]
         self.block_size = block_size
         self.hint_deadline_s = hint_deadline_s
         self.reqs: dict[str, _Req] = {}
@@ -84,9 +88,11 @@ class SchedulerSide:
                 self.branches[h] = i + 1
                 if len(self.branches) > MAX_TRACKED:
                     self.branches.popitem(last=False)
-                ids, _ = self.client.lookup(block_keys(hashes[:i + 1]))
-                if np.any(ids >= 0):
-                    self.client.report_segment(ids[ids >= 0], "system")
+                keys = block_keys(hashes[:i + 1])
+                for c in self.clients:
+                    ids, _ = c.lookup(keys)
+                    if np.any(ids >= 0):
+                        c.report_segment(ids[ids >= 0], "system")
             shared = max(shared, self.branches.get(h, 0))
         return shared
 
@@ -109,16 +115,26 @@ class SchedulerSide:
         st.cont, st.span = start >= 2, max(len(hashes) - start, 0)
         if limit <= start:
             return 0, False
-        ids, tiers = self.client.lookup(block_keys(hashes[start:limit]))
-        miss = np.flatnonzero(ids < 0)
-        p = int(miss[0]) if miss.size else int(ids.size)
+        ids, tiers = self.lookup(block_keys(hashes[start:limit]))
+        miss = np.flatnonzero(np.any(ids < 0, axis=0))
+        p = int(miss[0]) if miss.size else int(ids.shape[1])
         st.cont, st.span = start + p >= 2, max(len(hashes) - start - p, 0)
         if p:
-            self.client.hint(blocks=ids[:p], deadline_s=self.hint_deadline_s)  # promotions start now
+            for c, rank_ids in zip(self.clients, ids):
+                c.hint(blocks=rank_ids[:p], deadline_s=self.hint_deadline_s)  # promotions start now
         st.saved_upto = start + p
         st.tiers = tiers[:p].tolist()
         st.load_async = bool(np.any((tiers[:p] < 0) | (tiers[:p] >= SYNC_TIERS)))
         return p * bs, st.load_async
+
+    def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """([ranks, n] block ids, -1 where a rank lacks the key; the slowest tier per key
+        over the ranks that hold it, since a load waits for its slowest rank)."""
+        found = [c.lookup(keys) for c in self.clients]
+        ids = np.stack([f[0] for f in found])
+        tiers = np.stack([f[1] for f in found])
+        slowest = np.where(np.any(tiers < 0, axis=0) & np.any(ids >= 0, axis=0), -1, tiers.max(axis=0))
+        return ids, slowest
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external: int) -> None:
         st = self.reqs.get(request.request_id)

@@ -182,3 +182,26 @@ def test_the_daemon_hears_each_saved_blocks_request_features_and_shared_prefixes
     _until(lambda: (rig.ws.flush(), not rig.ws.queue)[1], "the queued saves written")
     _until(lambda: rig.c.stats()["feature_classes"] == want, "the class reports applied")
     _until(lambda: rig.c.stats()["segments"].get("system") == 2, "the shared prefix re-tagged system")
+
+
+def test_with_tensor_parallel_ranks_a_block_is_a_hit_only_where_every_rank_holds_it(rig):
+    """Each rank saves its own shard under its own namespace; the scheduler asks them all."""
+    c0 = rig.c  # rank 0's namespace is "m"
+    c1 = type(c0)(runtime_dir=c0.runtime_dir)
+    try:
+        c1.register(block_bytes=rig.geo.block_bytes, block_tokens=BS, layout={"layers": L}, namespace="m:tp1")
+        ws1 = WorkerSide(c1, rig.geo, timeout_s=10.0)
+        sched = SchedulerSide([c0, c1], BS)
+        rig.ws.save([Transfer("a", [1, 2, 3], HS[:3])])      # rank 0 holds 3 blocks
+        ws1.save([Transfer("a", [1, 2], HS[:2])])            # rank 1 only 2
+        for w in (rig.ws, ws1):
+            _until(lambda w=w: (w.flush(), not w.queue)[1], "the saves written")
+        # (which tier each block is in depends on demotions: the counts are what is asserted)
+        assert sched.matched(_request("r", HS[:3], 4 * BS), 0)[0] == 2 * BS
+        assert SchedulerSide([c0], BS).matched(_request("q", HS[:3], 4 * BS), 0)[0] == 3 * BS
+        assert sched.matched(_request("s", HS[2:3], 2 * BS), 0) == (0, False)  # rank 1 lacks it
+        ws1.save([Transfer("b", [3], HS[2:3])])
+        _until(lambda: (ws1.flush(), not ws1.queue)[1], "the save written")
+        assert sched.matched(_request("t", HS[:3], 4 * BS), 0)[0] == 3 * BS
+    finally:
+        c1.close()
