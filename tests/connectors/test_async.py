@@ -121,12 +121,10 @@ def test_a_corrupt_nvme_copy_finishes_the_load_as_failed_and_writes_nothing(rig)
     assert _finish(loads) == ({"r"}, {12, 13})
     assert all(torch.equal(rig.kv[n], before[n]) for n in rig.kv)  # vLLM recomputes; no byte was written
     assert loads.stats["async_failed_blocks"] == 2
-
-
-def test_a_block_gone_before_the_load_fails_at_once(rig):
-    loads = AsyncLoads(rig.c, rig.geo, timeout_s=10.0)
-    loads.start([Transfer("r", [3, 4], HS[:2])])  # never saved
-    assert loads.take() == ({"r"}, {3, 4}) and not loads.pending
+    # a block gone before the load starts (never saved here): failed at once, nothing to wait for
+    loads.start([Transfer("q", [3, 4], [HS[0], hashlib.sha256(b"never").digest()])])
+    assert loads.take() == ({"q"}, {3, 4}) and not loads.pending
+    assert all(torch.equal(rig.kv[n], before[n]) for n in rig.kv)
 
 
 def test_saves_wait_in_a_queue_not_in_the_forward_and_hold_the_request_until_done(rig):
@@ -142,25 +140,15 @@ def test_saves_wait_in_a_queue_not_in_the_forward_and_hold_the_request_until_don
         ws.save([Transfer("b", [3], HS[2:3])])
         ws.preempted({"b"})  # vLLM frees a preempted request's blocks: its queued save goes
         assert [q.vid for q in ws.queue] == [1, 2] and ws.stats["save_dropped_blocks"] == 1
+        impatient = WorkerSide(c, rig.geo, timeout_s=10.0, save_timeout_s=0.0)
+        impatient.save([Transfer("c", [4, 5, 6], HS[3:6])])  # no room within its timeout: dropped, counted
+        assert not impatient.queue and impatient.stats["save_dropped_blocks"] == 3
+        assert impatient.stats["saved_blocks"] == 0 and impatient.sent({"c"}) == {"c"}
         other.release(blocks=held)
         other.free(blocks=held)
         assert _until(lambda: ws.sent(set()), "room for the queued saves") == {"a"}
         assert ws.sent({"b"}) == {"b"} and not ws.queue and ws.saving == set()
         assert np.all(c.lookup(block_keys(HS[:2]))[0] >= 0) and ws.stats["saved_blocks"] == 2
-    finally:
-        other.close()
-
-
-def test_a_save_that_finds_no_room_within_its_timeout_is_dropped_and_counted(rig):
-    c = rig.c
-    ws = WorkerSide(c, rig.geo, timeout_s=10.0, save_timeout_s=0.0)
-    other = type(c)(runtime_dir=c.runtime_dir)
-    try:
-        other.register(block_bytes=rig.geo.block_bytes, block_tokens=BS, layout={"layers": L}, namespace="o")
-        other.alloc(4, pin=True)
-        ws.save([Transfer("a", [1, 2, 3], HS[:3])])
-        assert not ws.queue and ws.stats["save_dropped_blocks"] == 3 and ws.stats["saved_blocks"] == 0
-        assert ws.sent({"a"}) == {"a"}
     finally:
         other.close()
 
