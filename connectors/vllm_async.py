@@ -17,6 +17,7 @@ done, so copying between forwards is safe.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,10 +46,14 @@ class _Pending:
 class AsyncLoads:
     """The async loads in flight on one worker, and those finished but not yet reported."""
 
-    def __init__(self, client: TierClient, geometry: Geometry, timeout_s: float) -> None:
+    def __init__(self, client: TierClient, geometry: Geometry, timeout_s: float, poll_interval_s: float = 0.001) -> None:
         self.client = client
         self.geo = geometry
         self.timeout_s = timeout_s
+        # while only parked requests remain, vLLM steps in a tight loop: polling the daemon on every
+        # step would take the CPU its movers need, so polls are at least this far apart
+        self.poll_interval_s = poll_interval_s
+        self._last_poll = 0.0
         self.pending: dict[str, _Pending] = {}
         self.finished: set[str] = set()     # loads done (or failed) since the last report
         self.errors: set[int] = set()       # vLLM blocks of failed loads, reported with them
@@ -79,6 +84,12 @@ class AsyncLoads:
 
     def poll(self) -> None:
         """Finish every load whose blocks have all landed (never waits for one that has not)."""
+        if not self.pending:
+            return
+        gap = self._last_poll + self.poll_interval_s - time.monotonic()
+        if gap > 0:
+            time.sleep(gap)
+        self._last_poll = time.monotonic()
         for rid in list(self.pending):
             p = self.pending[rid]
             try:
