@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.client.tier_client import TierClient
@@ -47,6 +48,26 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+
+@dataclass
+class KVTierStats(KVConnectorStats):
+    """The worker's counters over an interval (blocks loaded sync/async, failed, saved, queued
+    for staging room, dropped), summed over workers; vLLM logs them as KV transfer metrics."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
 
 
 @dataclass
@@ -81,6 +102,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self.sched: Optional[SchedulerSide] = None
         self.worker: Optional[WorkerSide] = None
         self.asyncs: Optional[AsyncLoads] = None
+        self._reported: dict[str, float] = {}  # worker counters as of the last stats report
         self._clients: list[TierClient] = []
         if role == KVConnectorRole.SCHEDULER:
             group = kv_cache_config.kv_cache_groups[0]
@@ -155,6 +177,20 @@ class KVTierConnector(KVConnectorBase_V1):
         recving, errors = self.asyncs.take()
         self.worker.errors |= errors
         return self.worker.sent(finished_req_ids) or None, recving or None
+
+    def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
+        if self.worker is None or self.asyncs is None:
+            return None
+        now = {**self.worker.stats, **self.asyncs.stats}
+        now.pop("load_wait_s", None)
+        delta = {k: v - self._reported.get(k, 0) for k, v in now.items()}
+        self._reported = now
+        stats = KVTierStats(data=delta)
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None) -> Optional[KVConnectorStats]:
+        return KVTierStats(data=dict(data or {}))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_errors() if self.worker is not None else set()

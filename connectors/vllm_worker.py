@@ -236,13 +236,16 @@ class WorkerSide:
     def save(self, saves: list[Transfer]) -> None:
         """Queue this step's new full blocks and save what the staging pool has room for."""
         now = time.monotonic()
+        added = 0
         for t in saves:
             self.saving.add(t.req_id)
             if t.req_id in self.failed_reqs:
                 continue
             for vid, h, seg in zip(t.block_ids, t.hashes, t.segment or ["user"] * len(t.block_ids)):
                 self.queue.append(_Save(t.req_id, vid, h, seg, now, t.cont, t.span))
+                added += 1
         self.flush()
+        self.stats["save_queued_blocks"] += min(added, len(self.queue))  # ours are the queue's tail
 
     def flush(self) -> None:
         """Save queued blocks in order while staging has room; never waits for room."""
@@ -285,7 +288,6 @@ class WorkerSide:
             blocks, slots = self.client.alloc(len(batch), pin=True, wait=False)
         except RequestRejected as e:
             if e.code == NO_SPACE:
-                self.stats["save_queued_blocks"] += len(batch)
                 return False
             log.warning("kvtier: no staging slots to save %d blocks (%s); they stay in vLLM only", len(batch), e)
             self.stats["save_dropped_blocks"] += len(batch)

@@ -125,3 +125,15 @@ def test_corrupted_nvme_blocks_are_refused_and_recomputed(runs):
     # the corrupted prefixes were NVMe ones: their async loads failed, and vLLM recomputed them
     failed = [r["kvtier"] for r in drill if r["kvtier"]["failed_tokens"]]
     assert failed and all(k["load"] == "async" for k in failed), [r["kvtier"] for r in drill]
+
+
+def test_connector_stats_sum_over_workers_and_intervals():
+    from kvtier.connectors.vllm import KVTierConnector, KVTierStats
+
+    a = KVTierConnector.build_kv_connector_stats({"async_loaded_blocks": 3, "saved_blocks": 1})
+    assert isinstance(a, KVTierStats)
+    b = KVTierStats(data={"async_loaded_blocks": 2, "save_dropped_blocks": 1})
+    assert a.aggregate(b).reduce() == {"async_loaded_blocks": 5, "saved_blocks": 1, "save_dropped_blocks": 1}
+    assert KVTierStats(data={"saved_blocks": 0}).is_empty() and not a.is_empty()
+    a.reset()
+    assert a.is_empty()
