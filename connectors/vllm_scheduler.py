@@ -75,7 +75,7 @@ class SchedulerSide:
     def _shared_prefix(self, hashes: list[Any]) -> int:
         """Leading blocks this request shares with a conversation that continued differently (a
         shared system prompt): a block seen followed by two different blocks ends a shared prefix.
-        Newly found shared blocks kvtier holds are re-tagged ``system``. Bounded memory (LRU)."""
+        Newly found shared blocks kvtier holds are re-tagged ``system``. Bounded memory (oldest forgotten first)."""
         shared = 0
         for i in range(len(hashes) - 1):
             h, nxt = hashes[i], hashes[i + 1]
