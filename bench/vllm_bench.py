@@ -90,6 +90,17 @@ def summary(r: dict) -> dict:
             "ttft_p99_s": _pct(ttft, 0.99), "total_s": r["total_s"], "engine_start_s": r["start_s"]}
 
 
+def loads_by_mode(r: dict) -> dict[str, int]:
+    """Tokens kvtier loaded in the forward (sync: staging/DRAM) and between steps (async: NVMe)."""
+    out = {"sync": 0, "async": 0, "failed": 0}
+    for x in r["requests"]:
+        kv = x.get("kvtier") or {}
+        if kv.get("load"):
+            out[kv["load"]] += int(kv["loaded_tokens"])
+        out["failed"] += int(kv.get("failed_tokens", 0))
+    return out
+
+
 def same(a: dict, b: dict) -> bool:
     return all(x["tokens"] == y["tokens"] and x["logprobs"] == y["logprobs"]
                for x, y in zip(a["requests"], b["requests"])) and len(a["requests"]) == len(b["requests"])
@@ -159,6 +170,7 @@ def _run(root: Path, args: argparse.Namespace) -> dict[str, Any]:
     svc = kvt["daemon"]["end"]["service"]
     runs["kvtier"]["hit_blocks_by_tier"] = {t: int(svc.get(f"hits_{t}", 0)) for t in ("hbm", "dram", "nvme")}
     runs["kvtier"]["hit_tokens_by_tier"] = {t: BLOCK_TOKENS * n for t, n in runs["kvtier"]["hit_blocks_by_tier"].items()}
+    runs["kvtier"]["loaded_tokens_by_mode"] = loads_by_mode(kvt)
     print("vLLM without prefix reuse ...", flush=True)
     norec, _ = engine_run(root, "no_prefix_cache", model, args, 8 * args.blocks, extra=("--no-prefix-caching",))
     v, k = runs["vllm"], runs["kvtier"]

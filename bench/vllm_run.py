@@ -3,9 +3,10 @@
 vLLM's engine core is a spawned process, so the engine is built under
 ``__main__`` here and the caller (``kvtier bench vllm``, the tests) reads the
 JSON it writes: per request the generated token ids, their logprobs as exact
-float hex strings, the cached-token count vLLM reports, and the time to first
-token. A model is a random-weight Llama made from a transformers config with a
-fixed seed (``make_model``): no download.
+float hex strings, the cached-token count vLLM reports, the time to first
+token, and what the kvtier connector did for it (its ``kv_transfer_params``).
+A model is a random-weight Llama made from a transformers config with a fixed
+seed (``make_model``): no download.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows.append({"session": req["session"], "turn": req["turn"], "prompt_tokens": len(prompt),
                      "cached_tokens": int(r.num_cached_tokens or 0), "tokens": list(o.token_ids),
                      "logprobs": [float(lp[tok].logprob).hex() for lp, tok in zip(o.logprobs or [], o.token_ids)],
-                     "ttft_s": ttft, "wall_s": wall})
+                     "ttft_s": ttft, "wall_s": wall, "kvtier": (r.kv_transfer_params or {}).get("kvtier")})
         history[req["session"]] = prompt + list(o.token_ids)
     total = time.perf_counter() - t_run
     if args.runtime_dir:

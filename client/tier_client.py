@@ -209,26 +209,28 @@ class TierClient:
         return self.hbm[int(slot), : self.info["block_bytes"]]
 
     # -- blocks --------------------------------------------------------------------------
-    def alloc(self, n: int, seq: Optional[int] = None, pin: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    def alloc(self, n: int, seq: Optional[int] = None, pin: bool = False,
+              wait: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """n new blocks and their HBM slots at allocation time. Without ``seq`` they come
         from a local lease (one RPC per ``lease_size`` blocks). The daemon may move an
-        unpinned block, so ``acquire`` a block before writing into its slot."""
-        if seq is None and not pin and self.lease_size and n <= self.lease_size:
+        unpinned block, so ``acquire`` a block before writing into its slot. ``wait=False``:
+        a full HBM tier is refused at once (``no_space``) instead of waited for."""
+        if seq is None and not pin and wait and self.lease_size and n <= self.lease_size:
             if len(self._lease) < n:
                 r = self._alloc_retry(self.lease_size + n - len(self._lease), None)
                 self._lease.extend(unpack_ids(r["blocks"]).tolist())
             out = np.asarray(self._lease[:n], dtype=np.int64)
             del self._lease[:n]
             return out, self._slots_of(out)
-        r = self._alloc_retry(n, seq, pin)
+        r = self._alloc_retry(n, seq, pin, wait)
         return unpack_ids(r["blocks"]), unpack_ids(r["slots"])
 
     def _slots_of(self, blocks: np.ndarray) -> np.ndarray:
         return np.asarray([self._lease_slot.pop(b) for b in blocks.tolist()], dtype=np.int64)
 
-    def _alloc_retry(self, n: int, seq: Optional[int], pin: bool = False) -> dict:
+    def _alloc_retry(self, n: int, seq: Optional[int], pin: bool = False, wait: bool = True) -> dict:
         """The daemon waits for room (up to our timeout) rather than bouncing us."""
-        r = self._call("alloc", {"n": int(n), "seq": seq, "pin": pin or None, "wait": True,
+        r = self._call("alloc", {"n": int(n), "seq": seq, "pin": pin or None, "wait": wait,
                                  "timeout_s": self.timeout_s}, timeout_s=self.timeout_s + 5.0)
         if seq is None and not pin:
             self._lease_slot.update(zip(unpack_ids(r["blocks"]).tolist(), unpack_ids(r["slots"]).tolist()))
@@ -314,6 +316,13 @@ class TierClient:
     def report_segment(self, blocks: ArrayLike, tag: str) -> None:
         self._telemetry({"v": P.VERSION, "engine": self.engine_id, "kind": "segment", "blocks": pack_ids(blocks),
                          "tag": tag})
+
+    def report_class(self, blocks: ArrayLike, cont: bool, span: int) -> None:
+        """The request features of sealed blocks the daemon cannot see itself (an engine that
+        does not alloc by ``seq``): does the request continue a conversation, and how many new
+        blocks it adds. The predictor's class of each block follows them."""
+        self._telemetry({"v": P.VERSION, "engine": self.engine_id, "kind": "class", "blocks": pack_ids(blocks),
+                         "cont": bool(cont), "span": int(span)})
 
     # -- teardown ----------------------------------------------------------------------------
     def close(self, unregister: bool = True) -> None:

@@ -7,10 +7,14 @@ Load it without patching vLLM::
 
 ``kv_connector_extra_config`` may set ``runtime_dir`` (the daemon's; default: the
 per-user one ``kvtier serve`` uses), ``namespace`` (default: the model) and
-``hint_deadline_s``. Under vLLM, vLLM's paged KV is the HBM tier: its own prefix
-cache serves what it still holds, and kvtier (DRAM, NVMe) serves what fell out of
-it. The scheduler half (``vllm_scheduler``) decides loads and saves; the worker
-half (``vllm_worker``) moves the bytes, layer by layer.
+``hint_deadline_s``, ``load_timeout_s`` and ``save_timeout_s``. Under vLLM, vLLM's
+paged KV is the HBM tier: its own prefix cache serves what it still holds, and
+kvtier (DRAM, NVMe) serves what fell out of it. The scheduler half
+(``vllm_scheduler``) decides loads and saves; the worker half moves the bytes:
+layer by layer in the forward for prefixes in staging or DRAM (``vllm_worker``),
+between steps for prefixes with a block on NVMe (``vllm_async``, reported through
+``get_finished``). Each request's output carries ``kv_transfer_params["kvtier"]``:
+the tokens loaded from kvtier, how (``sync``/``async``) and how many failed.
 """
 
 from __future__ import annotations
@@ -25,11 +29,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.client.tier_client import TierClient
 
 from .keys import DIGEST_BYTES
+from .vllm_async import AsyncLoads
 from .vllm_scheduler import SchedulerSide, Transfer
 from .vllm_worker import Geometry, WorkerSide
 
@@ -45,9 +51,31 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class KVTierStats(KVConnectorStats):
+    """The worker's counters over an interval (blocks loaded sync/async, failed, saved, queued
+    for staging room, dropped), summed over workers; vLLM logs them as KV transfer metrics."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+@dataclass
 class KVTierMetadata(KVConnectorMetadata):
-    loads: list[Transfer] = field(default_factory=list)
+    loads: list[Transfer] = field(default_factory=list)        # sync: in this step's forward
+    loads_async: list[Transfer] = field(default_factory=list)  # between steps, reported by get_finished
     saves: list[Transfer] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)
 
 
 def _tp() -> tuple[int, int]:
@@ -69,17 +97,24 @@ class KVTierConnector(KVConnectorBase_V1):
         world = int(vllm_config.parallel_config.tensor_parallel_size)
         self._ns_model = f"vllm:{model}:{vllm_config.model_config.dtype}"
         self._world = world
+        self._load_timeout_s = float(extra.get("load_timeout_s", 30.0))
+        self._save_timeout_s = float(extra.get("save_timeout_s", 10.0))
         self.sched: Optional[SchedulerSide] = None
         self.worker: Optional[WorkerSide] = None
+        self.asyncs: Optional[AsyncLoads] = None
+        self._reported: dict[str, float] = {}  # worker counters as of the last stats report
         self._clients: list[TierClient] = []
         if role == KVConnectorRole.SCHEDULER:
             group = kv_cache_config.kv_cache_groups[0]
             layers = len(group.layer_names)
             page = int(group.kv_cache_spec.page_size_bytes) // world  # one rank's share of a layer's block
-            client = self._client("sched", 0)
-            client.register(block_bytes=(page + DIGEST_BYTES) * layers, block_tokens=self._block_size,
-                            layout={"layers": layers, "role": "vllm-scheduler"}, namespace=self._namespace(0))
-            self.sched = SchedulerSide(client, self._block_size, float(extra.get("hint_deadline_s", 0.05)))
+            clients = []  # one per rank's namespace: a hit needs every rank's shard
+            for rank in range(world):
+                client = self._client("sched", rank)
+                client.register(block_bytes=(page + DIGEST_BYTES) * layers, block_tokens=self._block_size,
+                                layout={"layers": layers, "role": "vllm-scheduler"}, namespace=self._namespace(rank))
+                clients.append(client)
+            self.sched = SchedulerSide(clients, self._block_size, float(extra.get("hint_deadline_s", 0.05)))
 
     def _namespace(self, rank: int) -> str:
         """Each model and each tensor-parallel rank has its own key space (a rank holds its own shard).
@@ -103,12 +138,19 @@ class KVTierConnector(KVConnectorBase_V1):
         client = self._client("worker", rank)
         client.register(block_bytes=geo.block_bytes, block_tokens=self._block_size,
                         layout={"layers": len(geo.layers), "role": "vllm-worker"}, namespace=self._namespace(rank))
-        self.worker = WorkerSide(client, geo)
+        self.asyncs = AsyncLoads(client, geo, self._load_timeout_s)
+        self.worker = WorkerSide(client, geo, timeout_s=self._load_timeout_s, save_timeout_s=self._save_timeout_s,
+                                 idle=self.asyncs.poll)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if self.worker is not None and isinstance(kv_connector_metadata, KVTierMetadata):
+            self.worker.preempted(kv_connector_metadata.preempted)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        assert isinstance(meta, KVTierMetadata) and self.worker is not None
+        assert isinstance(meta, KVTierMetadata) and self.worker is not None and self.asyncs is not None
         self.worker.start(meta.loads)
+        self.asyncs.start(meta.loads_async)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.worker is not None:
@@ -126,13 +168,37 @@ class KVTierConnector(KVConnectorBase_V1):
         self.worker.finish_load()
         self.worker.save(meta.saves)
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        """(finished requests whose saves are done, requests whose async load finished or failed);
+        a failed load's blocks are in this step's ``get_block_ids_with_load_errors``."""
+        if self.worker is None or self.asyncs is None:
+            return None, None
+        self.asyncs.poll()
+        recving, errors = self.asyncs.take()
+        self.worker.errors |= errors
+        return self.worker.sent(finished_req_ids) or None, recving or None
+
+    def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
+        if self.worker is None or self.asyncs is None:
+            return None
+        now = {**self.worker.stats, **self.asyncs.stats}
+        now.pop("load_wait_s", None)
+        delta = {k: v - self._reported.get(k, 0) for k, v in now.items()}
+        self._reported = now
+        stats = KVTierStats(data=delta)
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None) -> Optional[KVConnectorStats]:
+        return KVTierStats(data=dict(data or {}))
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_errors() if self.worker is not None else set()
 
     # -- scheduler side -------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
         assert self.sched is not None
-        return self.sched.matched(request, num_computed_tokens), False
+        return self.sched.matched(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         assert self.sched is not None
@@ -144,17 +210,15 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         assert self.sched is not None
-        loads, saves = self.sched.build(scheduler_output)
-        return KVTierMetadata(loads, saves)
+        loads, loads_async, saves = self.sched.build(scheduler_output)
+        return KVTierMetadata(loads, loads_async, saves, set(scheduler_output.preempted_req_ids or ()))
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         if self.sched is not None:
             self.sched.load_failed(set(connector_output.invalid_block_ids or ()))
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
-        if self.sched is not None:
-            self.sched.finished(request)
-        return False, None
+        return self.sched.finished(request) if self.sched is not None else (False, None)
 
     def shutdown(self) -> None:
         for c in self._clients:

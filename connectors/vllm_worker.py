@@ -8,28 +8,34 @@ promotes them layer by layer. The daemon's HBM pool is the staging area both way
 
 - save (``wait_for_save``, after the forward): new full blocks are copied into
   pinned staging slots, sealed under their keys, released and unreferenced; the
-  daemon demotes them to DRAM/NVMe in the background (the engine never waits on
-  a disk write).
-- load (``start_load_kv`` before the forward): one non-blocking acquire of every
-  block to load; ``wait_for_layer_load(l)`` waits only until layer l of those
-  blocks has landed, checks its trailer against the hash vLLM asked for, and
-  copies it into vLLM's blocks. A block the daemon cannot serve (gone, corrupt
-  on NVMe, a trailer that does not match) is reported to vLLM, which recomputes
-  it: a wrong byte is never handed to attention.
+  daemon demotes them to DRAM/NVMe in the background. When the staging pool is
+  full (demotions still writing), the blocks are queued, not waited for: each
+  later step retries them, and vLLM keeps a finished request's blocks until its
+  queued saves are done (``finished_sending``). A save still queued after
+  ``save_timeout_s`` is dropped and counted (a future miss, never a stall).
+- load (``start_load_kv`` before the forward), for blocks the scheduler found in
+  staging or DRAM (NVMe loads are async: ``vllm_async``): one non-blocking
+  acquire; ``wait_for_layer_load(l)`` waits only until layer l of those blocks
+  has landed, checks its trailer against the hash vLLM asked for, and copies it
+  into vLLM's blocks. A block the daemon cannot serve (gone, corrupt on NVMe, a
+  trailer that does not match) is reported to vLLM, which recomputes it: a
+  wrong byte is never handed to attention.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
-from kvtier.client.replies import AcquireHandle, KvtierError
+from kvtier.client.replies import AcquireHandle, KvtierError, RequestRejected
 from kvtier.client.tier_client import TierClient
+from kvtier.protocol.wire import NO_SPACE
 
 from .keys import DIGEST_BYTES, block_keys, digests
 from .vllm_scheduler import Transfer
@@ -94,15 +100,33 @@ class _Load:
     failed: bool = False
 
 
+@dataclass
+class _Save:
+    req_id: str
+    vid: int
+    hash: Any
+    seg: str
+    since: float  # monotonic time it was queued
+    cont: bool    # its request's features (the daemon's predictor class)
+    span: int
+
+
 class WorkerSide:
-    def __init__(self, client: TierClient, geometry: Geometry, timeout_s: float = 30.0) -> None:
+    def __init__(self, client: TierClient, geometry: Geometry, timeout_s: float = 30.0,
+                 save_timeout_s: float = 10.0, idle: Optional[Callable[[], None]] = None) -> None:
         self.client = client
         self.geo = geometry
         self.timeout_s = timeout_s
+        self.save_timeout_s = save_timeout_s
+        self.idle = idle                    # run while a sync load waits (async loads finish meanwhile)
         self.load: Optional[_Load] = None
         self.errors: set[int] = set()       # vLLM blocks that could not be loaded (reported once)
         self.failed_reqs: set[str] = set()  # requests of this step whose load failed: nothing of theirs is saved
-        self.stats = {"loaded_blocks": 0, "saved_blocks": 0, "failed_blocks": 0, "load_wait_s": 0.0}
+        self.queue: deque[_Save] = deque()  # saves waiting for staging room, in order
+        self.saving: set[str] = set()       # requests that handed us saves: vLLM holds their blocks until we say
+        self.finishing: set[str] = set()    # ... and that vLLM has finished
+        self.stats = {"loaded_blocks": 0, "saved_blocks": 0, "failed_blocks": 0, "load_wait_s": 0.0,
+                      "save_queued_blocks": 0, "save_dropped_blocks": 0}
         # the daemon reports layer-wise progress in the parts of the first engine's geometry: ours only if equal
         self.layerwise = int(client.info.get("layers", 1)) == len(geometry.layers)
         max_batch = max(1, int(client.info.get("hbm_slots", 2)) // 2)
@@ -156,6 +180,8 @@ class WorkerSide:
                     break
                 if time.monotonic() > end:
                     raise KvtierError(f"layer {layer} not loaded within {self.timeout_s} s")
+                if self.idle is not None:  # finished async loads free their staging pins for us
+                    self.idle()
                 time.sleep(0.001)  # each poll is an RPC: leave the daemon the CPU to move the bytes
         except KvtierError as e:
             log.warning("kvtier: load failed (%s); vLLM recomputes those blocks", e)
@@ -208,38 +234,90 @@ class WorkerSide:
 
     # -- save ---------------------------------------------------------------------
     def save(self, saves: list[Transfer]) -> None:
-        saves = [t for t in saves if t.req_id not in self.failed_reqs]
-        vids = [b for t in saves for b in t.block_ids]
-        hashes = [h for t in saves for h in t.hashes]
-        segs = [s for t in saves for s in (t.segment or ["user"] * len(t.block_ids))]
-        for i in range(0, len(vids), self.save_batch):
-            self._save_batch(vids[i:i + self.save_batch], hashes[i:i + self.save_batch], segs[i:i + self.save_batch])
+        """Queue this step's new full blocks and save what the staging pool has room for."""
+        now = time.monotonic()
+        added = 0
+        for t in saves:
+            self.saving.add(t.req_id)
+            if t.req_id in self.failed_reqs:
+                continue
+            for vid, h, seg in zip(t.block_ids, t.hashes, t.segment or ["user"] * len(t.block_ids)):
+                self.queue.append(_Save(t.req_id, vid, h, seg, now, t.cont, t.span))
+                added += 1
+        self.flush()
+        self.stats["save_queued_blocks"] += min(added, len(self.queue))  # ours are the queue's tail
 
-    def _save_batch(self, vids: list[int], hashes: list[Any], segs: list[str]) -> None:
-        if not vids:
+    def flush(self) -> None:
+        """Save queued blocks in order while staging has room; never waits for room."""
+        while self.queue:
+            batch = [self.queue[i] for i in range(min(self.save_batch, len(self.queue)))]
+            if self._save_batch(batch):
+                for _ in batch:
+                    self.queue.popleft()
+                continue
+            if time.monotonic() - self.queue[0].since <= self.save_timeout_s:
+                break
+            for _ in batch:  # staging stayed full too long: a future miss, not a held engine
+                self.queue.popleft()
+            self.stats["save_dropped_blocks"] += len(batch)
+            log.warning("kvtier: no staging room for %d blocks in %.0f s; dropped", len(batch), self.save_timeout_s)
+
+    def sent(self, finished_req_ids: set[str]) -> set[str]:
+        """Finished requests whose saves are all done: vLLM may free their blocks now."""
+        self.finishing |= finished_req_ids & self.saving
+        self.flush()
+        queued = {q.req_id for q in self.queue}
+        done = {r for r in self.finishing if r not in queued}
+        self.finishing -= done
+        self.saving -= done
+        return done
+
+    def preempted(self, req_ids: set[str]) -> None:
+        """vLLM frees a preempted request's blocks at once: its queued saves would read reused blocks."""
+        if not req_ids or not self.queue:
             return
+        keep = deque(q for q in self.queue if q.req_id not in req_ids)
+        self.stats["save_dropped_blocks"] += len(self.queue) - len(keep)
+        self.queue = keep
+
+    def _save_batch(self, batch: list[_Save]) -> bool:
+        """True when the batch is done with (saved, or failed for good); False: no room yet."""
         hbm = self.client.hbm
         assert hbm is not None
         try:
-            blocks, slots = self.client.alloc(len(vids), pin=True)
+            blocks, slots = self.client.alloc(len(batch), pin=True, wait=False)
+        except RequestRejected as e:
+            if e.code == NO_SPACE:
+                return False
+            log.warning("kvtier: no staging slots to save %d blocks (%s); they stay in vLLM only", len(batch), e)
+            self.stats["save_dropped_blocks"] += len(batch)
+            return True
         except KvtierError as e:
-            log.warning("kvtier: no staging room to save %d blocks (%s); they stay in vLLM only", len(vids), e)
-            return
+            log.warning("kvtier: no staging slots to save %d blocks (%s); they stay in vLLM only", len(batch), e)
+            self.stats["save_dropped_blocks"] += len(batch)
+            return True
+        hashes = [q.hash for q in batch]
+        segs = np.array([q.seg for q in batch])
         trailer = torch.from_numpy(digests(hashes))
-        for i, (vid, sl) in enumerate(zip(vids, slots.tolist())):
+        for i, (q, sl) in enumerate(zip(batch, slots.tolist())):
             row = hbm[int(sl)]
             for layer in range(len(self.geo.layers)):
-                self.geo.save(layer, vid, row)
+                self.geo.save(layer, q.vid, row)
                 self.geo.trailer(layer, row).copy_(trailer[i])
         try:
             canon = self.client.seal(blocks, block_keys(hashes))
             self.client.release(blocks=canon[canon == blocks])  # a folded block's pins went with it
-            for tag in sorted(set(segs)):
-                self.client.report_segment(canon[np.array(segs) == tag], tag)
+            for tag in sorted(set(segs.tolist())):
+                self.client.report_segment(canon[segs == tag], tag)
+            feats = [(q.cont, q.span) for q in batch]
+            for cont, span in sorted(set(feats)):
+                self.client.report_class(canon[[f == (cont, span) for f in feats]], cont, span)
             self.client.free(blocks=canon)  # one reference per sealed block, folded or not
-            self.stats["saved_blocks"] += len(vids)
+            self.stats["saved_blocks"] += len(batch)
         except KvtierError as e:
-            log.warning("kvtier: saving %d blocks failed: %s", len(vids), e)
+            log.warning("kvtier: saving %d blocks failed: %s", len(batch), e)
+            self.stats["save_dropped_blocks"] += len(batch)
+        return True
 
 
 __all__ = ["Geometry", "WorkerSide"]

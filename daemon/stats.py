@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from kvtier.predictor.classes import N_FEATURE_CLASSES
 from kvtier.tiers.types import FREE
 
 from .config import KvtierConfig
@@ -78,6 +79,8 @@ def snapshot(cfg: KvtierConfig, counters: Counter[str], engines: dict[str, Engin
     scores = node.scores  # live blocks per segment tag (untagged: "")
     counts = np.bincount(scores.segment[used], minlength=len(scores.segment_names))
     out["segments"] = {name or "untagged": int(n) for name, n in zip(scores.segment_names, counts)}
+    classes = np.bincount(node.placement.feature_class[used], minlength=N_FEATURE_CLASSES)
+    out["feature_classes"] = classes.tolist()  # live blocks per predictor feature class (tail*8 + cont*4 + span)
     return out
 
 

@@ -1,8 +1,9 @@
 """Telemetry ingestion: fire-and-forget reports from engines, applied in batches.
 
 Attention mass updates the importance EMA and the policies' weights; segment
-tags set a block's segment weight; access reports feed the policies' access
-log. A bad message is counted and dropped: telemetry never fails an engine.
+tags set a block's segment weight; class reports (does the request continue a
+conversation, how many new blocks it adds) set a sealed block's predictor class;
+access reports feed the policies' access log. A bad message is counted and dropped: telemetry never fails an engine.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 
 from kvtier.protocol import wire as P
 from kvtier.protocol.wire import ProtocolError
-from kvtier.tiers.types import FREE
+from kvtier.tiers.types import FREE, OPEN
 
 from .node import Node
 
@@ -43,6 +44,12 @@ def ingest(node: Node, counters: Counter[str], msg: Any) -> int:
                 raise ProtocolError(P.BAD_REQUEST, "bad tag")
             node.scores.tag(blocks[live], tag)
             node.set_importance(blocks[live])
+        elif kind == "class":  # request features of sealed blocks: the predictor's class
+            cont, span = msg.get("cont"), msg.get("span")
+            if not isinstance(cont, bool) or not isinstance(span, int) or isinstance(span, bool) or span < 0:
+                raise ProtocolError(P.BAD_REQUEST, "bad class features")
+            for b in blocks[live & (t.state[blocks] != OPEN)].tolist():
+                node.placement.on_seal(b, cont, span)
         elif kind == "access":
             node.placement.log_access(blocks[live])
         else:

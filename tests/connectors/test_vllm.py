@@ -8,7 +8,9 @@ daemon of its own that never serves a block): on this CPU backend, vLLM with any
 connector rounds some decode logprobs differently (by an ulp or so, tokens equal) than
 without one, even on a cold cache, so the like-for-like reference carries one. Both run
 the same 8 sessions x 4 turns; before the last turn every NVMe copy in the daemon's slabs
-is corrupted, so that turn's NVMe loads must fail their checksum and be recomputed.
+is corrupted, so that turn's NVMe loads must fail their checksum and be recomputed. Prefixes
+with a block on NVMe take vLLM's async-load path, the others the layer-wise one in the
+forward; each request's ``kv_transfer_params`` says which it took.
 """
 
 from __future__ import annotations
@@ -99,6 +101,15 @@ def test_prefixes_that_fell_out_of_vllm_came_back_from_dram_and_nvme(runs):
     assert svc.get("hits_dram", 0) > 0 and svc.get("hits_nvme", 0) > 0, svc
 
 
+def test_prefixes_on_nvme_took_the_async_path_and_staged_ones_the_layerwise_one(runs):
+    _, kvt = runs
+    before = [r["kvtier"] for r in kvt["requests"] if r["turn"] < DRILL]
+    by_mode = {m: [k for k in before if k["load"] == m] for m in ("sync", "async")}
+    # both paths served requests, and every one of them in full (bit-exact above, the same cached tokens)
+    assert by_mode["async"] and by_mode["sync"], before
+    assert all(k["loaded_tokens"] > 0 and k["failed_tokens"] == 0 for k in by_mode["async"] + by_mode["sync"])
+
+
 def test_corrupted_nvme_blocks_are_refused_and_recomputed(runs):
     ref, kvt = runs
     assert kvt["daemon"]["corrupted_slots"] > 0
@@ -111,3 +122,18 @@ def test_corrupted_nvme_blocks_are_refused_and_recomputed(runs):
     # recomputed prefixes were not served from the corrupted copies
     drill = [r for r in kvt["requests"] if r["turn"] == DRILL]
     assert all(r["tokens"] == q["tokens"] for r, q in zip(drill, [q for q in ref["requests"] if q["turn"] == DRILL]))
+    # the corrupted prefixes were NVMe ones: their async loads failed, and vLLM recomputed them
+    failed = [r["kvtier"] for r in drill if r["kvtier"]["failed_tokens"]]
+    assert failed and all(k["load"] == "async" for k in failed), [r["kvtier"] for r in drill]
+
+
+def test_connector_stats_sum_over_workers_and_intervals():
+    from kvtier.connectors.vllm import KVTierConnector, KVTierStats
+
+    a = KVTierConnector.build_kv_connector_stats({"async_loaded_blocks": 3, "saved_blocks": 1})
+    assert isinstance(a, KVTierStats)
+    b = KVTierStats(data={"async_loaded_blocks": 2, "save_dropped_blocks": 1})
+    assert a.aggregate(b).reduce() == {"async_loaded_blocks": 5, "saved_blocks": 1, "save_dropped_blocks": 1}
+    assert KVTierStats(data={"saved_blocks": 0}).is_empty() and not a.is_empty()
+    a.reset()
+    assert a.is_empty()
