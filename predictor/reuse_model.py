@@ -129,6 +129,7 @@ class ReuseModel:
         # density candidates rank by hit density; their P(reused within W) is kept beside it for
         # the calibration of the decisions they make
         self.prob = {k: np.zeros((N_AGES, N_CELLS)) for k, c in enumerate(self.candidates) if c.density}
+        self._scratch = np.zeros((3, N_AGES, N_CELLS)) if self.prob else np.zeros((3, 0, 0))
 
     # -- evidence ----------------------------------------------------------
     def access(self, b: int, cls: int) -> bool:
@@ -244,15 +245,40 @@ class ReuseModel:
         """Hit density (LHD's measure) within the horizon: P(reused within ``w``) over the
         expected accesses the block holds its slot until reused or ``w`` passes. Unlike P
         alone it keeps rising as a block nears a reuse farther off than ``w`` (a loop longer
-        than the cache): the block that is closest to its reuse is worth most."""
-        ages = np.arange(N_AGES) * self.granularity
-        lo = ages + 1.0  # the window, in distances since the last access: [lo, lo + w)
-        overlap = np.clip(np.minimum(_EDGES[1:], lo[:, None] + w) - np.maximum(_EDGES[:-1], lo[:, None]), 0.0, None)
-        surv = np.exp(log_surv)  # survival to the start of each bucket
-        mean_surv = 0.5 * (surv[:, :-1] + surv[:, 1:])  # within each bucket (trapezoid)
-        start = distance_bucket(lo)
-        held = (overlap @ mean_surv.T) / np.maximum(surv[:, start].T, 1e-300)  # [age, cell]
-        np.divide(prob, np.maximum(held, 1.0), out=out)
+        than the cache): the block that is closest to its reuse is worth most.
+
+        The slot time is the integral of survival over the window [lo, lo + w): whole
+        buckets inside it from a cumulative sum, the two partial buckets at its ends by
+        their overlap; row gathers only (a BLAS matmul here spun its threads on every
+        refresh)."""
+        lo = np.arange(N_AGES) * self.granularity + 1.0  # the window, in distances since the last access
+        hi = lo + w
+        s, e = distance_bucket(lo), distance_bucket(hi)
+        # [bucket edge, cell]: survival to the start of each bucket, floored at e^-600 (no block
+        # lives that long: below it only subnormal arithmetic, 100x slower, would follow)
+        surv_t = np.ascontiguousarray(np.exp(np.maximum(log_surv, -600.0)).T)
+        mean_t = 0.5 * (surv_t[:-1] + surv_t[1:])  # [bucket, cell]: within each bucket (trapezoid)
+        cum_t = np.zeros((N_BUCKETS + 1, log_surv.shape[0]))
+        np.cumsum(mean_t * _WIDTHS[:, None], axis=0, out=cum_t[1:])
+        same = s == e
+        after_first = np.where(same, e, s + 1)  # whole buckets: [after_first, e), none when same
+        first = np.where(same, hi, _EDGES[after_first]) - lo
+        last = np.where(same, 0.0, hi - _EDGES[e])
+        held, part, diff = self._scratch  # [age, cell] each, reused: fresh MBs fault in page by page
+        np.take(mean_t, s, axis=0, out=held, mode="clip")
+        held *= first[:, None]
+        np.take(mean_t, e, axis=0, out=part, mode="clip")
+        part *= last[:, None]
+        held += part
+        np.take(cum_t, e, axis=0, out=part, mode="clip")
+        np.take(cum_t, after_first, axis=0, out=diff, mode="clip")
+        part -= diff  # the difference first: both terms can be far larger than the
+        held += part  # partial buckets held so far (survival long gone to ~0)
+        np.take(surv_t, s, axis=0, out=part, mode="clip")
+        np.maximum(part, 1e-300, out=part)
+        held /= part
+        np.maximum(held, 1.0, out=held)
+        np.divide(prob, held, out=out)
 
     def probability_just_accessed(self, k: int, b: int) -> float:
         """Candidate ``k``'s P(reused within its horizon) of block ``b`` at age 0."""
@@ -299,6 +325,7 @@ class ReuseModel:
 
 _EDGES = 2.0 ** (np.arange(N_BUCKETS + 1) / 2.0)  # distance bucket j covers [_EDGES[j], _EDGES[j + 1])
 _EDGES[-1] = np.inf  # the last bucket takes every longer distance
+_WIDTHS = np.append(np.diff(_EDGES[:-1]), 0.0)  # bucket widths; the open last one only ever partly
 
 
 def _log_survival(hazard: np.ndarray) -> np.ndarray:
