@@ -20,7 +20,9 @@ so a cell with little evidence answers with its parent's rate.
 
 A candidate model is a partition of the cells (which features it conditions
 on) and a horizon multiple (W = multiple x this cache's mean eviction age: "reused
-before this cache would forget it"). Tables for all candidates are rebuilt
+before this cache would forget it"); a density candidate ranks by P over the
+expected accesses the block holds its slot until the reuse or W (hit density).
+Tables for all candidates are rebuilt
 every ``refresh_every`` accesses from the same counts; counts decay with a time
 constant of ``memory_horizons`` eviction ages, so the model's memory scales with
 the cache instead of being a constant chosen on one trace.
