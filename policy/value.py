@@ -7,7 +7,9 @@ value(b) = P(b is reused within W | its features, its age) x weight(b)
   cells, learned from reuse distances read off the access stream.
 * W, the horizon, is a multiple of this cache's own mean eviction age: "reused
   before this cache would forget it". All slots cost the same time W, so the
-  probability is the expected hits per slot over the horizon.
+  probability is the expected hits per slot over the horizon. A density
+  candidate divides P by the expected slot time until the reuse or W instead
+  (hit density), which keeps rising as a reuse beyond the cache nears.
 * weight(b) is set by the daemon: the block's attention importance
   (``set_weights``); 1 in replay. A restore-cost factor is not applied: within
   one tier and one block geometry every victim comes back the same way, so it
