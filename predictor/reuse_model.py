@@ -291,18 +291,19 @@ class ReuseModel:
         table = self.prob.get(k)
         if table is None:
             return self.values(k, blocks)
-        idx = self.age_buckets(blocks)
-        idx *= N_CELLS
-        idx += self.cell.take(blocks)
-        return table.reshape(-1).take(idx)
+        return table.reshape(-1).take(self.table_index(blocks))
 
     # -- queries -------------------------------------------------------------
     def values(self, k: int, blocks: np.ndarray) -> np.ndarray:
         """Candidate ``k``'s P(reuse within its horizon) for ``blocks`` at their current age."""
+        return self.flat[k].take(self.table_index(blocks))
+
+    def table_index(self, blocks: np.ndarray) -> np.ndarray:
+        """Flat [age, cell] index of ``blocks`` at their current age, into any table."""
         idx = self.age_buckets(blocks)
         idx *= N_CELLS
         idx += self.cell.take(blocks)
-        return self.flat[k].take(idx)
+        return idx
 
     def age_buckets(self, blocks: np.ndarray) -> np.ndarray:
         idx = ((self.clock - self.last.take(blocks)) * self._inv_g).astype(np.int64)
@@ -311,10 +312,7 @@ class ReuseModel:
 
     def values_rows(self, ks: np.ndarray, blocks: np.ndarray) -> np.ndarray:
         """Row i: candidate ``ks[i]``'s values of ``blocks[i]`` (a 2-D array), in one gather."""
-        idx = self.age_buckets(blocks)
-        idx *= N_CELLS
-        idx += self.cell.take(blocks)
-        return self.flat3[ks[:, None], idx]
+        return self.flat3[ks[:, None], self.table_index(blocks)]
 
     def values_just_accessed(self, ks: np.ndarray, b: int) -> np.ndarray:
         """Candidates ``ks``' values of block ``b`` at age 0."""

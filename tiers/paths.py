@@ -10,7 +10,7 @@ checksums of the bytes written. Paths see the mover only through ``CopyEngine``.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Optional, Protocol, Sequence, Union
+from typing import Callable, Iterator, Optional, Protocol, Sequence, Union
 
 import numpy as np
 import torch
@@ -57,6 +57,17 @@ def _split(idx: Sequence[int], k: int) -> list[Sequence[int]]:
     k = max(1, min(len(idx), k))
     bounds = [len(idx) * j // k for j in range(k + 1)]
     return [idx[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+
+
+def _outcomes(calls: list) -> Iterator[tuple[int, Optional[BaseException]]]:
+    """(index, error or None) of every item of batched I/O calls ``(indices, future)``;
+    a future that failed as a whole fails each of its items."""
+    for idx, fut in calls:
+        try:
+            failures = fut.result()
+        except Exception as e:
+            failures = [e] * len(idx)
+        yield from zip(idx, failures)
 
 
 def _io_threads(m: CopyEngine) -> int:
@@ -132,16 +143,11 @@ def _write_nvme(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict,
             except Exception as e:
                 for i in mine:
                     errors[int(t.blocks[i])] = f"{type(e).__name__}: {e}"
-    for mine, fut in calls:
-        try:
-            failures = fut.result()
-        except Exception as e:
-            failures = [e] * len(mine)
-        for i, err in zip(mine, failures):
-            if err is None:
-                ok[i] = True
-            else:
-                errors[int(t.blocks[i])] = f"{type(err).__name__}: {err}"
+    for i, err in _outcomes(calls):
+        if err is None:
+            ok[i] = True
+        else:
+            errors[int(t.blocks[i])] = f"{type(err).__name__}: {err}"
     return sums
 
 
@@ -206,20 +212,15 @@ def _read_verified(m: CopyEngine, t: Transfer, idx: Sequence[int], bufs: dict[in
         except Exception as e:
             for i in share:
                 errors[int(t.blocks[i])] = f"{type(e).__name__}: {e}{again}"
-    for share, fut in calls:
-        try:
-            failures = fut.result()
-        except Exception as e:
-            failures = [e] * len(share)
-        for i, err in zip(share, failures):
-            b = int(t.blocks[i])
-            if err is None:
-                ok[i] = True
-                errors.pop(b, None)
-            elif isinstance(err, CorruptBlockError):
-                errors[b] = f"block {b}: {err}"
-            else:
-                errors[b] = f"{type(err).__name__}: {err}{again}"
+    for i, err in _outcomes(calls):
+        b = int(t.blocks[i])
+        if err is None:
+            ok[i] = True
+            errors.pop(b, None)
+        elif isinstance(err, CorruptBlockError):
+            errors[b] = f"block {b}: {err}"
+        else:
+            errors[b] = f"{type(err).__name__}: {err}{again}"
 
 
 @path(Tier.NVME, Tier.DRAM)
