@@ -42,6 +42,11 @@ N_BUCKETS = 48  # half octaves: distances up to 2^24 accesses, beyond in the las
 PENDING_SAMPLE = 4096  # block ids sampled per refresh to estimate the not-yet-reused accesses
 N_AGES = 256  # linear age buckets of the lookup tables ...
 AGE_STEPS_PER_EVICTION_AGE = 8  # ... 1/8 of the eviction age wide: they cover 32 eviction ages
+# Lookup tables are float32: they only rank and are read as probabilities; at 10^6 blocks
+# the float64 tables of two caches' models cost 22 B a block of the 256 B metadata budget.
+# Every table is still computed in float64 and rounded once, when written.
+TABLE_DTYPE = np.float32
+DENSITY_CHUNK = 32  # age buckets per pass of the density computation: its float64 scratch stays small
 
 
 def distance_bucket(d: np.ndarray) -> np.ndarray:
@@ -122,7 +127,7 @@ class ReuseModel:
         # tables[k][cell, age bucket] = P(reused within W_k); before evidence: younger is better
         # one array for all candidates, so the shadow caches look every candidate up in one
         # gather; stored age-major ([k, age, cell]): a rebuild then copies whole rows of cells
-        young_first = np.linspace(1.0, 0.0, N_AGES)[:, None]
+        young_first = np.linspace(1.0, 0.0, N_AGES, dtype=TABLE_DTYPE)[:, None]
         self.table3 = np.tile(young_first, (len(self.candidates), 1, N_CELLS))
         self.tables = [t.T for t in self.table3]  # views indexed [cell, age]
         self.flat = [t.reshape(-1) for t in self.table3]  # flat index: age * N_CELLS + cell
@@ -130,8 +135,9 @@ class ReuseModel:
         self.horizons = np.ones(len(self.candidates))
         # density candidates rank by hit density; their P(reused within W) is kept beside it for
         # the calibration of the decisions they make
-        self.prob = {k: np.zeros((N_AGES, N_CELLS)) for k, c in enumerate(self.candidates) if c.density}
-        self._scratch = np.zeros((3, N_AGES, N_CELLS)) if self.prob else np.zeros((3, 0, 0))
+        self.prob = {k: np.zeros((N_AGES, N_CELLS), dtype=TABLE_DTYPE)
+                     for k, c in enumerate(self.candidates) if c.density}
+        self._scratch = np.zeros((3, DENSITY_CHUNK if self.prob else 0, N_CELLS))
 
     # -- evidence ----------------------------------------------------------
     def access(self, b: int, cls: int) -> bool:
@@ -241,7 +247,8 @@ class ReuseModel:
         # many age buckets share a (start, end) pair of distance buckets: compute each pair once
         pairs, inverse = np.unique(start * (N_BUCKETS + 1) + end, return_inverse=True)
         p = 1.0 - np.exp(log_surv[:, pairs % (N_BUCKETS + 1)] - log_surv[:, pairs // (N_BUCKETS + 1)])
-        np.take(p.T, inverse.reshape(-1), axis=0, out=out, mode="clip")  # "raise" would buffer out: 5x slower
+        rows = np.ascontiguousarray(p.T, dtype=out.dtype)  # rounded here: a take that casts buffers
+        np.take(rows, inverse.reshape(-1), axis=0, out=out, mode="clip")  # "raise" would buffer out: 5x slower
 
     def _density(self, log_surv: np.ndarray, w: float, prob: np.ndarray, out: np.ndarray) -> None:
         """Hit density (LHD's measure) within the horizon: P(reused within ``w``) over the
@@ -266,21 +273,24 @@ class ReuseModel:
         after_first = np.where(same, e, s + 1)  # whole buckets: [after_first, e), none when same
         first = np.where(same, hi, _EDGES[after_first]) - lo
         last = np.where(same, 0.0, hi - _EDGES[e])
-        held, part, diff = self._scratch  # [age, cell] each, reused: fresh MBs fault in page by page
-        np.take(mean_t, s, axis=0, out=held, mode="clip")
-        held *= first[:, None]
-        np.take(mean_t, e, axis=0, out=part, mode="clip")
-        part *= last[:, None]
-        held += part
-        np.take(cum_t, e, axis=0, out=part, mode="clip")
-        np.take(cum_t, after_first, axis=0, out=diff, mode="clip")
-        part -= diff  # the difference first: both terms can be far larger than the
-        held += part  # partial buckets held so far (survival long gone to ~0)
-        np.take(surv_t, s, axis=0, out=part, mode="clip")
-        np.maximum(part, 1e-300, out=part)
-        held /= part
-        np.maximum(held, 1.0, out=held)
-        np.divide(prob, held, out=out)
+        for a in range(0, N_AGES, DENSITY_CHUNK):  # float64 per chunk of ages, rounded when written
+            z = slice(a, a + DENSITY_CHUNK)
+            n = len(s[z])
+            held, part, diff = (x[:n] for x in self._scratch)  # reused: fresh MBs fault in page by page
+            np.take(mean_t, s[z], axis=0, out=held, mode="clip")
+            held *= first[z, None]
+            np.take(mean_t, e[z], axis=0, out=part, mode="clip")
+            part *= last[z, None]
+            held += part
+            np.take(cum_t, e[z], axis=0, out=part, mode="clip")
+            np.take(cum_t, after_first[z], axis=0, out=diff, mode="clip")
+            part -= diff  # the difference first: both terms can be far larger than the
+            held += part  # partial buckets held so far (survival long gone to ~0)
+            np.take(surv_t, s[z], axis=0, out=part, mode="clip")
+            np.maximum(part, 1e-300, out=part)
+            held /= part
+            np.maximum(held, 1.0, out=held)
+            np.divide(prob[z], held, out=out[z], casting="same_kind")
 
     def probability_just_accessed(self, k: int, b: int) -> float:
         """Candidate ``k``'s P(reused within its horizon) of block ``b`` at age 0."""

@@ -53,3 +53,10 @@ def test_report_keys_and_held_blocks_cost_something():
     assert set(r["per_slot_bytes"]) == {"hbm", "dram", "nvme"}
     assert r["metadata_bytes_per_block_all"] > r["per_block_arrays_bytes"] > 0
     assert r["per_held_block_bytes"] > 0 and ".node.mgr.table" in r["by_part"]
+
+
+def test_a_daemon_at_a_million_blocks_keeps_within_the_metadata_budget():
+    """Issue #15's budget, 256 B a block at 10^6 blocks, all state counted (constant-size
+    tables spread over the blocks): a new column or a table grown past it fails here."""
+    r = M.report(blocks=1_000_000)
+    assert r["metadata_bytes_per_block_all"] <= 256.0, r["by_part"]
