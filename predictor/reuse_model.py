@@ -137,7 +137,7 @@ class ReuseModel:
         # the calibration of the decisions they make
         self.prob = {k: np.zeros((N_AGES, N_CELLS), dtype=TABLE_DTYPE)
                      for k, c in enumerate(self.candidates) if c.density}
-        self._scratch = np.zeros((3, DENSITY_CHUNK if self.prob else 0, N_CELLS))
+        self._scratch = np.zeros((3, DENSITY_CHUNK * N_CELLS if self.prob else 0))
 
     # -- evidence ----------------------------------------------------------
     def access(self, b: int, cls: int) -> bool:
@@ -191,11 +191,13 @@ class ReuseModel:
             self.horizons[k] = w
             if cand.partition not in survival:
                 survival[cand.partition] = _log_survival(self._hazard(cand.partition, pending, hazards))
+            rows, pair_of_age = self._pair_probabilities(survival[cand.partition], w)
+            cmap = _EXPAND[cand.partition]
             if cand.density:
-                self._table(survival[cand.partition], w, out=self.prob[k])
-                self._density(survival[cand.partition], w, self.prob[k], out=self.table3[k])
+                _write_table(rows, pair_of_age, cmap, out=self.prob[k])
+                self._density(survival[cand.partition], w, rows, pair_of_age, cmap, out=self.table3[k])
             else:
-                self._table(survival[cand.partition], w, out=self.table3[k])
+                _write_table(rows, pair_of_age, cmap, out=self.table3[k])
         decay = math.exp(-self.refresh_every / tau)
         self.reuses *= decay
         self.accesses *= decay
@@ -215,9 +217,11 @@ class ReuseModel:
         return np.bincount(flat, weights=weight, minlength=N_CELLS * N_BUCKETS).reshape(N_CELLS, N_BUCKETS)
 
     def _hazard(self, partition: str, pending: np.ndarray, memo: dict[str, np.ndarray]) -> np.ndarray:
-        """Posterior mean hazard per (partition cell, distance bucket), indexed by fine cell:
-        reuses in the bucket over accesses still at risk there (Kaplan-Meier), each cell
-        shrunk towards its parent's hazard with ``prior_strength`` pseudo-observations."""
+        """Posterior mean hazard per (partition cell, distance bucket): reuses in the bucket
+        over accesses still at risk there (Kaplan-Meier), each cell shrunk towards its
+        parent's hazard with ``prior_strength`` pseudo-observations. Partition cells, not
+        fine ones: a coarse candidate's tables are computed once per distinct cell (14x
+        fewer for class x stage) and expanded to fine cells only when written."""
         if partition in memo:
             return memo[partition]
         cmap = PARTITIONS[partition]
@@ -230,27 +234,25 @@ class ReuseModel:
         if parent is None:
             prior, strength = np.zeros((n_cells, N_BUCKETS)), 1.0
         else:
-            prior, strength = self._hazard(parent, pending, memo)[_first_cell_of(cmap, n_cells)], self.m
-        hazard = (strength * prior + reuses) / (strength + at_risk)
-        full = np.minimum(hazard, 1.0)[cmap]
-        memo[partition] = full
-        return full
+            to_parent = PARTITIONS[parent][_first_cell_of(cmap, n_cells)]
+            prior, strength = self._hazard(parent, pending, memo)[to_parent], self.m
+        hazard = np.minimum((strength * prior + reuses) / (strength + at_risk), 1.0)
+        memo[partition] = hazard
+        return hazard
 
-    def _table(self, log_surv: np.ndarray, w: float, out: np.ndarray) -> None:
-        """P(reused within the next ``w`` accesses | fine cell, age bucket) from the survival
-        curves, written into ``out`` ([age, cell]) in place: a refresh reallocating every
-        table churned tens of MB through the allocator each time, which showed as a slowly
-        rising daemon RSS."""
+    def _pair_probabilities(self, log_surv: np.ndarray, w: float) -> tuple[np.ndarray, np.ndarray]:
+        """P(reused within the next ``w`` accesses) per (start, end) pair of distance buckets
+        and partition cell (``rows[pair, cell]``, float64), and each age bucket's pair: many
+        age buckets share a pair, so each is computed once."""
         ages = np.arange(N_AGES) * self.granularity  # each lookup bucket's lower edge
         start = distance_bucket(ages + 1)
         end = distance_bucket(ages + 1 + w) + 1  # survival past the bucket where the window ends
-        # many age buckets share a (start, end) pair of distance buckets: compute each pair once
         pairs, inverse = np.unique(start * (N_BUCKETS + 1) + end, return_inverse=True)
         p = 1.0 - np.exp(log_surv[:, pairs % (N_BUCKETS + 1)] - log_surv[:, pairs // (N_BUCKETS + 1)])
-        rows = np.ascontiguousarray(p.T, dtype=out.dtype)  # rounded here: a take that casts buffers
-        np.take(rows, inverse.reshape(-1), axis=0, out=out, mode="clip")  # "raise" would buffer out: 5x slower
+        return np.ascontiguousarray(p.T), inverse.reshape(-1)
 
-    def _density(self, log_surv: np.ndarray, w: float, prob: np.ndarray, out: np.ndarray) -> None:
+    def _density(self, log_surv: np.ndarray, w: float, rows: np.ndarray, pair_of_age: np.ndarray,
+                 cmap: "np.ndarray | None", out: np.ndarray) -> None:
         """Hit density (LHD's measure) within the horizon: P(reused within ``w``) over the
         expected accesses the block holds its slot until reused or ``w`` passes. Unlike P
         alone it keeps rising as a block nears a reuse farther off than ``w`` (a loop longer
@@ -259,7 +261,8 @@ class ReuseModel:
         The slot time is the integral of survival over the window [lo, lo + w): whole
         buckets inside it from a cumulative sum, the two partial buckets at its ends by
         their overlap; row gathers only (a BLAS matmul here spun its threads on every
-        refresh)."""
+        refresh). Computed per partition cell in float64, 32 age buckets at a time,
+        expanded to fine cells and rounded when written into ``out``."""
         lo = np.arange(N_AGES) * self.granularity + 1.0  # the window, in distances since the last access
         hi = lo + w
         s, e = distance_bucket(lo), distance_bucket(hi)
@@ -267,16 +270,18 @@ class ReuseModel:
         # lives that long: below it only subnormal arithmetic, 100x slower, would follow)
         surv_t = np.ascontiguousarray(np.exp(np.maximum(log_surv, -600.0)).T)
         mean_t = 0.5 * (surv_t[:-1] + surv_t[1:])  # [bucket, cell]: within each bucket (trapezoid)
-        cum_t = np.zeros((N_BUCKETS + 1, log_surv.shape[0]))
+        n_cells = log_surv.shape[0]
+        cum_t = np.zeros((N_BUCKETS + 1, n_cells))
         np.cumsum(mean_t * _WIDTHS[:, None], axis=0, out=cum_t[1:])
         same = s == e
         after_first = np.where(same, e, s + 1)  # whole buckets: [after_first, e), none when same
         first = np.where(same, hi, _EDGES[after_first]) - lo
         last = np.where(same, 0.0, hi - _EDGES[e])
-        for a in range(0, N_AGES, DENSITY_CHUNK):  # float64 per chunk of ages, rounded when written
+        for a in range(0, N_AGES, DENSITY_CHUNK):
             z = slice(a, a + DENSITY_CHUNK)
             n = len(s[z])
-            held, part, diff = (x[:n] for x in self._scratch)  # reused: fresh MBs fault in page by page
+            # reused scratch (fresh MBs fault in page by page)
+            held, part, diff = (x[:n * n_cells].reshape(n, n_cells) for x in self._scratch)
             np.take(mean_t, s[z], axis=0, out=held, mode="clip")
             held *= first[z, None]
             np.take(mean_t, e[z], axis=0, out=part, mode="clip")
@@ -290,7 +295,12 @@ class ReuseModel:
             np.maximum(part, 1e-300, out=part)
             held /= part
             np.maximum(held, 1.0, out=held)
-            np.divide(prob[z], held, out=out[z], casting="same_kind")
+            np.take(rows, pair_of_age[z], axis=0, out=part, mode="clip")
+            np.divide(part, held, out=held)
+            if cmap is None:
+                out[z] = held
+            else:
+                out[z] = held[:, cmap]
 
     def probability_just_accessed(self, k: int, b: int) -> float:
         """Candidate ``k``'s P(reused within its horizon) of block ``b`` at age 0."""
@@ -336,6 +346,18 @@ class ReuseModel:
 _EDGES = 2.0 ** (np.arange(N_BUCKETS + 1) / 2.0)  # distance bucket j covers [_EDGES[j], _EDGES[j + 1])
 _EDGES[-1] = np.inf  # the last bucket takes every longer distance
 _WIDTHS = np.append(np.diff(_EDGES[:-1]), 0.0)  # bucket widths; the open last one only ever partly
+
+
+_EXPAND: dict[str, "np.ndarray | None"] = {  # partition cell of each fine cell; None: the same
+    name: None if np.array_equal(cmap, _FINE) else cmap for name, cmap in PARTITIONS.items()}
+
+
+def _write_table(rows: np.ndarray, pair_of_age: np.ndarray, cmap: "np.ndarray | None", out: np.ndarray) -> None:
+    """``out[age, fine cell]`` = ``rows[pair_of_age[age], cmap[cell]]``, rounded to ``out``'s
+    dtype, in place: a refresh reallocating every table churned tens of MB through the
+    allocator each time, which showed as a slowly rising daemon RSS."""
+    rows = np.ascontiguousarray(rows if cmap is None else rows[:, cmap], dtype=out.dtype)  # a take that casts buffers
+    np.take(rows, pair_of_age, axis=0, out=out, mode="clip")  # "raise" would buffer out: 5x slower
 
 
 def _log_survival(hazard: np.ndarray) -> np.ndarray:
