@@ -81,7 +81,9 @@ class ValuePolicy(Policy):
         return v
 
     def _scored(self, b: int) -> bool:
-        return self.calib is not None and not ((b * _HASH) >> 7) % self.calibration_sample
+        # before the model's first refresh its table is a recency ranking with no evidence
+        # behind it, not a probability: there is nothing to score yet
+        return self.calib is not None and self.model.refreshes > 0 and not ((b * _HASH) >> 7) % self.calibration_sample
 
     def _predict(self, b: int, p: float) -> None:
         assert self.calib is not None

@@ -111,6 +111,7 @@ class ReuseModel:
         self.refresh_every = int(refresh_every)
         self.memory_horizons = float(memory_horizons)
         self.clock = 0
+        self.refreshes = 0  # tables built from evidence so far (0: the initial recency ranking)
         self.last = np.zeros(max_blocks, dtype=np.int64)  # clock of the block's latest access
         self.stage = np.zeros(max_blocks, dtype=np.uint8)  # accesses so far, saturating at N_STAGES
         self.cell = np.zeros(max_blocks, dtype=np.int16)  # class x stage at the latest access
@@ -178,6 +179,7 @@ class ReuseModel:
     def refresh(self) -> None:
         """Rebuild every candidate's table from the decayed counts (O(cells x buckets))."""
         self._since = 0
+        self.refreshes += 1
         if self._ev_n >= 1.0:
             self.eviction_age = max(1.0, self._ev_sum / self._ev_n)
         self.granularity = max(1.0, self.eviction_age / AGE_STEPS_PER_EVICTION_AGE)

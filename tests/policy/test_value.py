@@ -107,3 +107,22 @@ def test_shadow_caches_choose_the_candidate_that_earns_hits():
             last[b] = clock[0]
             sh.access(b, values, value_new)
     assert sh.hits[1] > 4 * sh.hits[0] and sh.hits[1] > 100 and sh.best(current=0) == 1
+
+
+def test_no_prediction_is_scored_before_the_model_has_evidence():
+    """Until its first refresh the model's table is a recency ranking (P 1.0 at age 0), not
+    a probability: scoring it put 0.95 predictions against a 0.39 outcome rate into the ECE."""
+    tr = _loop_and_scan(10)  # 800 accesses
+    pol = make_policy("kvtier", 40, tr.n_unique, refresh_every=500, calibration_sample=1)
+    blocks, classes = tr.block.tolist(), tr.cls.tolist()
+    for i in range(499):  # every access a decision: misses past the first 40 admit or bypass
+        b = blocks[i]
+        pol.observe(b, float(i), classes[i])
+        if pol.where[b] < 0 and pol.admit(b, float(i), classes[i], -1):
+            if pol.size >= pol.capacity:
+                pol.evict(float(i))
+            pol.insert(b, float(i), classes[i], -1)
+    assert pol.model.refreshes == 0
+    assert pol.calib.n_scored == 0 and np.isnan(pol.calib.pred).all()
+    simulate(pol, _trace(blocks[499:], classes[499:]))  # the first refresh comes at access 500
+    assert pol.model.refreshes >= 1 and not np.isnan(pol.calib.pred).all()
