@@ -38,7 +38,7 @@ from kvtier.policy import register_policy
 from kvtier.policy.base import Eligible, Policy, budget, swap_remove
 from kvtier.policy.shadow import ShadowCaches
 from kvtier.predictor.calibration import CalibrationTracker
-from kvtier.predictor.classes import N_STAGES
+from kvtier.predictor.classes import N_STAGES, STAGE_OF_COUNT_ARRAY
 from kvtier.predictor.reuse_model import DEFAULT_CANDIDATES, N_IRR, ReuseModel
 
 _HASH = 0x9E3779B1
@@ -192,8 +192,8 @@ class ValuePolicy(Policy):
         floor = float(self._values(self.slots[np.random.default_rng(self.model.clock).integers(
             0, self.size, size=self.samples)]).min())
         model = self.model
-        stage = np.clip(model.stage[blocks].astype(np.int64), 1, N_STAGES)
-        cells = (classes.astype(np.int64) * N_STAGES + stage - 1) * N_IRR + model.cell[blocks] % N_IRR
+        stage = STAGE_OF_COUNT_ARRAY[np.maximum(model.count[blocks], 1)]  # an offered block was accessed
+        cells = (classes.astype(np.int64) * N_STAGES + stage) * N_IRR + model.cell[blocks] % N_IRR
         mine = model.tables[self.active][cells, model.age_buckets(blocks)]
         if self._weighted:
             mine = mine * self.weight[blocks]
@@ -221,7 +221,7 @@ class ValuePolicy(Policy):
             self.calib.on_freed(b)
 
     def seen(self, b: int) -> bool:
-        return bool(self.model.stage[b])
+        return bool(self.model.count[b])
 
     def calibration(self) -> Optional[dict]:
         """Brier and ECE of the decisions taken (admissions and evictions, sampled)."""

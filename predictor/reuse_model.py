@@ -36,7 +36,7 @@ from typing import Callable
 
 import numpy as np
 
-from kvtier.predictor.classes import N_CLASSES, N_STAGES
+from kvtier.predictor.classes import MAX_COUNT, N_CLASSES, N_STAGES, STAGE_OF_COUNT
 
 N_BUCKETS = 48  # half octaves: distances up to 2^24 accesses, beyond in the last bucket
 PENDING_SAMPLE = 4096  # block ids sampled per refresh to estimate the not-yet-reused accesses
@@ -64,7 +64,7 @@ class Candidate:
     density: bool = False  # value = P(reused within W) / expected slot time until then (hit density)
 
 
-N_IRR = 14  # last reuse distance in octaves (0: never reused), a per-block feature (LIRS's IRR)
+N_IRR = 8  # last reuse distance in 2-octave buckets (0: never reused), a per-block feature (LIRS's IRR)
 N_CELLS = N_CLASSES * N_IRR  # cell = (class * N_STAGES + stage) * N_IRR + irr
 _FINE = np.arange(N_CELLS)
 PARTITIONS: dict[str, np.ndarray] = {  # fine cell -> the partition's cell
@@ -96,7 +96,7 @@ DEFAULT_CANDIDATES: tuple[Candidate, ...] = (
 
 
 class ReuseModel:
-    """Per-block access state and the reuse-distance counts; owner of ``last``, ``stage``, ``cell``."""
+    """Per-block access state and the reuse-distance counts; owner of ``last``, ``count``, ``cell``."""
 
     def __init__(self, max_blocks: int, candidates: tuple[Candidate, ...] = DEFAULT_CANDIDATES,
                  prior_strength: float = 2.0, refresh_every: int = 2000, memory_horizons: float = 32.0,
@@ -113,7 +113,7 @@ class ReuseModel:
         self.clock = 0
         self.refreshes = 0  # tables built from evidence so far (0: the initial recency ranking)
         self.last = np.zeros(max_blocks, dtype=np.int64)  # clock of the block's latest access
-        self.stage = np.zeros(max_blocks, dtype=np.uint8)  # accesses so far, saturating at N_STAGES
+        self.count = np.zeros(max_blocks, dtype=np.uint8)  # accesses so far, saturating at MAX_COUNT
         self.cell = np.zeros(max_blocks, dtype=np.int16)  # class x stage at the latest access
         self.reuses = np.zeros((N_CELLS, N_BUCKETS))
         self.accesses = np.zeros(N_CELLS)
@@ -145,16 +145,16 @@ class ReuseModel:
         """One access of block ``b`` with feature class ``cls`` (the per-access path: scalar work only).
         True when the tables were rebuilt by this access."""
         self.clock += 1
-        st = int(self.stage[b])
+        st = int(self.count[b])
         irr = 0
         if st:
             d = self.clock - int(self.last[b])
             j = min(int(2.0 * math.log2(d)), N_BUCKETS - 1)
             self.reuses[int(self.cell[b]), j] += 1.0
-            irr = min(1 + j // 2, N_IRR - 1)
-        st = min(st + 1, N_STAGES)
-        self.stage[b] = st
-        cell = (cls * N_STAGES + st - 1) * N_IRR + irr
+            irr = min(1 + j // 4, N_IRR - 1)
+        st = min(st + 1, MAX_COUNT)
+        self.count[b] = st
+        cell = (cls * N_STAGES + STAGE_OF_COUNT[st]) * N_IRR + irr
         self.cell[b] = cell
         self.accesses[cell] += 1.0
         self.last[b] = self.clock
@@ -171,7 +171,7 @@ class ReuseModel:
 
     def reset(self, b: int) -> None:
         """Block id ``b`` was freed: the next block with this id starts with no history."""
-        self.stage[b] = 0
+        self.count[b] = 0
         self.cell[b] = 0
         self.last[b] = 0
 
@@ -212,7 +212,7 @@ class ReuseModel:
         uniform sample of block ids, so a refresh costs O(sample), not O(blocks)."""
         n = self.last.size
         ids = self._rng.integers(0, n, size=min(n, PENDING_SAMPLE)) if n > PENDING_SAMPLE else np.arange(n)
-        ids = ids[self.stage[ids] > 0]
+        ids = ids[self.count[ids] > 0]
         ages = self.clock - self.last[ids]
         weight = np.exp(-ages / tau) * (n / max(1, min(n, PENDING_SAMPLE)))  # decayed like the counts
         flat = self.cell[ids].astype(np.int64) * N_BUCKETS + distance_bucket(ages + 1)

@@ -206,12 +206,12 @@ def test_a_freed_block_id_comes_back_fresh(tmp_path):
         node.scores.report(np.array(blocks), np.array([0.9, 0.1], dtype=np.float32))
         node.set_importance(np.array(blocks))
         pol = node.placement.policies[0]
-        assert node.scores.reports[b] == 1 and pol.weight[b] != 1.0 and pol.model.stage[b] == 1
+        assert node.scores.reports[b] == 1 and pol.weight[b] != 1.0 and pol.model.count[b] == 1
         call(svc, "free", blocks=P.id_bytes(blocks))  # open blocks: gone at once
         assert node.mgr.table.state[b] == 0  # FREE: the id may be handed out again
         assert node.scores.reports[b] == 0 and node.scores.ema_value[b] == 0
         assert node.placement.feature_class[b] == 0 and not node.placement.tracked[:, b].any()
-        assert pol.weight[b] == 1.0 and pol.model.stage[b] == 0 and pol.model.last[b] == 0
+        assert pol.weight[b] == 1.0 and pol.model.count[b] == 0 and pol.model.last[b] == 0
         assert pol.calib is not None and np.isnan(pol.calib.pred[b])
     finally:
         svc.close()

@@ -81,9 +81,9 @@ def test_a_freed_id_starts_afresh():
     pol.set_weights(np.array([3]), np.array([0.2]))
     pol.remove(3)
     pol.on_freed(3)
-    assert not pol.seen(3) and pol.weight[3] == 1.0 and int(pol.model.stage[3]) == 0
+    assert not pol.seen(3) and pol.weight[3] == 1.0 and int(pol.model.count[3]) == 0
     pol.observe(3, 100.0, 2)  # the next block with id 3: a first access of class 2
-    assert int(pol.model.stage[3]) == 1
+    assert int(pol.model.count[3]) == 1
 
 
 def test_shadow_caches_choose_the_candidate_that_earns_hits():

@@ -5,12 +5,13 @@ import math
 import numpy as np
 import pytest
 
-from kvtier.predictor.classes import N_STAGES
+from kvtier.predictor.classes import N_STAGES, STAGE_OF_COUNT
 from kvtier.predictor.reuse_model import N_IRR, Candidate, ReuseModel, distance_bucket
 
 
-def _cell(cls: int, stage: int, irr: int = 0) -> int:
-    return (cls * N_STAGES + stage - 1) * N_IRR + irr
+def _cell(cls: int, count: int, irr: int = 0) -> int:
+    """The cell of an access of feature class ``cls``, the block's ``count``-th."""
+    return (cls * N_STAGES + STAGE_OF_COUNT[count]) * N_IRR + irr
 
 
 def test_counts_are_reuse_distances_of_the_cell_of_the_previous_access():
@@ -22,7 +23,7 @@ def test_counts_are_reuse_distances_of_the_cell_of_the_previous_access():
     assert m.reuses[first].tolist() == [0.0] * 2 + [1.0] + [0.0] * (m.reuses.shape[1] - 3)  # bucket(2) = 2
     assert m.accesses[first] == 1.0 and m.accesses[_cell(2, 1)] == 1.0
     # the second access is stage 2 and remembers its reuse distance (octave 1)
-    assert int(m.cell[3]) == _cell(1, 2, irr=1 + 2 // 2) and int(m.stage[3]) == 2
+    assert int(m.cell[3]) == _cell(1, 2, irr=1 + 2 // 4) and int(m.count[3]) == 2
     assert m.accesses[int(m.cell[3])] == 1.0
 
 
@@ -93,7 +94,7 @@ def test_reset_gives_a_recycled_id_no_history():
     m.reset(2)
     before = m.reuses.copy()
     m.access(2, cls=3)  # a new block with the same id: a first access, not a reuse
-    assert np.array_equal(m.reuses, before) and int(m.stage[2]) == 1 and int(m.cell[2]) == _cell(3, 1)
+    assert np.array_equal(m.reuses, before) and int(m.count[2]) == 1 and int(m.cell[2]) == _cell(3, 1)
 
 
 def test_bad_candidates_are_refused():
@@ -151,3 +152,16 @@ def test_hit_density_keeps_rising_towards_a_reuse():
     assert 0 < dens[0] < dens[1] < dens[2] and dens[2] > 3 * dens[0]  # closer to the reuse: worth more
     assert np.array_equal(m.prob[1], m.table3[0])  # the density model's P is the P model's table
     assert m.probability_just_accessed(1, 0) == m.value_just_accessed(0, 0)
+
+
+def test_stages_are_exact_to_three_accesses_then_octaves_and_counts_saturate():
+    assert [STAGE_OF_COUNT[c] for c in (1, 2, 3, 4, 7, 8, 15, 16, 255)] == [0, 1, 2, 3, 3, 4, 4, 5, 5]
+    m = ReuseModel(4, refresh_every=10_000)
+    cells = []
+    for _ in range(300):
+        m.access(1, cls=2)
+        cells.append(int(m.cell[1]) // N_IRR)  # class x stage, without the reuse distance
+    assert int(m.count[1]) == 255  # saturated, not wrapped to 0 (a uint8)
+    stages = [c - 2 * N_STAGES for c in cells]
+    assert stages[:20] == [0, 1, 2, 3, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5]
+    assert set(stages[20:]) == {5}  # a block read 20 times is told from one read 4 times
