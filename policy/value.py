@@ -127,7 +127,8 @@ class ValuePolicy(Policy):
         victim, v_value = self._find_victim()
         self._victim = victim
         p = self.model.value_just_accessed(self.active, b)
-        mine = p * float(self.weight[b]) if self._weighted else p
+        # in float32, as ``_values`` ranks the victim: a tie must compare equal
+        mine = float(np.float32(p) * self.weight[b]) if self._weighted else p
         if self._scored(b):
             self._predict(b, self.model.probability_just_accessed(self.active, b))
         if not self.admission or mine >= v_value:

@@ -114,7 +114,7 @@ class ReuseModel:
         self.refreshes = 0  # tables built from evidence so far (0: the initial recency ranking)
         self.last = np.zeros(max_blocks, dtype=np.int64)  # clock of the block's latest access
         self.count = np.zeros(max_blocks, dtype=np.uint8)  # accesses so far, saturating at MAX_COUNT
-        self.cell = np.zeros(max_blocks, dtype=np.int16)  # class x stage at the latest access
+        self.cell = np.zeros(max_blocks, dtype=np.int16)  # class x stage x reuse distance at the latest access
         self.reuses = np.zeros((N_CELLS, N_BUCKETS))
         self.accesses = np.zeros(N_CELLS)
         self.eviction_age = float(initial_age)  # this cache's mean eviction age, in accesses
@@ -222,7 +222,7 @@ class ReuseModel:
         """Posterior mean hazard per (partition cell, distance bucket): reuses in the bucket
         over accesses still at risk there (Kaplan-Meier), each cell shrunk towards its
         parent's hazard with ``prior_strength`` pseudo-observations. Partition cells, not
-        fine ones: a coarse candidate's tables are computed once per distinct cell (14x
+        fine ones: a coarse candidate's tables are computed once per distinct cell (8x
         fewer for class x stage) and expanded to fine cells only when written."""
         if partition in memo:
             return memo[partition]
@@ -358,12 +358,14 @@ def _write_table(rows: np.ndarray, pair_of_age: np.ndarray, cmap: "np.ndarray | 
     """``out[age, fine cell]`` = ``rows[pair_of_age[age], cmap[cell]]``, rounded to ``out``'s
     dtype, in place: a refresh reallocating every table churned tens of MB through the
     allocator each time, which showed as a slowly rising daemon RSS."""
-    rows = np.ascontiguousarray(rows if cmap is None else rows[:, cmap], dtype=out.dtype)  # a take that casts buffers
+    rows = np.ascontiguousarray(rows, dtype=out.dtype)  # rounded here: a take that casts buffers
+    if cmap is not None:
+        rows = rows[:, cmap]
     np.take(rows, pair_of_age, axis=0, out=out, mode="clip")  # "raise" would buffer out: 5x slower
 
 
 def _log_survival(hazard: np.ndarray) -> np.ndarray:
-    """log P(not reused by the end of distance bucket j-1), per fine cell; column 0 is 0."""
+    """log P(not reused by the end of distance bucket j-1), per (partition) cell; column 0 is 0."""
     return np.concatenate((np.zeros((hazard.shape[0], 1)),
                            np.cumsum(np.log1p(-np.minimum(hazard, 1 - 1e-12)), axis=1)), axis=1)
 

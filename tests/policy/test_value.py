@@ -126,3 +126,13 @@ def test_no_prediction_is_scored_before_the_model_has_evidence():
     assert pol.calib.n_scored == 0 and np.isnan(pol.calib.pred).all()
     simulate(pol, _trace(blocks[499:], classes[499:]))  # the first refresh comes at access 500
     assert pol.model.refreshes >= 1 and not np.isnan(pol.calib.pred).all()
+
+
+def test_a_weighted_newcomer_that_ties_its_victim_is_admitted():
+    """The newcomer's value and the victim's are the same float32 product when table and
+    weight are equal: a tie admits (a float64 product for one side broke ties at random)."""
+    pol = _filled()
+    pol.model.table3[:] = 0.3
+    pol.set_weights(np.arange(64), np.full(64, 0.7))
+    pol.observe(20, 20.0, 0)
+    assert pol.admit(20, 20.0, 0, -1) and pol.bypassed == 0

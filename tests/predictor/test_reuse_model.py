@@ -114,6 +114,42 @@ def test_partition_sums_match_their_cell_maps():
         assert np.allclose(_SUM[name](a), expect), name
 
 
+def _fine_cell_hazard(m: ReuseModel, partition: str, pending: np.ndarray) -> np.ndarray:
+    """The hazard computed the plain way: one row per fine cell, each from its partition
+    group's summed counts, shrunk towards the parent hazard of the same fine cell."""
+    from kvtier.predictor.reuse_model import PARENT, PARTITIONS
+
+    cmap = PARTITIONS[partition]
+
+    def group(a: np.ndarray) -> np.ndarray:
+        out = np.zeros((int(cmap.max()) + 1,) + a.shape[1:])
+        np.add.at(out, cmap, a)
+        return out[cmap]
+
+    reuses, total = group(m.reuses), group(m.accesses)
+    gone = np.cumsum(reuses + group(pending), axis=1)
+    at_risk = np.maximum(total[:, None] - np.concatenate((np.zeros((cmap.size, 1)), gone[:, :-1]), axis=1), 0.0)
+    parent = PARENT[partition]
+    prior, strength = (0.0, 1.0) if parent is None else (_fine_cell_hazard(m, parent, pending), m.m)
+    return np.minimum((strength * prior + reuses) / (strength + at_risk), 1.0)
+
+
+def test_hazards_per_partition_cell_expand_to_the_fine_cell_computation():
+    """Tables are built per partition cell and expanded when written: the expansion must
+    equal computing every fine cell on its own, for every partition."""
+    from kvtier.predictor.reuse_model import PARTITIONS
+
+    rng = np.random.default_rng(3)
+    m = ReuseModel(64, refresh_every=10_000)
+    m.reuses[:] = rng.poisson(0.5, m.reuses.shape) * (rng.random(m.reuses.shape[0]) < 0.3)[:, None]
+    m.accesses[:] = m.reuses.sum(1) + rng.poisson(2.0, m.accesses.shape)
+    pending = rng.random(m.reuses.shape) * (rng.random(m.reuses.shape) < 0.05)
+    memo: dict = {}
+    for name, cmap in PARTITIONS.items():
+        got = m._hazard(name, pending, memo)[cmap]
+        assert np.allclose(got, _fine_cell_hazard(m, name, pending), rtol=1e-12, atol=0.0), name
+
+
 def test_one_gather_over_all_candidates_equals_each_candidates_lookup():
     """The shadow caches value every candidate at once (``values_rows``); it must agree,
     element for element, with candidate-by-candidate lookups, and with the [cell, age] views."""
