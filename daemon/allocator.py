@@ -36,11 +36,10 @@ def _glibc() -> Optional[ctypes.CDLL]:
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name or "libc.so.6")
-        libc.gnu_get_libc_version  # glibc only: musl has mallopt as a no-op stub at most
-        libc.mallopt
-    except (OSError, AttributeError):
+    except OSError:
         return None
-    return libc
+    # glibc only: musl has no gnu_get_libc_version, and its mallopt does nothing
+    return libc if hasattr(libc, "gnu_get_libc_version") and hasattr(libc, "mallopt") else None
 
 
 def pin_malloc_thresholds(environ: Mapping[str, str] = os.environ) -> bool:

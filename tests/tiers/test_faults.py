@@ -1,6 +1,6 @@
 import errno
-import gc
 import fcntl
+import gc
 import logging
 import os
 import threading
