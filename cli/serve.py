@@ -81,9 +81,11 @@ def _setup_logging(level: str, fmt: str) -> logging.Logger:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from kvtier.daemon.allocator import pin_malloc_thresholds
     from kvtier.daemon.config import config_sources, load_config, resolve_config_path
     from kvtier.daemon.server import Server
 
+    pin_malloc_thresholds()  # before the daemon allocates: its RSS must follow what it holds
     overrides = list(args.overrides) + ([f"server.runtime_dir={json.dumps(args.runtime_dir)}"] if args.runtime_dir else [])
     config_path = resolve_config_path(args.config)
     cfg = load_config(config_path, overrides=overrides)

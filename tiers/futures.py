@@ -15,7 +15,8 @@ def gather(futs: Sequence["Future[Any]"]) -> "Future[Failures]":
     if not futs:
         out.set_result([])
         return out
-    left = [len(futs)]
+    pending = list(futs)
+    left = [len(pending)]
     lock = threading.Lock()
 
     def one_done(_: "Future[Any]") -> None:
@@ -23,7 +24,12 @@ def gather(futs: Sequence["Future[Any]"]) -> "Future[Failures]":
             left[0] -= 1
             last = left[0] == 0
         if last:
-            out.set_result([f.exception() for f in futs])
+            failures = [f.exception() for f in pending]
+            # every future's callback list holds this closure, and the closure held every
+            # future: a cycle per batch that only a full collection frees (a sawtooth of
+            # tens of thousands of objects that fragments the I/O threads' malloc arenas)
+            pending.clear()
+            out.set_result(failures)
 
     for f in futs:
         f.add_done_callback(one_done)
