@@ -20,6 +20,7 @@ from typing import Optional
 
 import msgpack
 
+from kvtier.protocol import wire as P
 from kvtier.tiers.manager import TierManager
 from kvtier.tiers.types import SEALED, Tier
 
@@ -90,7 +91,7 @@ class EventCollector:
 
 
 def encode_batch(batch: list) -> bytes:
-    return msgpack.packb(batch, use_bin_type=True)
+    return P.pack(batch)
 
 
 def decode_batch(payload: bytes) -> list:
