@@ -94,8 +94,9 @@ class Placement:
                 pol.observe(b, now, cls)
             self._on_event("stored", b, HBM)
 
-    def on_seal(self, b: int, continues: bool, span: int) -> None:
-        self.feature_class[b] = block_class(False, continues, span)
+    def on_seal(self, blocks: "int | np.ndarray", continues: bool, span: int) -> None:
+        """Sealed ``blocks`` (one id or an array) of a request with these features."""
+        self.feature_class[blocks] = block_class(False, continues, span)
 
     # -- accesses (deferred) ---------------------------------------------------------
     def log_access(self, blocks: np.ndarray) -> None:

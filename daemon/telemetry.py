@@ -48,8 +48,7 @@ def ingest(node: Node, counters: Counter[str], msg: Any) -> int:
             cont, span = msg.get("cont"), msg.get("span")
             if not isinstance(cont, bool) or not isinstance(span, int) or isinstance(span, bool) or span < 0:
                 raise ProtocolError(P.BAD_REQUEST, "bad class features")
-            for b in blocks[live & (t.state[blocks] != OPEN)].tolist():
-                node.placement.on_seal(b, cont, span)
+            node.placement.on_seal(blocks[live & (t.state[blocks] != OPEN)], cont, span)
         elif kind == "access":
             node.placement.log_access(blocks[live])
         else:

@@ -38,8 +38,7 @@ from kvtier.policy import register_policy
 from kvtier.policy.base import Eligible, Policy, budget, swap_remove
 from kvtier.policy.shadow import ShadowCaches
 from kvtier.predictor.calibration import CalibrationTracker
-from kvtier.predictor.classes import N_STAGES, STAGE_OF_COUNT_ARRAY
-from kvtier.predictor.reuse_model import DEFAULT_CANDIDATES, N_IRR, ReuseModel
+from kvtier.predictor.reuse_model import DEFAULT_CANDIDATES, N_IRR, ReuseModel, cell_of
 
 _HASH = 0x9E3779B1
 
@@ -193,8 +192,8 @@ class ValuePolicy(Policy):
         floor = float(self._values(self.slots[np.random.default_rng(self.model.clock).integers(
             0, self.size, size=self.samples)]).min())
         model = self.model
-        stage = STAGE_OF_COUNT_ARRAY[np.maximum(model.count[blocks], 1)]  # an offered block was accessed
-        cells = (classes.astype(np.int64) * N_STAGES + stage) * N_IRR + model.cell[blocks] % N_IRR
+        # an offered block was accessed (count >= 1); its reuse distance bucket is its cell's
+        cells = cell_of(classes.astype(np.int64), np.maximum(model.count[blocks], 1), model.cell[blocks] % N_IRR)
         mine = model.tables[self.active][cells, model.age_buckets(blocks)]
         if self._weighted:
             mine = mine * self.weight[blocks]

@@ -36,7 +36,7 @@ from typing import Callable
 
 import numpy as np
 
-from kvtier.predictor.classes import MAX_COUNT, N_CLASSES, N_STAGES, STAGE_OF_COUNT
+from kvtier.predictor.classes import MAX_COUNT, N_CLASSES, N_STAGES, STAGE_OF_COUNT, STAGE_OF_COUNT_ARRAY
 
 N_BUCKETS = 48  # half octaves: distances up to 2^24 accesses, beyond in the last bucket
 PENDING_SAMPLE = 4096  # block ids sampled per refresh to estimate the not-yet-reused accesses
@@ -66,6 +66,13 @@ class Candidate:
 
 N_IRR = 8  # last reuse distance in 2-octave buckets (0: never reused), a per-block feature (LIRS's IRR)
 N_CELLS = N_CLASSES * N_IRR  # cell = (class * N_STAGES + stage) * N_IRR + irr
+
+
+def cell_of(cls: "int | np.ndarray", count: "int | np.ndarray", irr: "int | np.ndarray") -> "int | np.ndarray":
+    """The cell of an access: feature class ``cls``, the block's ``count``-th access (>= 1),
+    last reuse distance bucket ``irr``; scalars (the per-access path) or arrays."""
+    stage = STAGE_OF_COUNT[count] if isinstance(count, int) else STAGE_OF_COUNT_ARRAY[count]
+    return (cls * N_STAGES + stage) * N_IRR + irr
 _FINE = np.arange(N_CELLS)
 PARTITIONS: dict[str, np.ndarray] = {  # fine cell -> the partition's cell
     "class_stage_irr": _FINE,
@@ -154,7 +161,7 @@ class ReuseModel:
             irr = min(1 + j // 4, N_IRR - 1)
         st = min(st + 1, MAX_COUNT)
         self.count[b] = st
-        cell = (cls * N_STAGES + STAGE_OF_COUNT[st]) * N_IRR + irr
+        cell = cell_of(cls, st, irr)
         self.cell[b] = cell
         self.accesses[cell] += 1.0
         self.last[b] = self.clock

@@ -240,3 +240,25 @@ def test_importance_decides_which_block_is_demoted(tmp_path):
         assert t.copies[blocks[2]] == 0b10 and all(t.copies[b] & 1 for b in (blocks[0], blocks[1], blocks[3]))
     finally:
         svc.close()
+
+
+def test_class_telemetry_sets_the_class_of_sealed_blocks_only(svc):
+    """An engine that does not alloc by sequence reports a request's features: its sealed
+    blocks take the class, open ones keep theirs, bad features change nothing."""
+    from collections import Counter
+
+    from kvtier.daemon.telemetry import ingest
+    from kvtier.predictor.classes import block_class
+
+    call(svc, "register", pid=0, block_bytes=4096)
+    blocks = ids(call(svc, "alloc", n=3, seq=1)["blocks"])
+    call(svc, "seal", blocks=P.id_bytes(blocks[:2]), keys=P.id_bytes([11, 12], np.uint64))
+    fc = svc.node.placement.feature_class
+    before = fc[blocks].copy()
+    counters: Counter = Counter()
+    bad = {"v": P.VERSION, "engine": "e", "kind": "class", "blocks": P.id_bytes(blocks), "cont": 1, "span": 7}
+    ingest(svc.node, counters, bad)  # cont must be a bool
+    assert fc[blocks].tolist() == before.tolist() and counters["telemetry_rejected"] == 1
+    ingest(svc.node, counters, {**bad, "cont": True})
+    assert fc[blocks[:2]].tolist() == [block_class(False, True, 7)] * 2
+    assert fc[blocks[2]] == before[2]  # still open: its class is the engine's at alloc
