@@ -24,6 +24,11 @@ from typing import Any
 import numpy as np
 import torch
 
+try:  # the one-pass C loop (kernels/_checksum.c); without a compiler at install, numpy
+    from kvtier.kernels._checksum import sum_terms as _c_sum_terms
+except ImportError:  # pragma: no cover - exercised where the extension was not built
+    _c_sum_terms = None
+
 M64 = (1 << 64) - 1
 P = 0x9E3779B97F4A7C15
 C = 0xD6E8FEB86659FD93
@@ -85,11 +90,23 @@ def _np_scratch() -> tuple[np.ndarray, np.ndarray]:
 
 def checksum_numpy(data: np.ndarray, length: int | None = None) -> int:
     """The reference: ``data`` is a contiguous uint8 array (any alignment)."""
+    return _checksum_host(data, length, None)
+
+
+def checksum_host(data: np.ndarray, length: int | None = None) -> int:
+    """Same value as ``checksum_numpy``, by the compiled one-pass loop where it was
+    built (about 3x numpy's speed, GIL released), else by numpy."""
+    return _checksum_host(data, length, _c_sum_terms)
+
+
+def _checksum_host(data: np.ndarray, length: int | None, c_loop: Any) -> int:
     b = data if length is None else data[:length]
     length = int(b.size)
     n = length // 8
     s = 0
-    if n:
+    if n and c_loop is not None:
+        s = c_loop(b, n) * C
+    elif n:
         words = b[: n * 8].view("<u8")
         mult = _np_multipliers(n)
         x, t = _np_scratch()
@@ -161,7 +178,7 @@ def block_checksum(buf: Any, length: int | None = None) -> int:
         arr = buf.reshape(-1).view(np.uint8)
     else:
         arr = np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
-    return checksum_numpy(arr, length)
+    return checksum_host(arr, length)
 
 
-__all__ = ["block_checksum", "checksum_numpy", "checksum_torch", "fmix64"]
+__all__ = ["block_checksum", "checksum_host", "checksum_numpy", "checksum_torch", "fmix64"]
