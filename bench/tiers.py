@@ -31,6 +31,10 @@ from .baselines import COPY_BASELINES, READ_BASELINES, WRITE_BASELINES, RawODire
 from .gpu_baselines import GPU_RATIOS, GpuBaselines, gpu_reasons
 
 MiB = 1 << 20
+# pause before each timed step: torch's OpenMP threads spin ~5-10 ms of a core after
+# a copy returns (measured here), so the step after ``torch_copy_tier`` lost a core
+# for its first milliseconds; a third of the dram_copy shortfall was that, not kvtier
+SETTLE_S = 0.03
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -149,6 +153,8 @@ def interleaved_figures(directory: str, block: int, n: int, reps: int, args: arg
         times: dict[str, list[float]] = {name: [] for name, _ in steps(0) if name}
         for rep in range(reps + 1):  # rep 0 is a warm-up: page faults and caches are not what we measure
             for name, fn in steps(rep):
+                if name:
+                    time.sleep(SETTLE_S)  # the previous step's leftover CPU is not this step's cost
                 t0 = time.perf_counter()
                 took = fn()  # a GPU baseline returns its CUDA-event time
                 if name and rep:

@@ -198,6 +198,17 @@ class IndexLists:
         if srt.size * 16 >= self.next.size:
             table = np.full(self.next.size, -1, dtype=np.int64)
             table[srt] = np.arange(srt.size)
+        # one unbroken run (a batch that entered a list together leaves it together):
+        # exactly one removed element has a surviving prev, and one splice does it
+        heads = (table[prv] < 0) if table is not None else (srt[np.minimum(np.searchsorted(srt, prv), last)] != prv)
+        if np.count_nonzero(heads) == 1:
+            tails = (table[nxt] < 0) if table is not None else (srt[np.minimum(np.searchsorted(srt, nxt), last)] != nxt)
+            p, q = int(prv[heads][0]), int(nxt[tails][0])
+            self.next[p] = q
+            self.prev[q] = p
+            self.lengths -= emptied
+            self.prev[srt] = self.next[srt] = self.owner[srt] = NIL
+            return
         for ptr in (nxt, prv):
             while True:  # jump over removed runs: log2(longest run) rounds
                 if table is None:

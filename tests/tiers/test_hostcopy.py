@@ -24,8 +24,13 @@ def test_chunks_split_large_runs_and_group_small_ones():
         [big_dst[i:].ctypes.data for i in range(10)] + [d.ctypes.data for d, _ in small])
 
 
+COMPILED = [False, pytest.param(True, marks=pytest.mark.skipif(
+    hostcopy._c_copy_pairs is None, reason="the compiled copy (kernels/_copy.c) was not built"))]
+
+
+@pytest.mark.parametrize("compiled", COMPILED)
 @pytest.mark.parametrize("threads", [1, 2, 4])
-def test_copy_moves_every_byte_of_scattered_runs(threads, monkeypatch):
+def test_copy_moves_every_byte_of_scattered_runs(threads, compiled, monkeypatch):
     monkeypatch.setattr(hostcopy, "CHUNK_BYTES", 64 << 10)  # many chunks from small arrays
     src = pattern(threads, 64 * 20_000).reshape(64, 20_000)
     dst = np.zeros_like(src)
@@ -38,7 +43,7 @@ def test_copy_moves_every_byte_of_scattered_runs(threads, monkeypatch):
         real(d, s)
 
     monkeypatch.setattr(hostcopy.np, "copyto", spy)
-    c = HostCopier(threads)
+    c = HostCopier(threads, compiled=compiled)
     try:
         c.copy([(dst[di: di + k], src[si: si + k]) for di, si, k in runs])
     finally:
@@ -47,14 +52,73 @@ def test_copy_moves_every_byte_of_scattered_runs(threads, monkeypatch):
     for di, si, k in runs:
         want[di: di + k] = src[si: si + k]
     assert np.array_equal(dst, want)
+    if compiled:  # the C loop never calls numpy
+        assert not who
+        return
     assert threading.current_thread().name in who  # the caller always copies
     assert all(n == threading.current_thread().name or n.startswith("kvtier-copy") for n in who)
 
 
-def test_a_failed_chunk_raises_on_the_caller():
-    c = HostCopier(2)
+@pytest.mark.parametrize("compiled", COMPILED)
+def test_a_failed_chunk_raises_on_the_caller(compiled):
+    c = HostCopier(2, compiled=compiled)
     try:
         with pytest.raises(ValueError):
             c.copy([(np.zeros((8, 1 << 20), np.uint8), np.zeros((8, 1 << 19), np.uint8))])  # shapes differ
     finally:
         c.close()
+
+
+@pytest.mark.skipif(hostcopy._c_copy_pairs is None, reason="the compiled copy (kernels/_copy.c) was not built")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_compiled_streaming_copy_is_exact_at_any_alignment(threads):
+    """Pairs past the streaming threshold (512 KiB), at destination offsets that are
+    not cache-line aligned and lengths that are not a multiple of the store width:
+    every byte lands, and nothing beside the destination range is written."""
+    src = pattern(5, 3 << 20)
+    c = HostCopier(threads)
+    try:
+        for off, n in [(0, 1 << 20), (3, (1 << 20) + 77), (61, 600_001), (64, 2 << 20)]:
+            dst = np.zeros((3 << 20) + 256, dtype=np.uint8)
+            c.copy([(dst[off: off + n], src[7: 7 + n])])
+            assert np.array_equal(dst[off: off + n], src[7: 7 + n])
+            assert not dst[:off].any() and not dst[off + n:].any()
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("compiled", COMPILED)
+def test_strided_pairs_copy_exactly(compiled):
+    """A layer-wise promotion copies one column range of every slot: pairs that are
+    not contiguous take numpy's copy, and land exactly."""
+    src = pattern(9, 8 * 4096).reshape(8, 4096)
+    dst = np.zeros_like(src)
+    c = HostCopier(2, compiled=compiled)
+    try:
+        c.copy([(dst[1:5, 1024:2048], src[3:7, 1024:2048]), (dst[6:8], src[0:2])])
+    finally:
+        c.close()
+    want = np.zeros_like(src)
+    want[1:5, 1024:2048] = src[3:7, 1024:2048]
+    want[6:8] = src[0:2]
+    assert np.array_equal(dst, want)
+
+
+@pytest.mark.skipif(hostcopy._c_copy_pairs is None, reason="the compiled copy (kernels/_copy.c) was not built")
+def test_compiled_copy_checks_every_pair_before_moving_a_byte():
+    """A bad pair anywhere in the job (lengths differ; a read-only destination) is
+    refused before any pair is copied: the destinations are unchanged."""
+    good_dst, good_src = np.zeros(1 << 20, np.uint8), np.ones(1 << 20, np.uint8)
+    ro = np.zeros(1 << 10, np.uint8)
+    ro.flags.writeable = False
+    for bad in [(np.zeros(10, np.uint8), np.ones(11, np.uint8)), (ro, np.ones(1 << 10, np.uint8))]:
+        c = HostCopier(2)
+        try:
+            with pytest.raises((ValueError, BufferError)):
+                c.copy([(good_dst, good_src), bad])
+        finally:
+            c.close()
+        assert not good_dst.any()
+    counter = np.zeros(1, np.int64)
+    with pytest.raises(ValueError, match="one length"):
+        hostcopy._c_copy_pairs([good_dst], [], counter)

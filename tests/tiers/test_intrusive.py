@@ -106,6 +106,32 @@ def test_remove_many_equals_one_by_one_removal():
         ls.check()
 
 
+def test_remove_many_of_runs_in_a_long_list_equals_one_by_one_removal():
+    """One run of adjacent elements (the one-splice path, searched or tabled), at the
+    front, middle or back, and two runs or a run with a gap (the doubling path)."""
+    rng = np.random.default_rng(12)
+    n = 5000
+    for trial in range(120):
+        ls = IndexLists(n, n_lists=2)
+        order = rng.permutation(n)[: int(rng.integers(400, n))].tolist()
+        half = len(order) // 2
+        ls.extend_back(np.array(order[:half]), 0)
+        ls.extend_back(np.array(order[half:]), 1)
+        ref = [order[:half], order[half:]]
+        r = ref[trial % 2]
+        size = int(rng.integers(5, 400 if trial % 3 else len(r) + 1))
+        a = [0, len(r) - size, int(rng.integers(0, len(r) - size + 1))][trial % 3] if size <= len(r) else 0
+        gone = r[a: a + size]
+        if trial % 4 == 3 and len(gone) > 6:
+            gone = gone[:2] + gone[4:]  # two runs: not one splice
+        ls.remove_many(np.array(rng.permutation(gone), dtype=np.int64))
+        drop = set(gone)
+        for i in range(2):
+            assert ls.to_array(i).tolist() == [e for e in ref[i] if e not in drop]
+        assert np.all(ls.owner[gone] == NIL)
+        ls.check()
+
+
 def test_remove_many_rejects_unlinked_or_repeated_and_keeps_state():
     ls = IndexLists(20)
     ls.extend_back(np.arange(10))
