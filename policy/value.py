@@ -115,9 +115,8 @@ class ValuePolicy(Policy):
 
     def _find_victim(self) -> tuple[int, float]:
         cand = self._sample()
-        v = self._values(cand)
-        i = int(v.argmin())
-        return int(cand[i]), float(v[i])
+        i, v = self.model.lowest(self.active, cand, self.weight if self._weighted else None)
+        return int(cand[i]), v
 
     def admit(self, b: int, now: float, cls: int, next_use: int) -> bool:
         if self.size < self.capacity:

@@ -32,9 +32,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
+
+try:  # the victim search in one call (kernels/_value.c); numpy otherwise, same decisions
+    from kvtier.kernels._value import lowest as _c_lowest
+except ImportError:  # pragma: no cover - exercised where the extension was not built
+    _c_lowest = None
 
 from kvtier.predictor.classes import MAX_COUNT, N_CLASSES, N_STAGES, STAGE_OF_COUNT, STAGE_OF_COUNT_ARRAY
 
@@ -333,6 +338,20 @@ class ReuseModel:
         idx *= N_CELLS
         idx += self.cell.take(blocks)
         return idx
+
+    def lowest(self, k: int, blocks: np.ndarray, weight: Optional[np.ndarray] = None) -> tuple[int, float]:
+        """(position in ``blocks``, value) of the lowest of candidate ``k``'s values,
+        times ``weight[b]`` (float32) when given: the victim of a full cache's miss.
+        One compiled call where ``kernels/_value.c`` was built, else numpy; the same
+        numbers and the same first-lowest tie rule either way."""
+        if _c_lowest is not None and blocks.dtype == np.int64 and blocks.flags.c_contiguous:
+            return _c_lowest(blocks, self.flat[k], self.last, self.cell, self.clock, self._inv_g, N_AGES, N_CELLS,
+                             weight)
+        v = self.values(k, blocks)
+        if weight is not None:
+            v = v * weight[blocks]
+        i = int(v.argmin())
+        return i, float(v[i])
 
     def age_buckets(self, blocks: np.ndarray) -> np.ndarray:
         idx = ((self.clock - self.last.take(blocks)) * self._inv_g).astype(np.int64)

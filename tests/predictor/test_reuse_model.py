@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from kvtier.predictor.classes import N_STAGES, STAGE_OF_COUNT
+from kvtier.predictor import reuse_model
 from kvtier.predictor.reuse_model import N_IRR, Candidate, ReuseModel, distance_bucket
 
 
@@ -165,6 +166,41 @@ def test_one_gather_over_all_candidates_equals_each_candidates_lookup():
         ages = m.age_buckets(blocks[i])
         assert rows[i].tolist() == m.tables[k][m.cell[blocks[i]], ages].tolist()
     assert m.values_just_accessed(ks, 17).tolist() == [m.value_just_accessed(k, 17) for k in ks.tolist()]
+
+
+def test_compiled_victim_search_equals_numpy(monkeypatch):
+    """``lowest`` (one compiled call on every miss of a full cache) picks the same block
+    with the same value as the numpy path, weighted or not, with ties (first lowest
+    wins) and with ages past the table's last bucket."""
+    if reuse_model._c_lowest is None:
+        pytest.skip("the compiled victim search (kernels/_value.c) was not built")
+    m = ReuseModel(400, refresh_every=250, initial_age=30.0)
+    rng = np.random.default_rng(8)
+    weight = rng.choice(np.array([0.25, 0.5, 1.0, 3.0], dtype=np.float32), size=400)
+    checked = 0
+    for step, b in enumerate(rng.integers(0, 400, size=6000).tolist()):
+        m.access(int(b), cls=int(b) % 4)
+        if step % 7 or not m.refreshes:
+            continue
+        blocks = rng.integers(0, 400, size=int(rng.integers(1, 20)))
+        for k in range(len(m.candidates)):
+            for w in (None, weight):
+                got = m.lowest(k, blocks, w)
+                with monkeypatch.context() as mp:
+                    mp.setattr(reuse_model, "_c_lowest", None)
+                    want = m.lowest(k, blocks, w)
+                assert got == want, (step, k, w is not None)
+                checked += 1
+    assert checked > 1000
+    m.clock += 10**9  # every block far past the last age bucket: all tie at the oldest bucket's value
+    blocks = np.arange(50, dtype=np.int64)
+    got = m.lowest(0, blocks)
+    with monkeypatch.context() as mp:
+        mp.setattr(reuse_model, "_c_lowest", None)
+        assert got == m.lowest(0, blocks)
+    with pytest.raises(IndexError):
+        m.lowest(0, np.array([400]))  # a block id past the model's arrays: refused, not read
+    assert m.lowest(0, blocks.astype(np.int32)) == got  # other index types take the numpy path
 
 
 def test_hit_density_keeps_rising_towards_a_reuse():
