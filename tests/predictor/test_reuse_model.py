@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from kvtier.predictor.classes import N_STAGES, STAGE_OF_COUNT
 from kvtier.predictor import reuse_model
+from kvtier.predictor.classes import N_STAGES, STAGE_OF_COUNT
 from kvtier.predictor.reuse_model import N_IRR, Candidate, ReuseModel, distance_bucket
 
 
