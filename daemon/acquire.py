@@ -113,7 +113,7 @@ def progress(w: Waiter, mgr: TierManager, placement: Placement, chunks: int = 1)
         idx = todo[ready]
         w.slots[idx] = mgr.pin_many(w.blocks[idx])
         w.pinned[idx] = True
-        w.session.pins[w.blocks[idx]] += 1
+        w.session.pins.add(w.blocks[idx])
     if not ready.all():
         promote_missing(mgr, placement, blocks[~ready], chunks=chunks)
 
@@ -136,7 +136,7 @@ def unpin_waiter(w: Waiter, mgr: TierManager) -> None:
     held = w.blocks[w.pinned]
     if held.size:
         mgr.unpin_many(held)
-        w.session.pins[held] -= 1
+        w.session.pins.sub(held)
     w.pinned[:] = False
 
 

@@ -64,7 +64,7 @@ class BlockOps:
         session.add_refs(blocks, args.seq)
         if args.pin:  # the engine writes them next: keep them in HBM until it releases them
             mgr.pin_many(blocks, checked=True)
-            session.pins[blocks] += 1
+            session.pins.add(blocks)
         placement.on_alloc(blocks, continues=session.continues(args.seq, blocks.size))
         self.counters["allocs"] += int(blocks.size)
         return {"blocks": P.id_bytes(blocks), "slots": P.id_bytes(mgr.table.slot[HBM, blocks])}
@@ -201,7 +201,7 @@ class BlockOps:
         except RuntimeError as e:
             raise ProtocolError(P.INTERNAL, f"invariant broken: {e}") from None
         t = mgr.table
-        held = sum((s.pins for s in self.engines.values()), np.zeros(t.max_blocks, dtype=np.int64))
+        held = sum((np.asarray(s.pins) for s in self.engines.values()), np.zeros(t.max_blocks, dtype=np.int64))
         if np.any(t.pins < held) or np.any(held < 0):
             b = int(np.argmax((t.pins < held) | (held < 0)))
             raise ProtocolError(P.INTERNAL, f"block {b}: engines hold {held[b]} pins, table has {t.pins[b]}")

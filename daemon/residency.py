@@ -73,7 +73,7 @@ class ResidencyOps:
             c["acquires_on_time"] += 1
             c["hits_hbm"] += int(blocks.size)
             slots = mgr.pin_many(blocks, checked=True)
-            session.pins[blocks] += 1
+            session.pins.add(blocks)
             self.stall_counts[0] += 1  # no stall: the cheapest bucket, no search
             self.node.placement.log_access(blocks)
             self.node.prefetcher.note_acquired(blocks)
@@ -160,12 +160,12 @@ class ResidencyOps:
     def op_release(self, session: EngineSession, args: Any) -> dict:
         mgr = self.node.mgr
         blocks = self.node.resolve(session, args, allow_keys=False)
-        unheld = session.pins[blocks] <= 0
+        unheld = ~session.pins.pinned(blocks)
         if unheld.any():
             b = int(blocks[np.argmax(unheld)])
             raise ProtocolError(P.INVALID, f"block {b} is not pinned by engine {session.engine_id!r}")
         mgr.unpin_many(blocks, checked=True)
-        session.pins[blocks] -= 1
+        session.pins.sub(blocks)
         return {"released": int(blocks.size)}
 
     def op_hint(self, session: EngineSession, args: Any) -> dict:

@@ -164,7 +164,7 @@ class Service:
         gone = ProtocolError(P.UNKNOWN_ENGINE, f"engine {engine_id!r} was reclaimed ({why})")
         for w in [*self.residency.drop_waiters(session), *self.blocks.drop_waiters(session)]:
             self.orphans.append((w, gone))
-        held = np.flatnonzero(session.pins)
+        held = session.pins.nonzero_ids()
         self.counters[f"reclaimed_{why.replace('-', '_')}"] += 1
         may_write = why == "timeout" and (not session.pid_checkable or pid_alive(session.pid))
         if may_write and held.size:  # keep what it holds until it surely cannot write any more

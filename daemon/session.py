@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .pin_counts import PinCounts
+
 
 @dataclass
 class EngineSession:
@@ -26,10 +28,10 @@ class EngineSession:
     block_bytes: int = 0  # this engine's block size (<= the daemon's slot payload; 0: the daemon's)
     refs: Counter = field(default_factory=Counter)
     seqs: dict[int, list[int]] = field(default_factory=dict)
-    pins: np.ndarray = field(init=False)  # pins per block held by this engine (vectorised on the RPC path)
+    pins: PinCounts = field(init=False)  # pins per block held by this engine (vectorised on the RPC path)
 
     def __post_init__(self) -> None:
-        self.pins = np.zeros(self.max_blocks, dtype=np.int32)
+        self.pins = PinCounts(self.max_blocks)
 
     def add_refs(self, blocks: np.ndarray, seq: "int | None") -> None:
         lst = blocks.tolist()

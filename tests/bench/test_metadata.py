@@ -5,6 +5,7 @@ from __future__ import annotations
 import tempfile
 
 import numpy as np
+import pytest
 
 from kvtier.bench import metadata as M
 
@@ -55,8 +56,11 @@ def test_report_keys_and_held_blocks_cost_something():
     assert r["per_held_block_bytes"] > 0 and ".node.mgr.table" in r["by_part"]
 
 
-def test_a_daemon_at_a_million_blocks_keeps_within_the_metadata_budget():
+@pytest.mark.parametrize("engines", [1, 16])
+def test_a_daemon_at_a_million_blocks_keeps_within_the_metadata_budget(engines):
     """Issue #15's budget, 256 B a block at 10^6 blocks, all state counted (constant-size
-    tables spread over the blocks): a new column or a table grown past it fails here."""
-    r = M.report(blocks=1_000_000)
+    tables spread over the blocks), with one engine and with the 16 `bench scale` attaches
+    (each engine's pin counts are per block): a new column or a table grown past it fails here."""
+    r = M.report(blocks=1_000_000, engines=engines)
+    assert r["engines"] == engines
     assert r["metadata_bytes_per_block_all"] <= 256.0, r["by_part"]

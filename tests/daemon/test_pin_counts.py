@@ -1,0 +1,114 @@
+"""An engine's pin counts: 1 byte a block, exact past 255, indexed like the int array they replaced."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvtier.daemon.pin_counts import BIG, PinCounts
+
+
+def test_random_updates_match_an_int_array_across_the_one_byte_limit():
+    """Vectorised += and -= on unique ids, scalar updates, reads of ids, masks and
+    scalars: always equal to a plain int64 array, with counts pushed well past 255
+    and back down to 0 (the overflow dict empties again)."""
+    rng = np.random.default_rng(3)
+    n = 64
+    pins, ref = PinCounts(n), np.zeros(n, dtype=np.int64)
+    hot = np.array([5, 9])  # pinned from hundreds of sequences at once
+    for step in range(20000):
+        if step < 2000:
+            blocks = np.unique(np.concatenate([hot, rng.integers(0, n, size=int(rng.integers(0, 8)))]))
+            if step % 2:
+                pins[blocks] += 1
+            else:
+                pins.add(blocks)
+            ref[blocks] += 1
+        else:
+            blocks = np.flatnonzero(ref)[: int(rng.integers(1, 10))]
+            if blocks.size == 0:
+                break
+            if step % 97 == 0:
+                continue
+            if step % 2:
+                pins[blocks] -= 1
+            else:
+                pins.sub(blocks)
+            ref[blocks] -= 1
+        if step % 97 == 0 and step < 2000:
+            b = int(rng.integers(0, n))
+            pins[b] = pins[b] + 3
+            ref[b] += 3
+        probe = rng.integers(0, n, size=12)
+        assert pins[probe].tolist() == ref[probe].tolist()
+        assert pins[ref > 2].tolist() == ref[ref > 2].tolist()
+        assert [pins[int(b)] for b in probe] == ref[probe].tolist()
+        assert pins.sum() == int(ref.sum())
+        assert pins.pinned(probe).tolist() == (ref[probe] > 0).tolist()
+    assert ref.max() == 0 and step > 2000  # every pin was dropped again
+    assert np.asarray(pins).tolist() == ref.tolist()
+    assert pins.nonzero_ids().tolist() == np.flatnonzero(ref).tolist()
+    assert max(ref[hot]) == 0 and not pins.big  # back below the limit: nothing left in the dict
+
+
+def test_counts_past_the_limit_are_exact():
+    pins = PinCounts(4)
+    for _ in range(BIG + 45):
+        pins[np.array([1, 2])] += 1
+    assert pins[np.array([0, 1, 2])].tolist() == [0, BIG + 45, BIG + 45]
+    assert pins[1] == BIG + 45 and pins.small[1] == BIG and pins.big == {1: BIG + 45, 2: BIG + 45}
+    pins[np.array([1])] -= 46
+    assert pins[1] == BIG - 1 and pins.small[1] == BIG - 1 and 1 not in pins.big
+    assert pins.sum() == (BIG - 1) + (BIG + 45)
+    assert pins.small.dtype == np.uint8 and pins.small.nbytes == 4  # one byte a block
+
+
+def test_a_negative_count_is_refused_and_changes_nothing():
+    pins = PinCounts(8)
+    pins[np.array([1, 2, 3])] += 1
+    before = np.asarray(pins).copy()
+    with pytest.raises(ValueError, match="negative"):
+        pins[np.array([1, 4])] -= 1  # block 4 holds no pin
+    with pytest.raises(ValueError, match="negative"):
+        pins[6] = -1
+    with pytest.raises(ValueError, match="negative"):
+        pins.sub(np.array([2, 5]))
+    assert np.asarray(pins).tolist() == before.tolist()
+
+
+def test_one_engine_pins_one_block_from_300_sequences_through_the_daemon(tmp_path):
+    """Past the one-byte limit through the service: 300 acquires of one shared prefix
+    block by one engine, then 300 releases; the engine's count and the table's agree
+    at every step the invariant check looks, and the block is unpinned at the end."""
+    from kvtier.daemon.config import load_config
+    from kvtier.daemon.service import Service
+    from kvtier.protocol import wire as P
+
+    from .service_calls import call, ids
+
+    bb = 4096
+    cfg = load_config(environ={}, overrides=[
+        f"tiers.hbm_bytes={4 * bb}", "tiers.dram_bytes=0", "tiers.nvme_bytes=0", 'policy.name="lru"',
+        f'server.runtime_dir="{tmp_path}/run"', "metrics.enabled=false"])
+    svc = Service(cfg)
+    try:
+        call(svc, "register", "e", pid=0, block_bytes=bb)
+        b = ids(call(svc, "alloc", "e", n=1, seq=1, pin=True)["blocks"])[0]
+        c = ids(call(svc, "seal", "e", blocks=[b], keys=P.id_bytes(np.array([42], np.uint64), np.uint64),
+                     seq=1)["blocks"])[0]
+        call(svc, "release", "e", blocks=[c])
+        for i in range(300):
+            assert call(svc, "acquire", "e", blocks=[c], timeout_s=1.0)["done"]
+            if i in (253, 254, 255, 299):
+                assert svc.engines["e"].pins[c] == i + 1 == int(svc.node.mgr.table.pins[c])
+                assert call(svc, "check", "e")["ok"]
+        for _ in range(300):
+            call(svc, "release", "e", blocks=[c])
+        assert svc.engines["e"].pins[c] == 0 == int(svc.node.mgr.table.pins[c])
+        assert not svc.engines["e"].pins.big
+        assert call(svc, "check", "e")["ok"]
+        with pytest.raises(P.ProtocolError):  # one release too many: refused, counts unchanged
+            call(svc, "release", "e", blocks=[c])
+        assert svc.engines["e"].pins[c] == 0 == int(svc.node.mgr.table.pins[c])
+    finally:
+        svc.close()
