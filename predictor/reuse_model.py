@@ -99,11 +99,14 @@ PARENT = {"class_stage_irr": "class_stage", "class_stage": "stage", "stage_irr":
 # The grid the shadow caches choose from: a spread of horizons on the full features,
 # coarser feature sets, and two hit-density models with long horizons (a loop longer than
 # the cache: P within a short horizon is 0 at mid ages, density keeps rising towards the
-# reuse). None of it is fitted to a trace.
+# reuse), 32 and 128 eviction ages: a reuse 70x the cache away (a loop at 1%) is beyond
+# 32 and was invisible to every candidate. None of it is fitted to a trace: the 128
+# replaced a second density model on coarser features, measured on the synthetic families
+# and the first half of the conversation trace (README, "Policies and replay").
 DEFAULT_CANDIDATES: tuple[Candidate, ...] = (
     Candidate("class_stage", 1.0), Candidate("class_stage", 2.0), Candidate("class_stage", 4.0),
     Candidate("class_stage", 8.0), Candidate("stage_irr", 4.0), Candidate("class_stage_irr", 4.0),
-    Candidate("class_stage_irr", 32.0, density=True), Candidate("class_stage", 8.0, density=True),
+    Candidate("class_stage_irr", 32.0, density=True), Candidate("class_stage_irr", 128.0, density=True),
 )
 
 
