@@ -134,10 +134,12 @@ def unservable(blocks: np.ndarray, mgr: TierManager) -> "tuple[str, str] | None"
 
 def unpin_waiter(w: Waiter, mgr: TierManager) -> None:
     held = w.blocks[w.pinned]
-    if held.size:
-        mgr.unpin_many(held)
-        w.session.pins.sub(held)
-    w.pinned[:] = False
+    try:
+        if held.size:
+            mgr.unpin_many(held)
+            w.session.pins.sub(held)
+    finally:  # even on a broken invariant: a waiter that kept its marks would fail every tick again
+        w.pinned[:] = False
 
 
 class Prefetcher:

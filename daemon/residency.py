@@ -43,7 +43,11 @@ class ResidencyOps:
 
     def pinned_by_waiters(self, session: EngineSession) -> set[int]:
         """Blocks that ``session``'s unfinished acquires have pinned (their pins are the waiters')."""
-        out: set[int] = set()
+        return set(self._waiter_pins(session))
+
+    def _waiter_pins(self, session: EngineSession) -> Counter:
+        """Pins per block that ``session``'s unfinished acquires hold."""
+        out: Counter = Counter()
         for w in self.waiters.values():
             if w.session is session:
                 out.update(w.blocks[w.pinned].tolist())
@@ -164,6 +168,13 @@ class ResidencyOps:
         if unheld.any():
             b = int(blocks[np.argmax(unheld)])
             raise ProtocolError(P.INVALID, f"block {b} is not pinned by engine {session.engine_id!r}")
+        waiting = self._waiter_pins(session) if self.waiters else None
+        if waiting:  # pins an unfinished acquire holds are its own: it drops them when it ends
+            own = session.pins[blocks] - np.array([waiting.get(b, 0) for b in blocks.tolist()], dtype=np.int64)
+            if np.any(own <= 0):
+                b = int(blocks[np.argmax(own <= 0)])
+                raise ProtocolError(P.INVALID, f"block {b} is pinned only by an unfinished acquire of engine "
+                                               f"{session.engine_id!r}; release it after the acquire completes")
         mgr.unpin_many(blocks, checked=True)
         session.pins.sub(blocks)
         return {"released": int(blocks.size)}

@@ -36,9 +36,11 @@ CHUNK_BYTES = 4 << 20  # a chunk's copy (~0.5 ms) dwarfs the ~3 µs of Python th
 Pair = tuple[np.ndarray, np.ndarray]  # (dst, src), same shape
 
 
-def chunks(pairs: Sequence[Pair], chunk_bytes: int = CHUNK_BYTES) -> list[list[Pair]]:
+def chunks(pairs: Sequence[Pair], chunk_bytes: Optional[int] = None) -> list[list[Pair]]:
     """The pairs cut into row ranges and grouped so that each chunk moves about
-    ``chunk_bytes``: a large run is split, small scattered runs share a chunk."""
+    ``chunk_bytes`` (default: ``CHUNK_BYTES`` at call time): a large run is split, small
+    scattered runs share a chunk."""
+    chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     out: list[list[Pair]] = []
     cur: list[Pair] = []
     size = 0

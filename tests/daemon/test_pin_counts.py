@@ -112,3 +112,53 @@ def test_one_engine_pins_one_block_from_300_sequences_through_the_daemon(tmp_pat
         assert svc.engines["e"].pins[c] == 0 == int(svc.node.mgr.table.pins[c])
     finally:
         svc.close()
+
+
+def test_pins_of_an_unfinished_acquire_are_not_the_engines_to_release(tmp_path):
+    """Engine a's acquire of [X, Y] waits for Y (in DRAM) while holding its pin on X, which
+    engine b pins too. a releasing X would take a pin its own waiter still owns (and, at
+    the waiter's end, b's): it is refused and nothing changes; when the waiter ends, its
+    pins go, b's stays, and the daemon's loop keeps running."""
+    import time
+
+    from kvtier.daemon.config import load_config
+    from kvtier.daemon.service import Service
+    from kvtier.protocol import wire as P
+    from kvtier.tiers.types import Tier
+
+    from .service_calls import call, ids
+
+    cfg = load_config(environ={}, overrides=[
+        "tiers.hbm_bytes=32768", "tiers.dram_bytes=32768", "tiers.nvme_bytes=65536",
+        f'tiers.nvme_dir="{tmp_path}/nvme"', f'server.runtime_dir="{tmp_path}/run"', "metrics.enabled=false"])
+    svc = Service(cfg)
+    try:
+        for e in "ab":
+            call(svc, "register", e, pid=0, block_bytes=4096)
+        x, y = ids(call(svc, "alloc", "a", n=2, seq=0)["blocks"])
+        call(svc, "seal", "a", blocks=[x, y], keys=P.id_bytes(np.array([11, 12], np.uint64), np.uint64))
+        call(svc, "ref", "b", keys=P.id_bytes(np.array([11], np.uint64), np.uint64))
+        assert call(svc, "acquire", "b", blocks=[x], timeout_s=1.0)["done"]
+        mgr = svc.node.mgr
+        mgr.demote([y], Tier.HBM, Tier.DRAM)
+        mgr.wait()
+        r = call(svc, "acquire", "a", blocks=[x, y], timeout_s=0.0, wait=False)
+        assert not r["done"] and len(svc.residency.waiters) == 1
+        pins = lambda: (int(mgr.table.pins[x]), svc.engines["a"].pins[x], svc.engines["b"].pins[x])
+        assert pins() == (2, 1, 1)
+        with pytest.raises(P.ProtocolError) as e:
+            call(svc, "release", "a", blocks=[x])
+        assert e.value.code == P.INVALID and "unfinished acquire" in e.value.message
+        assert pins() == (2, 1, 1)
+        for w in svc.residency.waiters.values():
+            w.deadline -= 1000.0
+        for _ in range(3):
+            svc.residency.advance_waiters()
+            time.sleep(0.01)
+        assert not svc.residency.waiters
+        assert pins() == (1, 0, 1)
+        call(svc, "release", "b", blocks=[x])
+        assert pins() == (0, 0, 0)
+        assert call(svc, "check", "a")["ok"]
+    finally:
+        svc.close()
