@@ -125,7 +125,8 @@ class HostCopier:
         parts = chunks(pairs)
         if not parts:
             return
-        compiled = self.compiled and all(d.flags.c_contiguous and s.flags.c_contiguous for d, s in pairs)
+        compiled = self.compiled and all(d.flags.c_contiguous and s.flags.c_contiguous and d.dtype == s.dtype
+                                         for d, s in pairs)  # else numpy: strides, casts
         job = _Job(parts, compiled)  # strided pairs (a layer's columns of each slot): numpy's copies
         if self._pool is not None and len(parts) > 1:
             for _ in range(min(self.threads - 1, len(parts) - 1)):
