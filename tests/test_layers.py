@@ -20,7 +20,7 @@ ALLOWED: dict[str, set[str]] = {
     "protocol": set(),
     "kernels": set(),
     "scoring": set(),
-    "predictor": set(),
+    "predictor": {"kernels"},  # the compiled victim search (kernels/_value.c)
     "tiers": {"kernels", "protocol"},
     "policy": {"predictor", "scoring", "tiers"},
     "daemon": {"protocol", "kernels", "tiers", "scoring", "predictor", "policy"},
@@ -66,10 +66,12 @@ def _graph() -> dict[str, set[str]]:
     files = [ROOT / d / f for d in ALLOWED for f in os.listdir(ROOT / d) if f.endswith(".py")]
     files += [ROOT / "daemon" / "_root" / "__init__.py"]
     names = {_module_name(p): p for p in files}
-    graph = {}
+    # compiled extensions (setup.py builds kernels/*.c as kvtier.kernels.<name>) are modules too
+    compiled = {_module_name(ROOT / d / f) for d in ALLOWED for f in os.listdir(ROOT / d) if f.endswith(".c")}
+    graph: dict[str, set[str]] = {name: set() for name in compiled}
     for name, path in names.items():
         # "from kvtier.x import y" names a module or an attribute: keep what is a module
-        graph[name] = {m for m in _imports(path, name) if m in names and m != name}
+        graph[name] = {m for m in _imports(path, name) if (m in names or m in compiled) and m != name}
     return graph
 
 
