@@ -57,8 +57,10 @@ def test_copy_moves_every_byte_of_scattered_runs(threads, compiled, monkeypatch)
     if compiled:  # the C loop never calls numpy
         assert not who
         return
-    assert threading.current_thread().name in who  # the caller always copies
-    assert all(n == threading.current_thread().name or n.startswith("kvtier-copy") for n in who)
+    me = threading.current_thread().name
+    if threads == 1:  # no helpers: the caller copies everything
+        assert who == {me}
+    assert all(n == me or n.startswith("kvtier-copy") for n in who)  # helpers may take every part first
 
 
 @pytest.mark.parametrize("compiled", COMPILED)
