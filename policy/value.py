@@ -38,7 +38,8 @@ from kvtier.policy import register_policy
 from kvtier.policy.base import Eligible, Policy, budget, swap_remove
 from kvtier.policy.shadow import ShadowCaches
 from kvtier.predictor.calibration import CalibrationTracker
-from kvtier.predictor.reuse_model import DEFAULT_CANDIDATES, N_IRR, ReuseModel, cell_of
+from kvtier.predictor.cells import N_IRR, cell_of
+from kvtier.predictor.reuse_model import DEFAULT_CANDIDATES, ReuseModel
 
 _HASH = 0x9E3779B1
 

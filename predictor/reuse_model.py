@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -41,7 +41,8 @@ try:  # the victim search in one call (kernels/_value.c); numpy otherwise, same 
 except ImportError:  # pragma: no cover - exercised where the extension was not built
     _c_lowest = None
 
-from kvtier.predictor.classes import MAX_COUNT, N_CLASSES, N_STAGES, STAGE_OF_COUNT, STAGE_OF_COUNT_ARRAY
+from kvtier.predictor.cells import EXPAND, N_CELLS, N_IRR, PARENT, PARTITIONS, SUM_ROWS, cell_of, first_cell_of
+from kvtier.predictor.classes import MAX_COUNT
 
 N_BUCKETS = 48  # half octaves: distances up to 2^24 accesses, beyond in the last bucket
 PENDING_SAMPLE = 4096  # block ids sampled per refresh to estimate the not-yet-reused accesses
@@ -68,33 +69,6 @@ class Candidate:
     horizon_multiple: float
     density: bool = False  # value = P(reused within W) / expected slot time until then (hit density)
 
-
-N_IRR = 8  # last reuse distance in 2-octave buckets (0: never reused), a per-block feature (LIRS's IRR)
-N_CELLS = N_CLASSES * N_IRR  # cell = (class * N_STAGES + stage) * N_IRR + irr
-
-
-def cell_of(cls: "int | np.ndarray", count: "int | np.ndarray", irr: "int | np.ndarray") -> "int | np.ndarray":
-    """The cell of an access: feature class ``cls``, the block's ``count``-th access (>= 1),
-    last reuse distance bucket ``irr``; scalars (the per-access path) or arrays."""
-    stage = STAGE_OF_COUNT[count] if isinstance(count, int) else STAGE_OF_COUNT_ARRAY[count]
-    return (cls * N_STAGES + stage) * N_IRR + irr
-_FINE = np.arange(N_CELLS)
-PARTITIONS: dict[str, np.ndarray] = {  # fine cell -> the partition's cell
-    "class_stage_irr": _FINE,
-    "class_stage": _FINE // N_IRR,
-    "stage_irr": (_FINE // N_IRR % N_STAGES) * N_IRR + _FINE % N_IRR,
-    "stage": _FINE // N_IRR % N_STAGES,
-    "all": np.zeros(N_CELLS, dtype=np.int64),
-}
-_SUM: dict[str, Callable[[np.ndarray], np.ndarray]] = {  # fine-cell rows -> partition-cell rows, summed
-    "class_stage_irr": lambda a: a,
-    "class_stage": lambda a: a.reshape(N_CLASSES, N_IRR, *a.shape[1:]).sum(1),
-    "stage_irr": lambda a: a.reshape(N_CLASSES // N_STAGES, N_STAGES * N_IRR, *a.shape[1:]).sum(0),
-    "stage": lambda a: a.reshape(N_CLASSES // N_STAGES, N_STAGES, N_IRR, *a.shape[1:]).sum((0, 2)),
-    "all": lambda a: a.sum(0, keepdims=True),
-}
-PARENT = {"class_stage_irr": "class_stage", "class_stage": "stage", "stage_irr": "stage", "stage": "all",
-          "all": None}
 
 # The grid the shadow caches choose from: a spread of horizons on the full features,
 # coarser feature sets, and two hit-density models with long horizons (a loop longer than
@@ -209,7 +183,7 @@ class ReuseModel:
             if cand.partition not in survival:
                 survival[cand.partition] = _log_survival(self._hazard(cand.partition, pending, hazards))
             rows, pair_of_age = self._pair_probabilities(survival[cand.partition], w)
-            cmap = _EXPAND[cand.partition]
+            cmap = EXPAND[cand.partition]
             if cand.density:
                 _write_table(rows, pair_of_age, cmap, out=self.prob[k])
                 self._density(survival[cand.partition], w, rows, pair_of_age, cmap, out=self.table3[k])
@@ -243,7 +217,7 @@ class ReuseModel:
             return memo[partition]
         cmap = PARTITIONS[partition]
         n_cells = int(cmap.max()) + 1
-        agg = _SUM[partition]
+        agg = SUM_ROWS[partition]
         reuses, censored, total = agg(self.reuses), agg(pending), agg(self.accesses)
         gone = np.cumsum(reuses + censored, axis=1)  # reused or censored at or before bucket j
         at_risk = np.maximum(total[:, None] - np.concatenate((np.zeros((n_cells, 1)), gone[:, :-1]), axis=1), 0.0)
@@ -251,7 +225,7 @@ class ReuseModel:
         if parent is None:
             prior, strength = np.zeros((n_cells, N_BUCKETS)), 1.0
         else:
-            to_parent = PARTITIONS[parent][_first_cell_of(cmap, n_cells)]
+            to_parent = PARTITIONS[parent][first_cell_of(cmap, n_cells)]
             prior, strength = self._hazard(parent, pending, memo)[to_parent], self.m
         hazard = np.minimum((strength * prior + reuses) / (strength + at_risk), 1.0)
         memo[partition] = hazard
@@ -379,10 +353,6 @@ _EDGES[-1] = np.inf  # the last bucket takes every longer distance
 _WIDTHS = np.append(np.diff(_EDGES[:-1]), 0.0)  # bucket widths; the open last one only ever partly
 
 
-_EXPAND: dict[str, "np.ndarray | None"] = {  # partition cell of each fine cell; None: the same
-    name: None if np.array_equal(cmap, _FINE) else cmap for name, cmap in PARTITIONS.items()}
-
-
 def _write_table(rows: np.ndarray, pair_of_age: np.ndarray, cmap: "np.ndarray | None", out: np.ndarray) -> None:
     """``out[age, fine cell]`` = ``rows[pair_of_age[age], cmap[cell]]``, rounded to ``out``'s
     dtype, in place: a refresh reallocating every table churned tens of MB through the
@@ -397,10 +367,3 @@ def _log_survival(hazard: np.ndarray) -> np.ndarray:
     """log P(not reused by the end of distance bucket j-1), per (partition) cell; column 0 is 0."""
     return np.concatenate((np.zeros((hazard.shape[0], 1)),
                            np.cumsum(np.log1p(-np.minimum(hazard, 1 - 1e-12)), axis=1)), axis=1)
-
-
-def _first_cell_of(cmap: np.ndarray, n_cells: int) -> np.ndarray:
-    """For each partition cell, one fine cell that maps to it (to look up its parent)."""
-    first = np.zeros(n_cells, dtype=np.int64)
-    first[cmap[::-1]] = np.arange(cmap.size)[::-1]
-    return first

@@ -126,8 +126,8 @@ def test_write_back_sends_blocks_dram_declines_to_nvme(tmp_path):
     """DRAM admits an HBM victim only if its policy finds it worth a slot: a block of
     a class DRAM has learned is never reused goes straight to NVMe, and the DRAM
     blocks worth their slots stay."""
+    from kvtier.predictor.cells import N_IRR
     from kvtier.predictor.classes import N_STAGES
-    from kvtier.predictor.reuse_model import N_IRR
 
     cfg = load_config(environ={}, overrides=[
         "tiers.hbm_bytes=16384", "tiers.dram_bytes=16384", "tiers.nvme_bytes=65536",

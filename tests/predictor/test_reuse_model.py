@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from kvtier.predictor import reuse_model
+from kvtier.predictor.cells import N_IRR
 from kvtier.predictor.classes import N_STAGES, STAGE_OF_COUNT
-from kvtier.predictor.reuse_model import N_IRR, Candidate, ReuseModel, distance_bucket
+from kvtier.predictor.reuse_model import Candidate, ReuseModel, distance_bucket
 
 
 def _cell(cls: int, count: int, irr: int = 0) -> int:
@@ -106,19 +107,19 @@ def test_bad_candidates_are_refused():
 
 
 def test_partition_sums_match_their_cell_maps():
-    from kvtier.predictor.reuse_model import _SUM, N_CELLS, PARTITIONS
+    from kvtier.predictor.cells import N_CELLS, PARTITIONS, SUM_ROWS
 
     a = np.random.default_rng(0).random((N_CELLS, 3))
     for name, cmap in PARTITIONS.items():
         expect = np.zeros((int(cmap.max()) + 1, 3))
         np.add.at(expect, cmap, a)
-        assert np.allclose(_SUM[name](a), expect), name
+        assert np.allclose(SUM_ROWS[name](a), expect), name
 
 
 def _fine_cell_hazard(m: ReuseModel, partition: str, pending: np.ndarray) -> np.ndarray:
     """The hazard computed the plain way: one row per fine cell, each from its partition
     group's summed counts, shrunk towards the parent hazard of the same fine cell."""
-    from kvtier.predictor.reuse_model import PARENT, PARTITIONS
+    from kvtier.predictor.cells import PARENT, PARTITIONS
 
     cmap = PARTITIONS[partition]
 
@@ -138,7 +139,7 @@ def _fine_cell_hazard(m: ReuseModel, partition: str, pending: np.ndarray) -> np.
 def test_hazards_per_partition_cell_expand_to_the_fine_cell_computation():
     """Tables are built per partition cell and expanded when written: the expansion must
     equal computing every fine cell on its own, for every partition."""
-    from kvtier.predictor.reuse_model import PARTITIONS
+    from kvtier.predictor.cells import PARTITIONS
 
     rng = np.random.default_rng(3)
     m = ReuseModel(64, refresh_every=10_000)

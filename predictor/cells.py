@@ -1,0 +1,54 @@
+"""The reuse model's cells and the partitions of them that candidate models condition on.
+
+A cell is what the model knows of an access: feature class x access stage
+(``kvtier.predictor.classes``) x the block's last reuse distance (2-octave
+buckets, LIRS's IRR). A partition maps every fine cell to a coarser one (the
+features a candidate conditions on); ``PARENT`` is the shrinkage hierarchy. One
+owner of the layout: the per-access path, ``admit_many`` and the table builder
+all compute cells with ``cell_of``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from kvtier.predictor.classes import N_CLASSES, N_STAGES, STAGE_OF_COUNT, STAGE_OF_COUNT_ARRAY
+
+N_IRR = 8  # last reuse distance in 2-octave buckets (0: never reused), a per-block feature (LIRS's IRR)
+N_CELLS = N_CLASSES * N_IRR  # cell = (class * N_STAGES + stage) * N_IRR + irr
+
+
+def cell_of(cls: "int | np.ndarray", count: "int | np.ndarray", irr: "int | np.ndarray") -> "int | np.ndarray":
+    """The cell of an access: feature class ``cls``, the block's ``count``-th access (>= 1),
+    last reuse distance bucket ``irr``; scalars (the per-access path) or arrays."""
+    stage = STAGE_OF_COUNT[count] if isinstance(count, int) else STAGE_OF_COUNT_ARRAY[count]
+    return (cls * N_STAGES + stage) * N_IRR + irr
+_FINE = np.arange(N_CELLS)
+PARTITIONS: dict[str, np.ndarray] = {  # fine cell -> the partition's cell
+    "class_stage_irr": _FINE,
+    "class_stage": _FINE // N_IRR,
+    "stage_irr": (_FINE // N_IRR % N_STAGES) * N_IRR + _FINE % N_IRR,
+    "stage": _FINE // N_IRR % N_STAGES,
+    "all": np.zeros(N_CELLS, dtype=np.int64),
+}
+SUM_ROWS: dict[str, Callable[[np.ndarray], np.ndarray]] = {  # fine-cell rows -> partition-cell rows, summed
+    "class_stage_irr": lambda a: a,
+    "class_stage": lambda a: a.reshape(N_CLASSES, N_IRR, *a.shape[1:]).sum(1),
+    "stage_irr": lambda a: a.reshape(N_CLASSES // N_STAGES, N_STAGES * N_IRR, *a.shape[1:]).sum(0),
+    "stage": lambda a: a.reshape(N_CLASSES // N_STAGES, N_STAGES, N_IRR, *a.shape[1:]).sum((0, 2)),
+    "all": lambda a: a.sum(0, keepdims=True),
+}
+PARENT = {"class_stage_irr": "class_stage", "class_stage": "stage", "stage_irr": "stage", "stage": "all",
+          "all": None}
+
+EXPAND: dict[str, "np.ndarray | None"] = {  # partition cell of each fine cell; None: the same
+    name: None if np.array_equal(cmap, _FINE) else cmap for name, cmap in PARTITIONS.items()}
+
+
+def first_cell_of(cmap: np.ndarray, n_cells: int) -> np.ndarray:
+    """For each partition cell, one fine cell that maps to it (to look up its parent)."""
+    first = np.zeros(n_cells, dtype=np.int64)
+    first[cmap[::-1]] = np.arange(cmap.size)[::-1]
+    return first
