@@ -60,21 +60,17 @@ def chunks(pairs: Sequence[Pair], chunk_bytes: Optional[int] = None) -> list[lis
 
 
 class _Job:
-    """One copy's chunks; ``work`` copies chunks until none is left."""
+    """One copy's parts, shared by the caller and its helpers: ``work`` copies until
+    none is left, ``wait`` returns once every part is copied (or raises its error)."""
 
-    def __init__(self, parts: list[list[Pair]], compiled: bool) -> None:
-        self.parts = parts
-        self._left = len(parts)
+    def __init__(self, left: int) -> None:
+        self._left = left
         self._lock = threading.Lock()
         self._done = threading.Event()
         self.error: Optional[BaseException] = None
-        if compiled:  # one flat list: C pulls pair by pair from a shared counter
-            self._dsts = [d for part in parts for d, _ in part]
-            self._srcs = [s for part in parts for _, s in part]
-            self._left = len(self._dsts)
-            self._counter = np.zeros(1, dtype=np.int64)
-        self.compiled = compiled
-        self._next = itertools.count()  # next() is atomic under the GIL: each chunk is taken once
+
+    def work(self) -> None:
+        raise NotImplementedError
 
     def _finished(self, n: int) -> None:
         with self._lock:
@@ -82,10 +78,21 @@ class _Job:
             if self._left <= 0:
                 self._done.set()
 
+    def wait(self) -> None:
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
+
+
+class _NumpyJob(_Job):
+    """Chunks taken one at a time, each pair an ``np.copyto`` (the GIL is held between copies)."""
+
+    def __init__(self, parts: list[list[Pair]]) -> None:
+        super().__init__(len(parts))
+        self.parts = parts
+        self._next = itertools.count()  # next() is atomic under the GIL: each chunk is taken once
+
     def work(self) -> None:
-        if self.compiled:
-            self._work_compiled()
-            return
         while True:
             i = next(self._next)
             if i >= len(self.parts):
@@ -97,17 +104,22 @@ class _Job:
                 self.error = e
             self._finished(1)
 
-    def _work_compiled(self) -> None:
+
+class _CompiledJob(_Job):
+    """Pairs pulled in C from a shared counter, the GIL released for the whole loop."""
+
+    def __init__(self, parts: list[list[Pair]]) -> None:
+        self._dsts = [d for part in parts for d, _ in part]
+        self._srcs = [s for part in parts for _, s in part]
+        super().__init__(len(self._dsts))
+        self._counter = np.zeros(1, dtype=np.int64)
+
+    def work(self) -> None:
         try:
             self._finished(_c_copy_pairs(self._dsts, self._srcs, self._counter))
         except BaseException as e:  # a bad pair fails every thread before any byte moves
             self.error = e
             self._done.set()
-
-    def wait(self) -> None:
-        self._done.wait()
-        if self.error is not None:
-            raise self.error
 
 
 class HostCopier:
@@ -127,7 +139,8 @@ class HostCopier:
             return
         compiled = self.compiled and all(d.flags.c_contiguous and s.flags.c_contiguous and d.dtype == s.dtype
                                          for d, s in pairs)  # else numpy: strides, casts
-        job = _Job(parts, compiled)  # strided pairs (a layer's columns of each slot): numpy's copies
+        # strided pairs (a layer's columns of each slot): numpy's copies
+        job: _Job = _CompiledJob(parts) if compiled else _NumpyJob(parts)
         if self._pool is not None and len(parts) > 1:
             for _ in range(min(self.threads - 1, len(parts) - 1)):
                 self._pool.submit(job.work)
