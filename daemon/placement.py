@@ -270,7 +270,7 @@ class Placement:
     def _drop_cached_nvme(self, n: int) -> int:
         mgr, t = self.mgr, self.mgr.table
         have = t.free_slot_count(NVME)
-        lst = t.evictable[NVME]
+        lst = t.nvme_idle
         b = int(lst.next[lst.capacity]) if lst.length() else -1
         budget = 4 * n + 64  # live blocks at the head are skipped, but never more than this many per call
         while have < n and b >= 0 and b < lst.capacity and budget > 0:

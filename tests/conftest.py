@@ -25,8 +25,7 @@ def snapshot(m: TierManager) -> dict[str, np.ndarray]:
         name: getattr(t, name).copy()
         for name in ("key", "state", "refcount", "pins", "busy", "copies", "slot", "nbytes", "checksum")
     }
-    for i, lst in enumerate(t.evictable):
-        cols[f"evict{i}"] = lst.to_array()
+    cols["nvme_idle"] = t.nvme_idle.to_array()
     for i, lst in enumerate(t.free_slots):
         cols[f"free{i}"] = lst.to_array()
     cols["free_blocks"] = t.free_blocks.to_array()

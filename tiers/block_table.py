@@ -3,9 +3,12 @@
 Block id = index into preallocated arrays (as in vLLM's block pool). Slots of
 each tier are owned by at most one block; ``slot[t, b]`` and
 ``slot_owner[t][s]`` are kept as a bijection. Each tier has an intrusive free
-list of slots and an eviction-candidate list of blocks (unpinned, idle
-blocks holding a valid copy there) in recency order. Nothing here moves
-bytes: the manager pairs this table with pools and the mover.
+list of slots. NVMe also has a list of the idle blocks holding a copy there,
+in recency order: where the placement finds cached NVMe copies to drop.
+HBM and DRAM victims are their policies' choice (``kvtier.policy``), so those
+tiers keep no such list: one had been maintained on every move and read by
+nothing. Nothing here moves bytes: the manager pairs this table with pools
+and the mover.
 
 Only the owner thread may mutate a table; it is deliberately lock-free.
 """
@@ -18,7 +21,7 @@ import numpy as np
 
 from .intrusive import NIL, IndexLists
 from .key_index import KeyIndex, all_distinct
-from .types import FREE, N_TIERS, OPEN, SEALED, Tier
+from .types import FREE, N_TIERS, NVME, OPEN, SEALED, Tier
 
 
 class BlockTable:
@@ -48,7 +51,7 @@ class BlockTable:
         self.keys = KeyIndex(n)
         self.free_blocks = IndexLists(n)
         self.free_blocks.extend_back(np.arange(n))
-        self.evictable = [IndexLists(n) for _ in range(N_TIERS)]
+        self.nvme_idle = IndexLists(n)  # idle blocks with an NVMe copy, least recently used first
         self.slot_owner = [np.full(s, NIL, dtype=np.int32) for s in self.slots_per_tier]
         self.free_slots = [IndexLists(s) for s in self.slots_per_tier]
         for t, s in enumerate(self.slots_per_tier):
@@ -224,36 +227,43 @@ class BlockTable:
         if s == NIL:
             raise ValueError(f"block {b} has no {Tier(tier).name} slot")
         self.copies[b] &= np.uint8(~(1 << tier) & 0xFF)
-        self.evictable[tier].discard(b)
+        if tier == NVME:
+            self.nvme_idle.discard(b)
         self.slot_owner[tier][s] = NIL
         self.slot[tier, b] = NIL
         self.free_slots[tier].push_back(s)
 
-    # -- eviction lists --------------------------------------------------
-    def should_be_evictable(self, b: int, tier: int) -> bool:
-        # pins do not matter: pin/unpin is the RPC hot path and must not touch the
-        # lists; victim selection skips pinned blocks with an O(1) check instead
-        return bool(int(self.copies[b]) >> int(tier) & 1 and self.busy[b] == 0)
+    # -- the NVMe idle list ---------------------------------------------
+    def should_be_evictable(self, b: int) -> bool:
+        """Does ``b`` belong on the NVMe idle list: an NVMe copy and no transfer in flight.
+        Pins do not matter: pin/unpin is the RPC hot path and must not touch the list;
+        the scan skips pinned blocks with an O(1) check instead."""
+        return bool(int(self.copies[b]) >> NVME & 1 and self.busy[b] == 0)
 
     def refresh_evictable(self, b: int) -> None:
-        for t in range(N_TIERS):
-            want = self.should_be_evictable(b, t)
-            lst = self.evictable[t]
-            if want and not lst.contains(b):
-                lst.push_back(b)
-            elif not want and lst.contains(b):
-                lst.remove(b)
+        want = self.should_be_evictable(b)
+        lst = self.nvme_idle
+        if want and not lst.contains(b):
+            lst.push_back(b)
+        elif not want and lst.contains(b):
+            lst.remove(b)
 
     def refresh_evictable_many(self, blocks: np.ndarray) -> None:
-        """Batch form: vectorised membership test, O(1) fix per mismatch."""
-        idle = self.busy[blocks] == 0
-        copies = self.copies[blocks]
-        for t in range(N_TIERS):
-            lst = self.evictable[t]
-            want = idle & ((copies >> t) & 1 == 1)
-            have = lst.owner[blocks] == 0
-            lst.remove_many(blocks[~want & have])
-            lst.extend_back(blocks[want & ~have])
+        """Batch form: vectorised membership test, O(1) fix per mismatch; the blocks
+        added are unlinked by construction, so only their distinctness is checked."""
+        blocks = np.asarray(blocks, dtype=np.int64)
+        lst = self.nvme_idle
+        want = (self.busy[blocks] == 0) & ((self.copies[blocks] >> NVME) & 1 == 1)
+        have = lst.owner[blocks] == 0
+        gone = ~want & have
+        if gone.any():
+            lst.remove_many(blocks[gone])
+        want &= ~have
+        if want.any():
+            add = blocks[want]
+            if not all_distinct(add):
+                raise ValueError("refresh_evictable_many: a block is named twice")
+            lst.append_unlinked(add)
 
     def assign_slots(self, blocks: np.ndarray, tier: int) -> Optional[np.ndarray]:
         """Batch ``assign_slot``; None (and no change) if too few are free."""
@@ -274,19 +284,19 @@ class BlockTable:
         if np.any(slots == NIL):
             raise ValueError(f"a block has no {Tier(tier).name} slot")
         self.copies[blocks] &= np.uint8(~(1 << tier) & 0xFF)
-        ev = self.evictable[tier]
-        ev.remove_many(blocks[ev.owner[blocks] == 0])
+        if tier == NVME:
+            ev = self.nvme_idle
+            ev.remove_many(blocks[ev.owner[blocks] == 0])
         self.slot_owner[tier][slots] = NIL
         self.slot[tier, blocks] = NIL
         self.free_slots[tier].extend_back(slots.astype(np.int64))
 
     def touch(self, b: int) -> None:
-        """Record an access: most-recent end of every eviction list."""
-        for t in range(N_TIERS):
-            lst = self.evictable[t]
-            if lst.contains(b):
-                lst.remove(b)
-                lst.push_back(b)
+        """Record an access: the most recent end of the NVMe idle list (dropped last)."""
+        lst = self.nvme_idle
+        if lst.contains(b):
+            lst.remove(b)
+            lst.push_back(b)
 
     # -- invariants ------------------------------------------------------
     def check_invariants(self) -> None:
@@ -306,7 +316,6 @@ class BlockTable:
             raise RuntimeError("an OPEN block has refcount 0 (would be unreachable)")
         for t in range(N_TIERS):
             self.free_slots[t].check()
-            self.evictable[t].check()
             owner = self.slot_owner[t]
             held = np.flatnonzero(self.slot[t] != NIL)
             slots = self.slot[t, held]
@@ -323,12 +332,13 @@ class BlockTable:
             valid = (self.copies >> t) & 1 == 1
             if np.any(valid & (self.slot[t] == NIL)):
                 raise RuntimeError(f"{Tier(t).name}: valid copy without a slot")
-            ev = np.zeros(self.max_blocks, dtype=bool)
-            ev[self.evictable[t].to_array()] = True
-            want = valid & (self.busy == 0)
-            if np.any(ev != want):
-                bad = int(np.flatnonzero(ev != want)[0])
-                raise RuntimeError(f"{Tier(t).name}: eviction list membership wrong for block {bad}")
+        self.nvme_idle.check()
+        ev = np.zeros(self.max_blocks, dtype=bool)
+        ev[self.nvme_idle.to_array()] = True
+        want = ((self.copies >> NVME) & 1 == 1) & (self.busy == 0)
+        if np.any(ev != want):
+            bad = int(np.flatnonzero(ev != want)[0])
+            raise RuntimeError(f"NVME: idle list membership wrong for block {bad}")
         sealed = np.flatnonzero((self.state == SEALED) & ~self.detached)
         if np.any(self.detached & (self.state != SEALED)):
             raise RuntimeError("a detached block is not sealed")
@@ -345,5 +355,5 @@ class BlockTable:
             self.slot, self.nbytes, self.checksum, self.importance,
             *self.extra.values(), *self.slot_owner,
         ]
-        lists = [self.free_blocks, *self.evictable, *self.free_slots]
+        lists = [self.free_blocks, self.nvme_idle, *self.free_slots]
         return sum(c.nbytes for c in cols) + sum(x.nbytes() for x in lists) + self.keys.nbytes()

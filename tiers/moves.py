@@ -186,11 +186,13 @@ class TierMoves:
             chunks if layered else 1, progress,
             self.nvme.reserve_seqs(io.size) if d == NVME and self.nvme is not None else None,
         )
+        # the copy starts first; the owner's bookkeeping below overlaps it. Safe: only this
+        # thread reads these structures, and it applies the completion in a later ``poll``
+        self.mover.submit(xfer)
         self.inflight[io] = tid
         t.busy[io] += 1
         t.refresh_evictable_many(io)
         self._pending[tid] = _Pending(io, src, dst, keep[need_io].copy(), chunks if layered else 1, progress)
-        self.mover.submit(xfer)
         return tid
 
     def _apply(self, c: Completion) -> None:

@@ -196,5 +196,5 @@ def test_adopt_sealed_is_all_or_nothing(manager):
         assert m.table.state[blk] == BlockState.SEALED and m.table.refcount[blk] == 0
         assert m.table.slot[Tier.NVME, blk] == slot and m.table.copies[blk] == 1 << Tier.NVME
         assert m.lookup(key) == blk and m.table.nbytes[blk] == n
-        assert m.table.evictable[Tier.NVME].contains(blk)
+        assert m.table.nvme_idle.contains(blk)
     m.check_invariants()
