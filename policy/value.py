@@ -224,11 +224,13 @@ class ValuePolicy(Policy):
         return bool(self.model.count[b])
 
     def calibration(self) -> Optional[dict]:
-        """Brier and ECE of the decisions taken (admissions and evictions, sampled)."""
+        """Brier and ECE of the decisions taken (admissions and evictions, sampled), over
+        the predictions whose window has closed."""
         if self.calib is None:
             return None
-        self.calib.finish(float(self.model.clock))
-        return self.calib.summary()
+        now = float(self.model.clock)
+        self.calib.finish(now)
+        return self.calib.summary(now)
 
     def stats(self) -> dict:
         c = DEFAULT_CANDIDATES[self.active]

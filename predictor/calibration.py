@@ -3,6 +3,12 @@
 Predictions are made at each access ("reused within H epochs?"); the outcome
 is known at the block's next access or once the deadline passes. Pending
 predictions are held per block, so tracking costs O(1) per access.
+
+A pair is scored only once its deadline has passed, however early it resolved:
+a reuse is known at once, a non-reuse only at the deadline, so pairs counted as
+they resolve over-represent reuses among the predictions still inside their
+window (at the end of a replay every window not yet closed would hold its
+reuses and none of its misses).
 """
 
 from __future__ import annotations
@@ -39,8 +45,8 @@ def ece(p: np.ndarray, y: np.ndarray, n_bins: int = 10) -> float:
 
 
 class PairLog:
-    """(prediction, outcome) pairs in numpy: a ring of the newest ``window`` pairs
-    (a daemon: its memory is fixed at start, 9 bytes a pair), or all of them when
+    """(prediction, outcome, deadline) triples in numpy: a ring of the newest ``window``
+    (a daemon: its memory is fixed at start, 13 bytes a pair), or all of them when
     ``window`` is None (replay: grows by doubling)."""
 
     def __init__(self, window: Optional[int] = None) -> None:
@@ -50,10 +56,11 @@ class PairLog:
         # filling up over minutes reads as a growing RSS in a soak, though its size is fixed
         self.p = np.full(cap, 0.0, dtype=np.float64)
         self.y = np.full(cap, 0, dtype=np.uint8)
+        self.d = np.full(cap, 0.0, dtype=np.float32)
         self.n = 0  # pairs held
         self.head = 0  # ring: next write position
 
-    def extend(self, p: np.ndarray, y: np.ndarray) -> None:
+    def extend(self, p: np.ndarray, y: np.ndarray, d: np.ndarray) -> None:
         k = p.size
         if not k:
             return
@@ -62,18 +69,24 @@ class PairLog:
                 cap = max(2 * self.p.size, self.n + k)
                 self.p = np.concatenate((self.p[: self.n], np.empty(cap - self.n)))
                 self.y = np.concatenate((self.y[: self.n], np.empty(cap - self.n, dtype=np.uint8)))
-            self.p[self.n: self.n + k], self.y[self.n: self.n + k] = p, y
+                self.d = np.concatenate((self.d[: self.n], np.empty(cap - self.n, dtype=np.float32)))
+            self.p[self.n: self.n + k], self.y[self.n: self.n + k], self.d[self.n: self.n + k] = p, y, d
             self.n += k
             return
         w = self.window
-        p, y = p[-w:], y[-w:]
+        p, y, d = p[-w:], y[-w:], d[-w:]
         idx = (self.head + np.arange(p.size)) % w
-        self.p[idx], self.y[idx] = p, y
+        self.p[idx], self.y[idx], self.d[idx] = p, y, d
         self.head = int((self.head + p.size) % w)
         self.n = min(w, self.n + p.size)
 
-    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        return self.p[: self.n].copy(), self.y[: self.n].astype(np.int64)
+    def arrays(self, closed_by: Optional[float] = None) -> tuple[np.ndarray, np.ndarray]:
+        """Predictions and outcomes; with ``closed_by``, only pairs whose deadline is not after it."""
+        p, y = self.p[: self.n], self.y[: self.n]
+        if closed_by is not None:
+            keep = self.d[: self.n] <= closed_by
+            p, y = p[keep], y[keep]
+        return p.copy(), y.astype(np.int64)
 
 
 class CalibrationTracker:
@@ -101,14 +114,15 @@ class CalibrationTracker:
         if old == old:  # not NaN: pending
             if now <= self.deadline[block]:
                 return
-            self.pairs.extend(np.array([old]), np.zeros(1, dtype=np.uint8))  # its window passed: not reused
+            self.pairs.extend(np.array([old]), np.zeros(1, dtype=np.uint8), self.deadline[block: block + 1])  # not reused
         self.pred[block] = p
         self.deadline[block] = now + horizon
 
     def access(self, block: int, now: float) -> None:
         p = self.pred[block]
         if p == p:  # not NaN: a prediction is pending
-            self.pairs.extend(np.array([p]), np.array([now <= self.deadline[block]], dtype=np.uint8))
+            self.pairs.extend(np.array([p]), np.array([now <= self.deadline[block]], dtype=np.uint8),
+                              self.deadline[block: block + 1])
             self.pred[block] = np.nan
 
     def on_freed(self, block: int) -> None:
@@ -119,14 +133,15 @@ class CalibrationTracker:
     def finish(self, now: float) -> None:
         """Resolve pending predictions whose deadline has passed (no reuse)."""
         due = ~np.isnan(self.pred) & (self.deadline < now)
-        self.pairs.extend(self.pred[due], np.zeros(int(due.sum()), dtype=np.uint8))
+        self.pairs.extend(self.pred[due], np.zeros(int(due.sum()), dtype=np.uint8), self.deadline[due])
         self.pred[due] = np.nan
 
-    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        return self.pairs.arrays()
+    def arrays(self, now: Optional[float] = None) -> tuple[np.ndarray, np.ndarray]:
+        """Scored pairs; with ``now``, only those whose window has closed by then (module doc)."""
+        return self.pairs.arrays(now)
 
-    def summary(self) -> dict[str, float]:
-        p, y = self.arrays()
+    def summary(self, now: Optional[float] = None) -> dict[str, float]:
+        p, y = self.arrays(now)
         return {"brier": brier(p, y), "ece": ece(p, y, self.n_bins), "n": int(p.size),
                 "mean_p": float(p.mean()) if p.size else float("nan"),
                 "base_rate": float(y.mean()) if y.size else float("nan")}

@@ -3,7 +3,7 @@
 Every element id in ``[0, capacity)`` has one ``prev``/``next`` entry; a list
 is identified by its sentinel, which lives past the element range. Several
 lists may share one pair of arrays (an element is in at most one of them at a
-time), so a tier's free list and its eviction list cost no extra memory per
+time), so several lists over the same elements cost no extra memory per
 element. All operations are O(1) except ``pop_front_n`` (O(k) for k popped)
 and iteration. No Python objects are allocated per element.
 """

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
@@ -76,6 +76,7 @@ class TierMoves:
         self.mover = Mover(self.hbm, self.dram, self.nvme, workers=mover_workers, queue_depth=queue_depth)
         self._tids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
+        self._unapplied: deque[Completion] = deque()  # taken from the mover by a poll that raised
         self.counters: Counter[str] = Counter()
         self.last_errors: dict[int, str] = {}
         self.listeners: list[EventListener] = []
@@ -186,13 +187,13 @@ class TierMoves:
             chunks if layered else 1, progress,
             self.nvme.reserve_seqs(io.size) if d == NVME and self.nvme is not None else None,
         )
-        # the copy starts first; the owner's bookkeeping below overlaps it. Safe: only this
-        # thread reads these structures, and it applies the completion in a later ``poll``
-        self.mover.submit(xfer)
         self.inflight[io] = tid
         t.busy[io] += 1
-        t.refresh_evictable_many(io)
         self._pending[tid] = _Pending(io, src, dst, keep[need_io].copy(), chunks if layered else 1, progress)
+        self.mover.submit(xfer)
+        # the list upkeep overlaps the copy: only this thread reads the lists, and the
+        # transfer is already tracked whatever happens below
+        t.refresh_evictable_many(io)
         return tid
 
     def _apply(self, c: Completion) -> None:
@@ -274,9 +275,14 @@ class TierMoves:
 
     def poll(self, timeout: Optional[float] = 0.0) -> list[Completion]:
         """Apply finished transfers; returns their completions."""
-        done = self.mover.poll(timeout)
-        for c in done:
-            self._apply(c)
+        done = list(self._unapplied) + self.mover.poll(0.0 if self._unapplied else timeout)
+        self._unapplied.clear()
+        for i, c in enumerate(done):
+            try:
+                self._apply(c)
+            except BaseException:
+                self._unapplied.extend(done[i + 1:])  # taken from the mover: applied by the next poll
+                raise
         return done
 
     def wait(self, timeout: Optional[float] = None) -> list[Completion]:

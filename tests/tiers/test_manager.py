@@ -198,3 +198,27 @@ def test_adopt_sealed_is_all_or_nothing(manager):
         assert m.lookup(key) == blk and m.table.nbytes[blk] == n
         assert m.table.nvme_idle.contains(blk)
     m.check_invariants()
+
+
+def test_a_completion_that_raises_does_not_strand_the_ones_polled_with_it(manager):
+    """Completions the mover hands over together are applied one by one: when applying one
+    raises (here an event listener), the others are applied by the next poll, so no block
+    stays busy forever and ``wait`` returns."""
+    m = manager
+    a, b = _new_sealed(m, 21), _new_sealed(m, 22)
+    boom = {"armed": True}
+
+    def listener(kind: str, blk: int, tier: int) -> None:
+        if boom["armed"] and kind == "stored":
+            boom["armed"] = False
+            raise RuntimeError("listener failed")
+
+    m.listeners.append(listener)
+    m.demote([a], "hbm", "dram")
+    m.demote([b], "hbm", "dram")
+    m.mover.drain()  # both completions are waiting: one poll takes them together
+    with pytest.raises(RuntimeError, match="listener failed"):
+        m.poll()
+    m.wait(timeout=5)
+    assert int(m.table.busy[b]) == 0 and m.table.copies[b] == 0b010
+    assert m.read(b) == pattern(22, BB).tobytes()
