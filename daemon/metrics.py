@@ -108,7 +108,8 @@ class SnapshotCollector(Collector):
             if name in calib and calib[name] == calib[name]:
                 yield _gauge(f"kvtier_predictor_{name}", f"Reuse predictor {name}", calib[name])
         if "n" in calib:  # how much the two figures above rest on: few predictions, noisy figures
-            yield _gauge("kvtier_predictor_scored", "Resolved predictions behind the calibration figures", calib["n"])
+            yield _gauge("kvtier_predictor_scored", "Resolved predictions behind the calibration figures",
+                         calib["n"])
 
 
 def _remote_families(r: dict[str, Any]) -> Iterator[Any]:

@@ -4,11 +4,13 @@ Predictions are made at each access ("reused within H epochs?"); the outcome
 is known at the block's next access or once the deadline passes. Pending
 predictions are held per block, so tracking costs O(1) per access.
 
-A pair is scored only once its deadline has passed, however early it resolved:
-a reuse is known at once, a non-reuse only at the deadline, so pairs counted as
-they resolve over-represent reuses among the predictions still inside their
-window (at the end of a replay every window not yet closed would hold its
-reuses and none of its misses).
+In replay (every pair kept), a pair is scored only once its deadline has
+passed, however early it resolved: a reuse is known at once, a non-reuse only
+at the deadline, so at the end of a replay every window not yet closed would
+hold its reuses and none of its misses. A daemon's ring is not filtered: in a
+steady state reuses and misses enter it at their true rates (only later for
+misses), and a filter by deadline would keep the misses but drop the early
+reuses the ring had already overwritten.
 """
 
 from __future__ import annotations
@@ -137,8 +139,9 @@ class CalibrationTracker:
         self.pred[due] = np.nan
 
     def arrays(self, now: Optional[float] = None) -> tuple[np.ndarray, np.ndarray]:
-        """Scored pairs; with ``now``, only those whose window has closed by then (module doc)."""
-        return self.pairs.arrays(now)
+        """Scored pairs; with ``now``, in replay only those whose window has closed by then
+        (module doc: a ring is never filtered)."""
+        return self.pairs.arrays(now if self.pairs.window is None else None)
 
     def summary(self, now: Optional[float] = None) -> dict[str, float]:
         p, y = self.arrays(now)

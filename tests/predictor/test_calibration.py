@@ -61,3 +61,14 @@ def test_a_pair_counts_once_its_window_has_closed_not_when_it_resolved():
     t.finish(200.0)  # block 2's window closed too
     p, y = t.arrays(now=200.0)
     assert dict(zip(p.tolist(), y.tolist())) == dict(zip(_f32([0.9, 0.2, 0.7]), [1, 0, 0]))
+
+
+def test_a_daemon_ring_is_not_filtered_by_deadline():
+    """In a ring, reuses resolve (and enter) early and misses at their deadline: filtering
+    by deadline would keep the misses and drop reuses the ring had already overwritten.
+    Here the ring's newest pairs are reuses whose windows are still open: they count."""
+    u = CalibrationTracker(max_blocks=64, window=8)
+    for i in range(32):  # long windows, all resolved early as reuses, none closed yet
+        u.predict(i, 0.5, now=float(i), horizon=1e6)
+        u.access(i, now=float(i) + 0.5)
+    assert u.summary(now=40.0)["n"] == 8 and u.summary(now=40.0)["base_rate"] == 1.0
