@@ -77,6 +77,7 @@ class TierMoves:
         self._tids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self._unapplied: deque[Completion] = deque()  # taken from the mover by a poll that raised
+        self._deferred: Optional[list[Exception]] = None  # listener errors while a completion is applied
         self.counters: Counter[str] = Counter()
         self.last_errors: dict[int, str] = {}
         self.listeners: list[EventListener] = []
@@ -92,7 +93,13 @@ class TierMoves:
     # -- events ------------------------------------------------------------
     def _emit(self, kind: str, b: int, tier: int) -> None:
         for fn in self.listeners:
-            fn(kind, b, tier)
+            if self._deferred is None:
+                fn(kind, b, tier)
+                continue
+            try:  # applying a completion: its bookkeeping finishes first (see ``_apply``)
+                fn(kind, b, tier)
+            except Exception as e:
+                self._deferred.append(e)
 
     def _emit_many(self, kind: str, blocks: np.ndarray, tier: int) -> None:
         if self.listeners:
@@ -197,6 +204,17 @@ class TierMoves:
         return tid
 
     def _apply(self, c: Completion) -> None:
+        """Apply one completion. A listener that raises does not cut the bookkeeping short
+        (slots, failures, orphans, lists, counters): its error is raised once it is done."""
+        self._deferred = []
+        try:
+            self._apply_completion(c)
+        finally:
+            errors, self._deferred = self._deferred, None
+        if errors:
+            raise errors[0]
+
+    def _apply_completion(self, c: Completion) -> None:
         p = self._pending.pop(c.tid)
         t = self.table
         s, d = int(p.src), int(p.dst)
@@ -231,13 +249,13 @@ class TierMoves:
         t.refresh_evictable_many(blocks[~orphans])
         if d == NVME:
             self._note_nvme_writes(int(good.size), int(bad.size))
+        self.counters[f"moves_{path}"] += int(good.size)
+        self.counters[f"bytes_{path}"] += c.nbytes
+        self.counters[f"busy_ns_{path}"] += int(c.seconds * 1e9)
         kept = bad[(t.state[bad] != FREE) & ((t.copies[bad] >> s) & 1 == 1)]
         if kept.size:
             for fn in self.failure_listeners:
                 fn(kept, s)
-        self.counters[f"moves_{path}"] += int(good.size)
-        self.counters[f"bytes_{path}"] += c.nbytes
-        self.counters[f"busy_ns_{path}"] += int(c.seconds * 1e9)
 
     def _note_nvme_writes(self, ok: int, failed: int) -> None:
         if failed:

@@ -222,3 +222,7 @@ def test_a_completion_that_raises_does_not_strand_the_ones_polled_with_it(manage
     m.wait(timeout=5)
     assert int(m.table.busy[b]) == 0 and m.table.copies[b] == 0b010
     assert m.read(b) == pattern(22, BB).tobytes()
+    # the completion whose listener raised was applied in full all the same
+    assert m.table.copies[a] == 0b010 and int(m.table.slot[Tier.HBM, a]) == -1
+    assert m.read(a) == pattern(21, BB).tobytes() and m.counters["moves_hbm->dram"] == 2
+    m.check_invariants()
