@@ -47,9 +47,10 @@ def ece(p: np.ndarray, y: np.ndarray, n_bins: int = 10) -> float:
 
 
 class PairLog:
-    """(prediction, outcome, deadline) triples in numpy: a ring of the newest ``window``
-    (a daemon: its memory is fixed at start, 13 bytes a pair), or all of them when
-    ``window`` is None (replay: grows by doubling)."""
+    """(prediction, outcome) pairs in numpy: a ring of the newest ``window`` pairs
+    (a daemon: its memory is fixed at start, 9 bytes a pair), or all of them when
+    ``window`` is None (replay: grows by doubling), each with its deadline, by which
+    replay filters (module doc; a ring is not filtered, so it keeps none)."""
 
     def __init__(self, window: Optional[int] = None) -> None:
         self.window = window
@@ -58,7 +59,7 @@ class PairLog:
         # filling up over minutes reads as a growing RSS in a soak, though its size is fixed
         self.p = np.full(cap, 0.0, dtype=np.float64)
         self.y = np.full(cap, 0, dtype=np.uint8)
-        self.d = np.full(cap, 0.0, dtype=np.float32)
+        self.d = np.zeros(0 if window else cap, dtype=np.float32)
         self.n = 0  # pairs held
         self.head = 0  # ring: next write position
 
@@ -76,16 +77,17 @@ class PairLog:
             self.n += k
             return
         w = self.window
-        p, y, d = p[-w:], y[-w:], d[-w:]
+        p, y = p[-w:], y[-w:]
         idx = (self.head + np.arange(p.size)) % w
-        self.p[idx], self.y[idx], self.d[idx] = p, y, d
+        self.p[idx], self.y[idx] = p, y
         self.head = int((self.head + p.size) % w)
         self.n = min(w, self.n + p.size)
 
     def arrays(self, closed_by: Optional[float] = None) -> tuple[np.ndarray, np.ndarray]:
-        """Predictions and outcomes; with ``closed_by``, only pairs whose deadline is not after it."""
+        """Predictions and outcomes; with ``closed_by`` (replay only), only pairs whose
+        deadline is not after it."""
         p, y = self.p[: self.n], self.y[: self.n]
-        if closed_by is not None:
+        if closed_by is not None and self.window is None:
             keep = self.d[: self.n] <= closed_by
             p, y = p[keep], y[keep]
         return p.copy(), y.astype(np.int64)
@@ -141,7 +143,7 @@ class CalibrationTracker:
     def arrays(self, now: Optional[float] = None) -> tuple[np.ndarray, np.ndarray]:
         """Scored pairs; with ``now``, in replay only those whose window has closed by then
         (module doc: a ring is never filtered)."""
-        return self.pairs.arrays(now if self.pairs.window is None else None)
+        return self.pairs.arrays(now)
 
     def summary(self, now: Optional[float] = None) -> dict[str, float]:
         p, y = self.arrays(now)

@@ -155,7 +155,7 @@ class BlockTable:
         self.slot[tier, blocks] = slots
         self.copies[blocks] = np.uint8(1 << tier)
         self.keys.insert_many(keys, blocks, checked=True)  # distinct and absent: checked above
-        self.refresh_evictable_many(blocks)
+        self.refresh_nvme_idle_many(blocks)
         return blocks
 
     def seal(self, b: int, key: int, checksum: int) -> None:
@@ -219,7 +219,7 @@ class BlockTable:
         if self.slot[tier, b] == NIL:
             raise RuntimeError(f"block {b} has no {Tier(tier).name} slot to validate")
         self.copies[b] |= np.uint8(1 << tier)
-        self.refresh_evictable(b)
+        self.refresh_nvme_idle(b)
 
     def release_slot(self, b: int, tier: int) -> None:
         """Invalidate ``b``'s copy in ``tier`` and free the slot."""
@@ -234,21 +234,21 @@ class BlockTable:
         self.free_slots[tier].push_back(s)
 
     # -- the NVMe idle list ---------------------------------------------
-    def should_be_evictable(self, b: int) -> bool:
+    def belongs_on_nvme_idle(self, b: int) -> bool:
         """Does ``b`` belong on the NVMe idle list: an NVMe copy and no transfer in flight.
         Pins do not matter: pin/unpin is the RPC hot path and must not touch the list;
         the scan skips pinned blocks with an O(1) check instead."""
         return bool(int(self.copies[b]) >> NVME & 1 and self.busy[b] == 0)
 
-    def refresh_evictable(self, b: int) -> None:
-        want = self.should_be_evictable(b)
+    def refresh_nvme_idle(self, b: int) -> None:
+        want = self.belongs_on_nvme_idle(b)
         lst = self.nvme_idle
         if want and not lst.contains(b):
             lst.push_back(b)
         elif not want and lst.contains(b):
             lst.remove(b)
 
-    def refresh_evictable_many(self, blocks: np.ndarray) -> None:
+    def refresh_nvme_idle_many(self, blocks: np.ndarray) -> None:
         """Batch form: vectorised membership test, O(1) fix per mismatch; the blocks
         added are unlinked by construction, so only their distinctness is checked."""
         blocks = np.asarray(blocks, dtype=np.int64)
@@ -262,7 +262,7 @@ class BlockTable:
         if want.any():
             add = blocks[want]
             if not all_distinct(add):
-                raise ValueError("refresh_evictable_many: a block is named twice")
+                raise ValueError("refresh_nvme_idle_many: a block is named twice")
             lst.append_unlinked(add)
 
     def assign_slots(self, blocks: np.ndarray, tier: int) -> Optional[np.ndarray]:

@@ -98,7 +98,7 @@ class TierManager(TierMoves):
             self.hbm.zero(foreign)
             self.hbm_slot_ns[foreign] = ns
             self.counters["slots_zeroed"] += int(foreign.size)
-        t.refresh_evictable_many(out)
+        t.refresh_nvme_idle_many(out)
         return out
 
     def _open_in_hbm(self, b: int, sealed_why: str) -> int:
@@ -234,7 +234,7 @@ class TierManager(TierMoves):
             raise ValueError(f"block {b} is not resident in HBM")
         t.pins[b] += 1
         t.touch(b)
-        t.refresh_evictable(b)
+        t.refresh_nvme_idle(b)
         return int(t.slot[HBM, b])
 
     def pin_many(self, blocks: np.ndarray, checked: bool = False) -> np.ndarray:
@@ -271,7 +271,7 @@ class TierManager(TierMoves):
         if t.pins[b] <= 0:
             raise ValueError(f"block {b} is not pinned")
         t.pins[b] -= 1
-        t.refresh_evictable(b)
+        t.refresh_nvme_idle(b)
         self._reap(np.array([b]))
 
     # -- remote tier: blocks whose bytes a remote read writes, blocks a remote write reads -------
@@ -312,18 +312,18 @@ class TierManager(TierMoves):
                 t.release_block(b)  # never visible to anyone: no event
                 out[i] = existing
         arr = np.asarray(kept, dtype=np.int64)
-        t.refresh_evictable_many(arr)
+        t.refresh_nvme_idle_many(arr)
         self._emit_many("stored", arr, tier)
         return out
 
     def hold(self, blocks: np.ndarray) -> None:
         """A remote write reads these sealed blocks' bytes: keep every copy where it is."""
         self.table.busy[blocks] += 1
-        self.table.refresh_evictable_many(blocks)
+        self.table.refresh_nvme_idle_many(blocks)
 
     def unhold(self, blocks: np.ndarray) -> None:
         self.table.busy[blocks] -= 1
-        self.table.refresh_evictable_many(blocks)
+        self.table.refresh_nvme_idle_many(blocks)
 
     # -- reading (tests, CLI) ------------------------------------------------
     def read(self, b: int) -> bytes:

@@ -200,7 +200,7 @@ class TierMoves:
         self.mover.submit(xfer)
         # the list upkeep overlaps the copy: only this thread reads the lists, and the
         # transfer is already tracked whatever happens below
-        t.refresh_evictable_many(io)
+        t.refresh_nvme_idle_many(io)
         return tid
 
     def _apply(self, c: Completion) -> None:
@@ -246,7 +246,7 @@ class TierMoves:
         for b in blocks[orphans].tolist():
             self._emit("removed", b, -1)
             t.release_block(b)  # freed by its sequence while moving
-        t.refresh_evictable_many(blocks[~orphans])
+        t.refresh_nvme_idle_many(blocks[~orphans])
         if d == NVME:
             self._note_nvme_writes(int(good.size), int(bad.size))
         self.counters[f"moves_{path}"] += int(good.size)
