@@ -6,17 +6,20 @@ distance (in accesses) since that access. So the evidence does not depend on
 what the policy kept: no exploration quota, no self-fulfilling eviction, and
 every candidate model (below) learns from the same counts.
 
-Cells are feature class x access stage (``kvtier.predictor.classes``). Per cell
-``c`` and distance bucket ``j`` (half octaves of accesses): ``n[c, j]`` reuses
-and ``N[c]`` accesses. The tail mass ``T[c, j] = N[c] - sum_{k<j} n[c, k]``
-counts accesses whose next reuse is at distance >= edge ``j`` (never reused
-included; accesses still pending count as not yet reused, a small bias that
-the decay bounds). A block in cell ``c`` at age ``a`` (bucket ``j``) is reused
-within the next ``W`` accesses with probability ``(T[c, j] - T[c, j_W]) / T[c, j]``,
-``j_W`` the bucket of ``a + W``. Each cell's estimate is a Beta posterior whose
-prior is its parent's rate at the same age with ``prior_strength``
-pseudo-observations (hierarchical shrinkage: class x stage -> stage -> all),
-so a cell with little evidence answers with its parent's rate.
+Cells are feature class x access stage x last reuse distance
+(``kvtier.predictor.cells``). Per cell ``c`` and distance bucket ``j`` (half
+octaves of accesses): ``n[c, j]`` reuses and ``N[c]`` accesses; accesses not
+yet reused are right-censored at their age (estimated from a sample of blocks
+at each refresh), not counted as never reused. The hazard, P(reused in bucket
+``j`` | not before it), is the reuses over the accesses at risk there (the
+actuarial life table: one censored inside the bucket counts half), a Beta
+posterior whose prior is its parent cell's hazard with ``prior_strength``
+pseudo-observations (hierarchical shrinkage: class x stage x distance -> class
+x stage -> stage -> all), so a cell with little evidence answers with its
+parent's. Survival ``S`` is log-linear inside a bucket (a constant hazard per
+access), and a block at age ``a`` is reused within the next ``W`` accesses
+with probability ``1 - S(a + W) / S(a)``: the window asked, not whole buckets
+around it (those widened it by up to 41% and every probability read high).
 
 A candidate model is a partition of the cells (which features it conditions
 on) and a horizon multiple (W = multiple x this cache's mean eviction age: "reused
@@ -25,7 +28,10 @@ expected accesses the block holds its slot until the reuse or W (hit density).
 Tables for all candidates are rebuilt
 every ``refresh_every`` accesses from the same counts; counts decay with a time
 constant of ``memory_horizons`` eviction ages, so the model's memory scales with
-the cache instead of being a constant chosen on one trace.
+the cache instead of being a constant chosen on one trace. A reuse at distance
+``d`` enters with weight ``exp(-d / tau)``, the weight its access has by then:
+the evidence is forgotten by the age of the access it is about (counted whole,
+a reuse near ``tau`` weighed e^(d / tau) times its access, and hazards read high).
 """
 
 from __future__ import annotations
@@ -109,6 +115,7 @@ class ReuseModel:
         self.eviction_age = float(initial_age)  # this cache's mean eviction age, in accesses
         self._ev_sum, self._ev_n = 0.0, 0.0
         self._since = 0
+        self._inv_tau = 1.0 / (self.memory_horizons * self.eviction_age)  # the counts' forgetting rate
         self._rng = np.random.default_rng(0)
         # lookups use linear age buckets of a granularity that follows the eviction age (two
         # numpy ops per lookup); the counts keep log-spaced distances (scale-free evidence)
@@ -128,6 +135,12 @@ class ReuseModel:
         self.prob = {k: np.zeros((N_AGES, N_CELLS), dtype=TABLE_DTYPE)
                      for k, c in enumerate(self.candidates) if c.density}
         self._scratch = np.zeros((3, DENSITY_CHUNK * N_CELLS if self.prob else 0))
+        # a refresh's per-age survival, written in place (fresh MBs each refresh fault in page
+        # by page: that was most of its cost): per partition its survival at each age, and
+        # two buffers for the window's end
+        self._at_age = {c.partition: np.zeros((N_AGES, int(PARTITIONS[c.partition].max()) + 1))
+                        for c in self.candidates}
+        self._window = np.zeros((2, N_AGES * N_CELLS))
 
     # -- evidence ----------------------------------------------------------
     def access(self, b: int, cls: int) -> bool:
@@ -139,7 +152,10 @@ class ReuseModel:
         if st:
             d = self.clock - int(self.last[b])
             j = min(int(2.0 * math.log2(d)), N_BUCKETS - 1)
-            self.reuses[int(self.cell[b]), j] += 1.0
+            # weighted as its access is weighted in ``accesses`` by now (forgetting by the age
+            # of the access the evidence is about): at full weight, a reuse d accesses away was
+            # counted e^(d/tau) times its access, and every hazard near tau read high
+            self.reuses[int(self.cell[b]), j] += math.exp(-d * self._inv_tau)
             irr = min(1 + j // 4, N_IRR - 1)
         st = min(st + 1, MAX_COUNT)
         self.count[b] = st
@@ -174,21 +190,29 @@ class ReuseModel:
         self.granularity = max(1.0, self.eviction_age / AGE_STEPS_PER_EVICTION_AGE)
         self._inv_g = 1.0 / self.granularity
         tau = self.memory_horizons * self.eviction_age
+        self._inv_tau = 1.0 / tau
         pending = self._pending(tau)
         hazards: dict[str, np.ndarray] = {}
-        survival: dict[str, np.ndarray] = {}  # candidates of one partition share their survival curves
+        # candidates of one partition share their survival curves and the survival at each age
+        survival: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        ages = np.arange(N_AGES) * self.granularity  # each lookup bucket's lower edge
         for k, cand in enumerate(self.candidates):
             w = max(1.0, cand.horizon_multiple * self.eviction_age)
             self.horizons[k] = w
             if cand.partition not in survival:
-                survival[cand.partition] = _log_survival(self._hazard(cand.partition, pending, hazards))
-            rows, pair_of_age = self._pair_probabilities(survival[cand.partition], w)
+                log_surv_t = np.ascontiguousarray(_log_survival(self._hazard(cand.partition, pending, hazards)).T)
+                slopes = _log_survival_slopes(log_surv_t)
+                at_age = self._at_age[cand.partition]
+                _log_survival_at(log_surv_t, slopes, ages + 1.0, out=at_age, step=self._window[0])
+                survival[cand.partition] = log_surv_t, slopes, at_age
+            log_surv_t, slopes, at_age = survival[cand.partition]
+            p = _window_probabilities(log_surv_t, slopes, at_age, ages + 1.0 + w, self._window)
             cmap = EXPAND[cand.partition]
             if cand.density:
-                _write_table(rows, pair_of_age, cmap, out=self.prob[k])
-                self._density(survival[cand.partition], w, rows, pair_of_age, cmap, out=self.table3[k])
+                _write_table(p, cmap, out=self.prob[k])
+                self._density(log_surv_t, w, p, cmap, out=self.table3[k])
             else:
-                _write_table(rows, pair_of_age, cmap, out=self.table3[k])
+                _write_table(p, cmap, out=self.table3[k])
         decay = math.exp(-self.refresh_every / tau)
         self.reuses *= decay
         self.accesses *= decay
@@ -220,7 +244,12 @@ class ReuseModel:
         agg = SUM_ROWS[partition]
         reuses, censored, total = agg(self.reuses), agg(pending), agg(self.accesses)
         gone = np.cumsum(reuses + censored, axis=1)  # reused or censored at or before bucket j
-        at_risk = np.maximum(total[:, None] - np.concatenate((np.zeros((n_cells, 1)), gone[:, :-1]), axis=1), 0.0)
+        # at risk in bucket j: not yet reused or censored before it, less half of those censored
+        # in it (the actuarial life table: a censored access was, on average, exposed to half
+        # of its bucket; counted whole, the hazard of the bucket just ahead of the youngest
+        # accesses read low, every reuse in it seen against accesses that had not got there)
+        at_risk = np.maximum(total[:, None] - np.concatenate((np.zeros((n_cells, 1)), gone[:, :-1]), axis=1)
+                             - 0.5 * censored, 0.0)
         parent = PARENT[partition]
         if parent is None:
             prior, strength = np.zeros((n_cells, N_BUCKETS)), 1.0
@@ -231,19 +260,8 @@ class ReuseModel:
         memo[partition] = hazard
         return hazard
 
-    def _pair_probabilities(self, log_surv: np.ndarray, w: float) -> tuple[np.ndarray, np.ndarray]:
-        """P(reused within the next ``w`` accesses) per (start, end) pair of distance buckets
-        and partition cell (``rows[pair, cell]``, float64), and each age bucket's pair: many
-        age buckets share a pair, so each is computed once."""
-        ages = np.arange(N_AGES) * self.granularity  # each lookup bucket's lower edge
-        start = distance_bucket(ages + 1)
-        end = distance_bucket(ages + 1 + w) + 1  # survival past the bucket where the window ends
-        pairs, inverse = np.unique(start * (N_BUCKETS + 1) + end, return_inverse=True)
-        p = 1.0 - np.exp(log_surv[:, pairs % (N_BUCKETS + 1)] - log_surv[:, pairs // (N_BUCKETS + 1)])
-        return np.ascontiguousarray(p.T), inverse.reshape(-1)
-
-    def _density(self, log_surv: np.ndarray, w: float, rows: np.ndarray, pair_of_age: np.ndarray,
-                 cmap: "np.ndarray | None", out: np.ndarray) -> None:
+    def _density(self, log_surv_t: np.ndarray, w: float, p: np.ndarray, cmap: "np.ndarray | None",
+                 out: np.ndarray) -> None:
         """Hit density (LHD's measure) within the horizon: P(reused within ``w``) over the
         expected accesses the block holds its slot until reused or ``w`` passes. Unlike P
         alone it keeps rising as a block nears a reuse farther off than ``w`` (a loop longer
@@ -259,9 +277,9 @@ class ReuseModel:
         s, e = distance_bucket(lo), distance_bucket(hi)
         # [bucket edge, cell]: survival to the start of each bucket, floored at e^-600 (no block
         # lives that long: below it only subnormal arithmetic, 100x slower, would follow)
-        surv_t = np.ascontiguousarray(np.exp(np.maximum(log_surv, -600.0)).T)
+        surv_t = np.exp(np.maximum(log_surv_t, -600.0))
         mean_t = 0.5 * (surv_t[:-1] + surv_t[1:])  # [bucket, cell]: within each bucket (trapezoid)
-        n_cells = log_surv.shape[0]
+        n_cells = log_surv_t.shape[1]
         cum_t = np.zeros((N_BUCKETS + 1, n_cells))
         np.cumsum(mean_t * _WIDTHS[:, None], axis=0, out=cum_t[1:])
         same = s == e
@@ -286,8 +304,7 @@ class ReuseModel:
             np.maximum(part, 1e-300, out=part)
             held /= part
             np.maximum(held, 1.0, out=held)
-            np.take(rows, pair_of_age[z], axis=0, out=part, mode="clip")
-            np.divide(part, held, out=held)
+            np.divide(p[z], held, out=held)
             if cmap is None:
                 out[z] = held
             else:
@@ -353,17 +370,56 @@ _EDGES[-1] = np.inf  # the last bucket takes every longer distance
 _WIDTHS = np.append(np.diff(_EDGES[:-1]), 0.0)  # bucket widths; the open last one only ever partly
 
 
-def _write_table(rows: np.ndarray, pair_of_age: np.ndarray, cmap: "np.ndarray | None", out: np.ndarray) -> None:
-    """``out[age, fine cell]`` = ``rows[pair_of_age[age], cmap[cell]]``, rounded to ``out``'s
-    dtype, in place: a refresh reallocating every table churned tens of MB through the
-    allocator each time, which showed as a slowly rising daemon RSS."""
-    rows = np.ascontiguousarray(rows, dtype=out.dtype)  # rounded here: a take that casts buffers
-    if cmap is not None:
-        rows = rows[:, cmap]
-    np.take(rows, pair_of_age, axis=0, out=out, mode="clip")  # "raise" would buffer out: 5x slower
+def _write_table(p: np.ndarray, cmap: "np.ndarray | None", out: np.ndarray) -> None:
+    """``out[age, fine cell]`` = ``p[age, cmap[cell]]``, rounded to ``out``'s dtype, in
+    place: a refresh reallocating every table churned tens of MB through the allocator
+    each time, which showed as a slowly rising daemon RSS."""
+    if cmap is None:
+        out[...] = p
+    else:
+        np.take(p, cmap, axis=1, out=out, mode="clip")  # "raise" would buffer out: 5x slower
 
 
 def _log_survival(hazard: np.ndarray) -> np.ndarray:
     """log P(not reused by the end of distance bucket j-1), per (partition) cell; column 0 is 0."""
     return np.concatenate((np.zeros((hazard.shape[0], 1)),
                            np.cumsum(np.log1p(-np.minimum(hazard, 1 - 1e-12)), axis=1)), axis=1)
+
+
+def _log_survival_slopes(log_surv_t: np.ndarray) -> np.ndarray:
+    """d log S / d distance inside each bucket, ``[bucket, cell]``: a constant hazard per access
+    within a bucket; 0 in the open last one, whose survival stays at its start."""
+    slopes = np.zeros_like(log_surv_t)  # a row per edge; the buckets are rows 0 .. N_BUCKETS - 1
+    last = N_BUCKETS - 1
+    np.divide(log_surv_t[1:last + 1] - log_surv_t[:last], _WIDTHS[:last, None], out=slopes[:last])
+    return slopes
+
+
+def _log_survival_at(log_surv_t: np.ndarray, slopes: np.ndarray, x: np.ndarray, out: np.ndarray,
+                     step: np.ndarray) -> np.ndarray:
+    """``out[i, cell]`` = log P(next reuse distance >= ``x[i]``) per (partition) cell, from the
+    survival at the bucket edges (``log_surv_t[edge, cell]``), log-linear within a bucket;
+    ``step``: scratch of at least ``out.size``. Read at the edges instead, a window was
+    widened to whole half-octave buckets at both ends, up to 41% longer than asked, and
+    every probability read high."""
+    j = distance_bucket(x)
+    step = step[: out.size].reshape(out.shape)
+    np.take(log_surv_t, j, axis=0, out=out, mode="clip")  # "raise" would buffer out: 5x slower
+    np.take(slopes, j, axis=0, out=step, mode="clip")
+    step *= (x - _EDGES[j])[:, None]
+    out += step
+    return out
+
+
+def _window_probabilities(log_surv_t: np.ndarray, slopes: np.ndarray, at_start: np.ndarray,
+                          end: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+    """P(reused before distance ``end[i]`` | not reused before the age of row ``i``), per
+    (age, partition cell), float64, in ``scratch[0]``: 1 - S(end) / S(start), ``at_start`` =
+    log S(start). (``exp``, not ``expm1``: numpy's float64 ``expm1`` is scalar, 5x slower
+    here, and the tables keep float32, far coarser than what ``1 - exp`` loses near 0.)"""
+    p = scratch[0][: at_start.size].reshape(at_start.shape)
+    _log_survival_at(log_surv_t, slopes, end, out=p, step=scratch[1])
+    p -= at_start
+    np.exp(p, out=p)
+    np.subtract(1.0, p, out=p)
+    return p

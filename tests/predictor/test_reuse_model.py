@@ -22,7 +22,9 @@ def test_counts_are_reuse_distances_of_the_cell_of_the_previous_access():
     m.access(5, cls=2)  # clock 2
     m.access(3, cls=1)  # clock 3: reuse of block 3 at distance 2, counted in its previous cell
     first = _cell(1, 1)
-    assert m.reuses[first].tolist() == [0.0] * 2 + [1.0] + [0.0] * (m.reuses.shape[1] - 3)  # bucket(2) = 2
+    # weighted as its access now is: exp(-distance / tau), tau = 32 eviction ages (1024 at start)
+    weight = math.exp(-2 / (32 * 1024))
+    assert m.reuses[first].tolist() == [0.0] * 2 + [weight] + [0.0] * (m.reuses.shape[1] - 3)  # bucket(2) = 2
     assert m.accesses[first] == 1.0 and m.accesses[_cell(2, 1)] == 1.0
     # the second access is stage 2 and remembers its reuse distance (octave 1)
     assert int(m.cell[3]) == _cell(1, 2, irr=1 + 2 // 4) and int(m.count[3]) == 2
@@ -128,9 +130,10 @@ def _fine_cell_hazard(m: ReuseModel, partition: str, pending: np.ndarray) -> np.
         np.add.at(out, cmap, a)
         return out[cmap]
 
-    reuses, total = group(m.reuses), group(m.accesses)
-    gone = np.cumsum(reuses + group(pending), axis=1)
-    at_risk = np.maximum(total[:, None] - np.concatenate((np.zeros((cmap.size, 1)), gone[:, :-1]), axis=1), 0.0)
+    reuses, total, censored = group(m.reuses), group(m.accesses), group(pending)
+    gone = np.cumsum(reuses + censored, axis=1)
+    before = np.concatenate((np.zeros((cmap.size, 1)), gone[:, :-1]), axis=1)
+    at_risk = np.maximum(total[:, None] - before - 0.5 * censored, 0.0)  # censored: half exposed
     parent = PARENT[partition]
     prior, strength = (0.0, 1.0) if parent is None else (_fine_cell_hazard(m, parent, pending), m.m)
     return np.minimum((strength * prior + reuses) / (strength + at_risk), 1.0)
@@ -238,3 +241,48 @@ def test_stages_are_exact_to_three_accesses_then_octaves_and_counts_saturate():
     stages = [c - 2 * N_STAGES for c in cells]
     assert stages[:20] == [0, 1, 2, 3, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5]
     assert set(stages[20:]) == {5}  # a block read 20 times is told from one read 4 times
+
+
+def test_a_reuse_counts_as_much_as_its_access_does_by_then():
+    """Forgetting by the age of the access the evidence is about: after any number of
+    refreshes, a reuse at distance d weighs what its access weighs in ``accesses``. Counted
+    at full weight, a loop whose reuses lie near tau read reuses above accesses."""
+    cands = (Candidate("all", 1.0),)
+    m = ReuseModel(600, candidates=cands, refresh_every=97, initial_age=10.0, memory_horizons=30.0)  # tau 300
+    for _ in range(6):
+        for b in range(500):  # a loop: every reuse at distance 500, > tau
+            m.access(b, cls=0)
+    cell = _cell(0, 2, irr=1 + int(distance_bucket(np.array([500]))[0]) // 4)
+    first = _cell(0, 1)
+    # the first pass's accesses (stage 1) were all reused, each at distance 500: whatever the
+    # decay since, the reuses they left weigh what they keep (no refresh changed tau), up to
+    # the counts decaying in steps of a refresh and a reuse's weight continuously; at full
+    # weight the reuses read e^(500/300) = 5.3x their accesses
+    assert m.eviction_age == 10.0
+    assert m.reuses[first].sum() == pytest.approx(m.accesses[first], rel=0.01)
+    assert m.reuses[cell].sum() <= 1.01 * m.accesses[cell]  # later passes: some not reused yet
+
+
+def test_a_window_reads_survival_inside_its_buckets_not_at_their_edges():
+    """P(reused within W | age) = 1 - S(age + W) / S(age) with S log-linear inside a bucket:
+    a constant hazard per access. One cell, one hazard h in bucket 10 ([32, 45.25)): a window
+    ending a third of the way into it holds a third of the bucket's log-survival. Read at the
+    bucket's far edge (as before), the window was widened to all of it."""
+    cands = (Candidate("all", 1.0),)
+    m = ReuseModel(8, candidates=cands, refresh_every=10**6, initial_age=8.0, memory_horizons=1e12)
+    m.reuses[0, 10] = 50.0  # half of 100 accesses reused in bucket 10, the rest never
+    m.accesses[0] = 100.0
+    m.refresh()  # nothing pending (no block was accessed)
+    h = 50.0 / (1.0 + 100.0)  # the root cell: prior 0 with one pseudo-observation
+    edge, width = 2.0 ** 5, 2.0 ** 5.5 - 2.0 ** 5
+    w = m.horizons[0]  # one eviction age: 8 accesses
+    for age_bucket in range(N_AGES_CHECKED):
+        age = age_bucket * m.granularity
+        lo, hi = age + 1.0, age + 1.0 + w
+        inside = (min(max(hi, edge), edge + width) - min(max(lo, edge), edge + width)) / width
+        expected = 1.0 - (1.0 - h) ** inside
+        got = float(m.tables[0][0, age_bucket])
+        assert got == pytest.approx(expected, rel=1e-5, abs=1e-7), age_bucket
+
+
+N_AGES_CHECKED = 64
