@@ -42,6 +42,8 @@ class ShadowCaches:
         self.rng = np.random.default_rng(seed)
         self._pool = self.rng.integers(0, self.capacity, size=4096 * self.samples)
         self._at = 0
+        self._ks: dict[tuple[int, ...], np.ndarray] = {}  # the candidates that must evict, as an index array
+        self._rows = np.arange(n_candidates)
 
     def sampled(self, b: int) -> bool:
         return (b * _HASH) & 0xFFFFFFFF < self.threshold
@@ -50,41 +52,54 @@ class ShadowCaches:
                values_new: Callable[[np.ndarray, int], np.ndarray]) -> None:
         """A sampled block ``b`` was accessed (after the model recorded it). Every
         candidate that must evict for it draws its sample, then all are valued in one
-        gather (``values_rows``: candidates x sampled blocks)."""
+        gather (``values_rows``: candidates x sampled blocks). The per-access path of
+        replay's hottest loop: a handful of numpy calls, whatever the number of candidates."""
         bits = int(self.member[b])
         full: list[int] = []
-        draws: list[np.ndarray] = []
+        size, cap = self.size, self.capacity
         for k in range(self.k):
             if bits >> k & 1:
                 self.hits[k] += 1.0
-                continue
-            n = self.size[k]
-            if n < self.capacity:
-                self.slots[k, n] = b
-                self.size[k] = n + 1
+            elif size[k] < cap:
+                self.slots[k, size[k]] = b
+                size[k] += 1
                 bits |= 1 << k
-                continue
-            if self._at + self.samples > self._pool.size:
-                self._pool = self.rng.integers(0, self.capacity, size=self._pool.size)
-                self._at = 0
-            draws.append(self._pool[self._at: self._at + self.samples])
-            self._at += self.samples
-            full.append(k)
+            else:
+                full.append(k)
         if full:
-            ks = np.array(full)
-            pos = np.stack(draws)
+            key = tuple(full)
+            ks = self._ks.get(key)
+            if ks is None:
+                ks = self._ks[key] = np.array(full)
+            pos = self._draw(len(full))
             cand = self.slots[ks[:, None], pos]
             v = values_rows(ks, cand)
             i = v.argmin(axis=1)
-            rows = np.arange(ks.size)
-            lowest = v[rows, i]
-            admitted = values_new(ks, b) >= lowest  # else: not admitted
-            for r in np.flatnonzero(admitted).tolist():
-                k = full[r]
-                self.member[int(cand[r, i[r]])] &= ~np.uint8(1 << k)
-                self.slots[k, pos[r, i[r]]] = b
-                bits |= 1 << k
+            admitted = values_new(ks, b) >= v[self._rows[: len(full)], i]  # else: not admitted
+            if admitted.any():
+                for r in np.flatnonzero(admitted).tolist():
+                    k = full[r]
+                    self.member[int(cand[r, i[r]])] &= ~np.uint8(1 << k)
+                    self.slots[k, pos[r, i[r]]] = b
+                    bits |= 1 << k
         self.member[b] = bits
+
+    def _draw(self, n: int) -> np.ndarray:
+        """``n`` rows of ``samples`` slot positions, in the order one row per candidate would
+        take them (a fresh pool where the old one runs out)."""
+        m = n * self.samples
+        if self._at + m <= self._pool.size:
+            pos = self._pool[self._at: self._at + m].reshape(n, self.samples)
+            self._at += m
+            return pos
+        rows = []
+        for _ in range(n):
+            if self._at + self.samples > self._pool.size:
+                self._pool = self.rng.integers(0, self.capacity, size=self._pool.size)
+                self._at = 0
+            rows.append(self._pool[self._at: self._at + self.samples])
+            self._at += self.samples
+        return np.stack(rows)
 
     def best(self, current: int) -> int:
         """The candidate with the most hits, if it beats ``current`` by more than

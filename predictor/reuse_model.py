@@ -138,9 +138,9 @@ class ReuseModel:
         # a refresh's per-age survival, written in place (fresh MBs each refresh fault in page
         # by page: that was most of its cost): per partition its survival at each age, and
         # two buffers for the window's end
-        self._at_age = {c.partition: np.zeros((N_AGES, int(PARTITIONS[c.partition].max()) + 1))
+        self._at_age = {c.partition: np.zeros((N_AGES, int(PARTITIONS[c.partition].max()) + 1), dtype=TABLE_DTYPE)
                         for c in self.candidates}
-        self._window = np.zeros((2, N_AGES * N_CELLS))
+        self._window = np.zeros((2, N_AGES * N_CELLS), dtype=TABLE_DTYPE)
 
     # -- evidence ----------------------------------------------------------
     def access(self, b: int, cls: int) -> bool:
@@ -194,25 +194,28 @@ class ReuseModel:
         pending = self._pending(tau)
         hazards: dict[str, np.ndarray] = {}
         # candidates of one partition share their survival curves and the survival at each age
-        survival: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        survival: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
         ages = np.arange(N_AGES) * self.granularity  # each lookup bucket's lower edge
         for k, cand in enumerate(self.candidates):
             w = max(1.0, cand.horizon_multiple * self.eviction_age)
             self.horizons[k] = w
             if cand.partition not in survival:
                 log_surv_t = np.ascontiguousarray(_log_survival(self._hazard(cand.partition, pending, hazards)).T)
-                slopes = _log_survival_slopes(log_surv_t)
+                slopes = _log_survival_slopes(log_surv_t).astype(TABLE_DTYPE)
+                log_surv32 = log_surv_t.astype(TABLE_DTYPE)
                 at_age = self._at_age[cand.partition]
-                _log_survival_at(log_surv_t, slopes, ages + 1.0, out=at_age, step=self._window[0])
-                survival[cand.partition] = log_surv_t, slopes, at_age
-            log_surv_t, slopes, at_age = survival[cand.partition]
-            p = _window_probabilities(log_surv_t, slopes, at_age, ages + 1.0 + w, self._window)
+                _log_survival_at(log_surv32, slopes, ages + 1.0, out=at_age, step=self._window[0])
+                survival[cand.partition] = log_surv_t, log_surv32, slopes, at_age
+            log_surv_t, log_surv32, slopes, at_age = survival[cand.partition]
             cmap = EXPAND[cand.partition]
+            table = self.prob[k] if cand.density else self.table3[k]
+            # the partition's cells: straight into the table, or into scratch and expanded
+            p = table if cmap is None else self._window[0][: at_age.size].reshape(at_age.shape)
+            _window_probabilities(log_surv32, slopes, at_age, ages + 1.0 + w, out=p, step=self._window[1])
+            if cmap is not None:
+                np.take(p, cmap, axis=1, out=table, mode="clip")  # "raise" would buffer out: 5x slower
             if cand.density:
-                _write_table(p, cmap, out=self.prob[k])
                 self._density(log_surv_t, w, p, cmap, out=self.table3[k])
-            else:
-                _write_table(p, cmap, out=self.table3[k])
         decay = math.exp(-self.refresh_every / tau)
         self.reuses *= decay
         self.accesses *= decay
@@ -370,16 +373,6 @@ _EDGES[-1] = np.inf  # the last bucket takes every longer distance
 _WIDTHS = np.append(np.diff(_EDGES[:-1]), 0.0)  # bucket widths; the open last one only ever partly
 
 
-def _write_table(p: np.ndarray, cmap: "np.ndarray | None", out: np.ndarray) -> None:
-    """``out[age, fine cell]`` = ``p[age, cmap[cell]]``, rounded to ``out``'s dtype, in
-    place: a refresh reallocating every table churned tens of MB through the allocator
-    each time, which showed as a slowly rising daemon RSS."""
-    if cmap is None:
-        out[...] = p
-    else:
-        np.take(p, cmap, axis=1, out=out, mode="clip")  # "raise" would buffer out: 5x slower
-
-
 def _log_survival(hazard: np.ndarray) -> np.ndarray:
     """log P(not reused by the end of distance bucket j-1), per (partition) cell; column 0 is 0."""
     return np.concatenate((np.zeros((hazard.shape[0], 1)),
@@ -399,27 +392,27 @@ def _log_survival_at(log_surv_t: np.ndarray, slopes: np.ndarray, x: np.ndarray, 
                      step: np.ndarray) -> np.ndarray:
     """``out[i, cell]`` = log P(next reuse distance >= ``x[i]``) per (partition) cell, from the
     survival at the bucket edges (``log_surv_t[edge, cell]``), log-linear within a bucket;
-    ``step``: scratch of at least ``out.size``. Read at the edges instead, a window was
-    widened to whole half-octave buckets at both ends, up to 41% longer than asked, and
-    every probability read high."""
+    all of one dtype; ``step``: scratch of at least ``out.size``. Read at the edges instead,
+    a window was widened to whole half-octave buckets at both ends, up to 41% longer than
+    asked, and every probability read high."""
     j = distance_bucket(x)
     step = step[: out.size].reshape(out.shape)
     np.take(log_surv_t, j, axis=0, out=out, mode="clip")  # "raise" would buffer out: 5x slower
     np.take(slopes, j, axis=0, out=step, mode="clip")
-    step *= (x - _EDGES[j])[:, None]
+    step *= (x - _EDGES[j]).astype(out.dtype)[:, None]
     out += step
     return out
 
 
 def _window_probabilities(log_surv_t: np.ndarray, slopes: np.ndarray, at_start: np.ndarray,
-                          end: np.ndarray, scratch: np.ndarray) -> np.ndarray:
-    """P(reused before distance ``end[i]`` | not reused before the age of row ``i``), per
-    (age, partition cell), float64, in ``scratch[0]``: 1 - S(end) / S(start), ``at_start`` =
-    log S(start). (``exp``, not ``expm1``: numpy's float64 ``expm1`` is scalar, 5x slower
-    here, and the tables keep float32, far coarser than what ``1 - exp`` loses near 0.)"""
-    p = scratch[0][: at_start.size].reshape(at_start.shape)
-    _log_survival_at(log_surv_t, slopes, end, out=p, step=scratch[1])
-    p -= at_start
-    np.exp(p, out=p)
-    np.subtract(1.0, p, out=p)
-    return p
+                          end: np.ndarray, out: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """``out[i, cell]`` = P(reused before distance ``end[i]`` | not reused before the age of
+    row ``i``) per (age, partition cell): 1 - S(end) / S(start), ``at_start`` = log S(start).
+    In the tables' float32: a refresh rebuilds 256 ages x 768 cells for each candidate, and
+    float64 passes over them had cost replay ~10% of its speed. (``exp``, not ``expm1``:
+    numpy's ``expm1`` is scalar, several times slower.)"""
+    _log_survival_at(log_surv_t, slopes, end, out=out, step=step)
+    out -= at_start
+    np.exp(out, out=out)
+    np.subtract(1.0, out, out=out)
+    return out
