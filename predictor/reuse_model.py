@@ -16,10 +16,12 @@ actuarial life table: one censored inside the bucket counts half), a Beta
 posterior whose prior is its parent cell's hazard with ``prior_strength``
 pseudo-observations (hierarchical shrinkage: class x stage x distance -> class
 x stage -> stage -> all), so a cell with little evidence answers with its
-parent's. Survival ``S`` is log-linear inside a bucket (a constant hazard per
-access), and a block at age ``a`` is reused within the next ``W`` accesses
-with probability ``1 - S(a + W) / S(a)``: the window asked, not whole buckets
-around it (those widened it by up to 41% and every probability read high).
+parent's. Survival ``S(x)`` = P(next reuse distance > ``x``) is log-linear
+inside a bucket (a constant hazard per access), and a block at age ``a`` is
+reused within the next ``W`` accesses with probability ``1 - S(a + W) / S(a)``:
+the window asked. Read at bucket edges, each end of the window had moved out to
+the edge of the bucket it fell in, by up to 41% of its distance: many times
+``W`` for an old block with a short horizon, and every probability read high.
 
 A candidate model is a partition of the cells (which features it conditions
 on) and a horizon multiple (W = multiple x this cache's mean eviction age: "reused
@@ -50,13 +52,14 @@ except ImportError:  # pragma: no cover - exercised where the extension was not 
 from kvtier.predictor.cells import EXPAND, N_CELLS, N_IRR, PARENT, PARTITIONS, SUM_ROWS, cell_of, first_cell_of
 from kvtier.predictor.classes import MAX_COUNT
 
-N_BUCKETS = 48  # half octaves: distances up to 2^24 accesses, beyond in the last bucket
+N_BUCKETS = 48  # half octaves: the last one, from 2^23.5 accesses, takes every longer distance
 PENDING_SAMPLE = 4096  # block ids sampled per refresh to estimate the not-yet-reused accesses
 N_AGES = 256  # linear age buckets of the lookup tables ...
 AGE_STEPS_PER_EVICTION_AGE = 8  # ... 1/8 of the eviction age wide: they cover 32 eviction ages
 # Lookup tables are float32: they only rank and are read as probabilities; at 10^6 blocks
 # the float64 tables of two caches' models cost 22 B a block of the 256 B metadata budget.
-# Every table is still computed in float64 and rounded once, when written.
+# Hazards and survival curves are float64; the window probabilities are computed in float32
+# from them (within ~2e-5 of float64), the density in float64 and rounded once, when written.
 TABLE_DTYPE = np.float32
 DENSITY_CHUNK = 32  # age buckets per pass of the density computation: its float64 scratch stays small
 
@@ -115,7 +118,7 @@ class ReuseModel:
         self.eviction_age = float(initial_age)  # this cache's mean eviction age, in accesses
         self._ev_sum, self._ev_n = 0.0, 0.0
         self._since = 0
-        self._inv_tau = 1.0 / (self.memory_horizons * self.eviction_age)  # the counts' forgetting rate
+        self._log_decay = -self.refresh_every / (self.memory_horizons * self.eviction_age)  # per refresh
         self._rng = np.random.default_rng(0)
         # lookups use linear age buckets of a granularity that follows the eviction age (two
         # numpy ops per lookup); the counts keep log-spaced distances (scale-free evidence)
@@ -154,8 +157,12 @@ class ReuseModel:
             j = min(int(2.0 * math.log2(d)), N_BUCKETS - 1)
             # weighted as its access is weighted in ``accesses`` by now (forgetting by the age
             # of the access the evidence is about): at full weight, a reuse d accesses away was
-            # counted e^(d/tau) times its access, and every hazard near tau read high
-            self.reuses[int(self.cell[b]), j] += math.exp(-d * self._inv_tau)
+            # counted e^(d/tau) times its access, and every hazard near tau read high. The
+            # counts decay at each refresh (clock multiples of ``refresh_every``), so the
+            # weight is one refresh's decay per refresh since that access
+            r = self.refresh_every
+            steps = (self.clock - 1) // r - (self.clock - d - 1) // r
+            self.reuses[int(self.cell[b]), j] += math.exp(steps * self._log_decay) if steps else 1.0
             irr = min(1 + j // 4, N_IRR - 1)
         st = min(st + 1, MAX_COUNT)
         self.count[b] = st
@@ -190,7 +197,7 @@ class ReuseModel:
         self.granularity = max(1.0, self.eviction_age / AGE_STEPS_PER_EVICTION_AGE)
         self._inv_g = 1.0 / self.granularity
         tau = self.memory_horizons * self.eviction_age
-        self._inv_tau = 1.0 / tau
+        self._log_decay = -self.refresh_every / tau
         pending = self._pending(tau)
         hazards: dict[str, np.ndarray] = {}
         # candidates of one partition share their survival curves and the survival at each age
@@ -216,7 +223,7 @@ class ReuseModel:
                 np.take(p, cmap, axis=1, out=table, mode="clip")  # "raise" would buffer out: 5x slower
             if cand.density:
                 self._density(log_surv_t, w, p, cmap, out=self.table3[k])
-        decay = math.exp(-self.refresh_every / tau)
+        decay = math.exp(self._log_decay)
         self.reuses *= decay
         self.accesses *= decay
         self._ev_sum *= decay
@@ -236,7 +243,7 @@ class ReuseModel:
 
     def _hazard(self, partition: str, pending: np.ndarray, memo: dict[str, np.ndarray]) -> np.ndarray:
         """Posterior mean hazard per (partition cell, distance bucket): reuses in the bucket
-        over accesses still at risk there (Kaplan-Meier), each cell shrunk towards its
+        over accesses still at risk there (the actuarial life table), each cell shrunk towards its
         parent's hazard with ``prior_strength`` pseudo-observations. Partition cells, not
         fine ones: a coarse candidate's tables are computed once per distinct cell (8x
         fewer for class x stage) and expanded to fine cells only when written."""
@@ -371,6 +378,9 @@ class ReuseModel:
 _EDGES = 2.0 ** (np.arange(N_BUCKETS + 1) / 2.0)  # distance bucket j covers [_EDGES[j], _EDGES[j + 1])
 _EDGES[-1] = np.inf  # the last bucket takes every longer distance
 _WIDTHS = np.append(np.diff(_EDGES[:-1]), 0.0)  # bucket widths; the open last one only ever partly
+# the span over which a bucket's hazard is spread when survival is interpolated: its width, and
+# for the open last one the width it would have (its hazard spent by 2^24, survival flat after)
+_SPANS = _EDGES[:-1] * (math.sqrt(2.0) - 1.0)
 
 
 def _log_survival(hazard: np.ndarray) -> np.ndarray:
@@ -381,10 +391,10 @@ def _log_survival(hazard: np.ndarray) -> np.ndarray:
 
 def _log_survival_slopes(log_surv_t: np.ndarray) -> np.ndarray:
     """d log S / d distance inside each bucket, ``[bucket, cell]``: a constant hazard per access
-    within a bucket; 0 in the open last one, whose survival stays at its start."""
+    within a bucket's span (``_SPANS``; the open last one's hazard is spent over the width it
+    would have, survival flat after it: dropping it lost every reuse beyond 2^23.5 accesses)."""
     slopes = np.zeros_like(log_surv_t)  # a row per edge; the buckets are rows 0 .. N_BUCKETS - 1
-    last = N_BUCKETS - 1
-    np.divide(log_surv_t[1:last + 1] - log_surv_t[:last], _WIDTHS[:last, None], out=slopes[:last])
+    np.divide(log_surv_t[1:] - log_surv_t[:-1], _SPANS[:, None], out=slopes[:-1])
     return slopes
 
 
@@ -392,14 +402,13 @@ def _log_survival_at(log_surv_t: np.ndarray, slopes: np.ndarray, x: np.ndarray, 
                      step: np.ndarray) -> np.ndarray:
     """``out[i, cell]`` = log P(next reuse distance >= ``x[i]``) per (partition) cell, from the
     survival at the bucket edges (``log_surv_t[edge, cell]``), log-linear within a bucket;
-    all of one dtype; ``step``: scratch of at least ``out.size``. Read at the edges instead,
-    a window was widened to whole half-octave buckets at both ends, up to 41% longer than
-    asked, and every probability read high."""
+    all of one dtype; ``step``: scratch of at least ``out.size`` (module doc: why not at
+    the edges)."""
     j = distance_bucket(x)
     step = step[: out.size].reshape(out.shape)
     np.take(log_surv_t, j, axis=0, out=out, mode="clip")  # "raise" would buffer out: 5x slower
     np.take(slopes, j, axis=0, out=step, mode="clip")
-    step *= (x - _EDGES[j]).astype(out.dtype)[:, None]
+    step *= np.minimum(x - _EDGES[j], _SPANS[j]).astype(out.dtype)[:, None]  # past 2^24: flat
     out += step
     return out
 
@@ -415,4 +424,5 @@ def _window_probabilities(log_surv_t: np.ndarray, slopes: np.ndarray, at_start: 
     out -= at_start
     np.exp(out, out=out)
     np.subtract(1.0, out, out=out)
+    np.maximum(out, 0.0, out=out)  # float32 rounding across a bucket edge can leave -1e-6
     return out

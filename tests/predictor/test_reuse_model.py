@@ -22,9 +22,8 @@ def test_counts_are_reuse_distances_of_the_cell_of_the_previous_access():
     m.access(5, cls=2)  # clock 2
     m.access(3, cls=1)  # clock 3: reuse of block 3 at distance 2, counted in its previous cell
     first = _cell(1, 1)
-    # weighted as its access now is: exp(-distance / tau), tau = 32 eviction ages (1024 at start)
-    weight = math.exp(-2 / (32 * 1024))
-    assert m.reuses[first].tolist() == [0.0] * 2 + [weight] + [0.0] * (m.reuses.shape[1] - 3)  # bucket(2) = 2
+    # weighted as its access now is: no refresh decayed it yet, so whole
+    assert m.reuses[first].tolist() == [0.0] * 2 + [1.0] + [0.0] * (m.reuses.shape[1] - 3)  # bucket(2) = 2
     assert m.accesses[first] == 1.0 and m.accesses[_cell(2, 1)] == 1.0
     # the second access is stage 2 and remembers its reuse distance (octave 1)
     assert int(m.cell[3]) == _cell(1, 2, irr=1 + 2 // 4) and int(m.count[3]) == 2
@@ -255,12 +254,11 @@ def test_a_reuse_counts_as_much_as_its_access_does_by_then():
     cell = _cell(0, 2, irr=1 + int(distance_bucket(np.array([500]))[0]) // 4)
     first = _cell(0, 1)
     # the first pass's accesses (stage 1) were all reused, each at distance 500: whatever the
-    # decay since, the reuses they left weigh what they keep (no refresh changed tau), up to
-    # the counts decaying in steps of a refresh and a reuse's weight continuously; at full
-    # weight the reuses read e^(500/300) = 5.3x their accesses
+    # decay since, the reuses they left weigh exactly what they keep (no refresh changed tau);
+    # at full weight they read ~e^(500/300) = 5.3x their accesses
     assert m.eviction_age == 10.0
-    assert m.reuses[first].sum() == pytest.approx(m.accesses[first], rel=0.01)
-    assert m.reuses[cell].sum() <= 1.01 * m.accesses[cell]  # later passes: some not reused yet
+    assert m.reuses[first].sum() == pytest.approx(m.accesses[first], rel=1e-9)
+    assert m.reuses[cell].sum() <= m.accesses[cell] * (1 + 1e-9)  # later passes: some not reused yet
 
 
 def test_a_window_reads_survival_inside_its_buckets_not_at_their_edges():
@@ -286,3 +284,21 @@ def test_a_window_reads_survival_inside_its_buckets_not_at_their_edges():
 
 
 N_AGES_CHECKED = 64
+
+
+def test_reuses_in_the_open_last_bucket_still_count():
+    """Distances past 2^23.5 accesses share the last bucket; its hazard is spread over the
+    width it would have (to 2^24), survival flat after. A node with 10^6-block caches has
+    eviction ages near 10^5, and its 128-eviction-age density model looks that far."""
+    cands = (Candidate("all", 1.0),)
+    m = ReuseModel(8, candidates=cands, refresh_every=10**6, initial_age=2.0 ** 22, memory_horizons=1e12)
+    m.reuses[0, 47] = 50.0  # half of 100 accesses reused beyond 2^23.5, the rest never
+    m.accesses[0] = 100.0
+    m.refresh()
+    h = 50.0 / (1.0 + 100.0)
+    w = m.horizons[0]  # 2^22 accesses: from age 0 the window ends before the last bucket
+    assert float(m.tables[0][0, 0]) == pytest.approx(0.0, abs=1e-7)
+    age = 24 * m.granularity  # 3 * 2^22 = 2^23.58: the window [2^23.58, 2^24.17) covers the rest of it
+    expected = 1.0 - (1.0 - h) ** ((2.0 ** 24 - (age + 1.0)) / (2.0 ** 24 - 2.0 ** 23.5))
+    assert float(m.tables[0][0, 24]) == pytest.approx(expected, rel=1e-4)
+    assert w == 2.0 ** 22
