@@ -137,13 +137,18 @@ class ReuseModel:
         # the calibration of the decisions they make
         self.prob = {k: np.zeros((N_AGES, N_CELLS), dtype=TABLE_DTYPE)
                      for k, c in enumerate(self.candidates) if c.density}
-        self._scratch = np.zeros((3, DENSITY_CHUNK * N_CELLS if self.prob else 0))
-        # a refresh's per-age survival, written in place (fresh MBs each refresh fault in page
-        # by page: that was most of its cost): per partition its survival at each age, and
-        # two buffers for the window's end
-        self._at_age = {c.partition: np.zeros((N_AGES, int(PARTITIONS[c.partition].max()) + 1), dtype=TABLE_DTYPE)
-                        for c in self.candidates}
-        self._window = np.zeros((2, N_AGES * N_CELLS), dtype=TABLE_DTYPE)
+        # a refresh's scratch, written in place (fresh MBs each refresh fault in page by page:
+        # that was most of its cost). One buffer, used in turn: as float64 by the density (3
+        # rows of DENSITY_CHUNK ages), as float32 by the window step (all ages, all cells)
+        density_scratch = 3 * DENSITY_CHUNK * N_CELLS if self.prob else 0
+        self._scratch_bytes = np.zeros(max(8 * density_scratch, 4 * N_AGES * N_CELLS), dtype=np.uint8)
+        self._scratch = self._scratch_bytes[: 8 * density_scratch].view(np.float64).reshape(3, -1)
+        self._step = self._scratch_bytes[: 4 * N_AGES * N_CELLS].view(TABLE_DTYPE)
+        # per partition its survival at each age (shared by its candidates), and a coarse
+        # partition's window probabilities before they are expanded to the fine cells
+        cells = {c.partition: int(PARTITIONS[c.partition].max()) + 1 for c in self.candidates}
+        self._at_age = {name: np.zeros((N_AGES, n), dtype=TABLE_DTYPE) for name, n in cells.items()}
+        self._coarse = np.zeros(N_AGES * max([n for n in cells.values() if n < N_CELLS] or [0]), dtype=TABLE_DTYPE)
 
     # -- evidence ----------------------------------------------------------
     def access(self, b: int, cls: int) -> bool:
@@ -211,14 +216,14 @@ class ReuseModel:
                 slopes = _log_survival_slopes(log_surv_t).astype(TABLE_DTYPE)
                 log_surv32 = log_surv_t.astype(TABLE_DTYPE)
                 at_age = self._at_age[cand.partition]
-                _log_survival_at(log_surv32, slopes, ages + 1.0, out=at_age, step=self._window[0])
+                _log_survival_at(log_surv32, slopes, ages + 1.0, out=at_age, step=self._step)
                 survival[cand.partition] = log_surv_t, log_surv32, slopes, at_age
             log_surv_t, log_surv32, slopes, at_age = survival[cand.partition]
             cmap = EXPAND[cand.partition]
             table = self.prob[k] if cand.density else self.table3[k]
             # the partition's cells: straight into the table, or into scratch and expanded
-            p = table if cmap is None else self._window[0][: at_age.size].reshape(at_age.shape)
-            _window_probabilities(log_surv32, slopes, at_age, ages + 1.0 + w, out=p, step=self._window[1])
+            p = table if cmap is None else self._coarse[: at_age.size].reshape(at_age.shape)
+            _window_probabilities(log_surv32, slopes, at_age, ages + 1.0 + w, out=p, step=self._step)
             if cmap is not None:
                 np.take(p, cmap, axis=1, out=table, mode="clip")  # "raise" would buffer out: 5x slower
             if cand.density:
