@@ -30,10 +30,11 @@ expected accesses the block holds its slot until the reuse or W (hit density).
 Tables for all candidates are rebuilt
 every ``refresh_every`` accesses from the same counts; counts decay with a time
 constant of ``memory_horizons`` eviction ages, so the model's memory scales with
-the cache instead of being a constant chosen on one trace. A reuse at distance
-``d`` enters with weight ``exp(-d / tau)``, the weight its access has by then:
-the evidence is forgotten by the age of the access it is about (counted whole,
-a reuse near ``tau`` weighed e^(d / tau) times its access, and hazards read high).
+the cache instead of being a constant chosen on one trace. A reuse enters with
+the weight its access has in the counts by then (every refresh's decay since the
+access, from a ring of the running total at each refresh): the evidence is
+forgotten by the age of the access it is about (counted whole, a reuse near
+``tau`` weighed e^(d / tau) times its access, and hazards read high).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ AGE_STEPS_PER_EVICTION_AGE = 8  # ... 1/8 of the eviction age wide: they cover 3
 # Hazards and survival curves are float64; the window probabilities are computed in float32
 # from them (within ~2e-5 of float64), the density in float64 and rounded once, when written.
 TABLE_DTYPE = np.float32
+DECAY_RING = 4096  # refreshes whose running decay total is kept (older accesses: the current rate)
 DENSITY_CHUNK = 32  # age buckets per pass of the density computation: its float64 scratch stays small
 
 
@@ -117,8 +119,11 @@ class ReuseModel:
         self.accesses = np.zeros(N_CELLS)
         self.eviction_age = float(initial_age)  # this cache's mean eviction age, in accesses
         self._ev_sum, self._ev_n = 0.0, 0.0
-        self._since = 0
-        self._log_decay = -self.refresh_every / (self.memory_horizons * self.eviction_age)  # per refresh
+        self._log_decay = -self.refresh_every / (self.memory_horizons * self.eviction_age)  # the last refresh's
+        self._decayed = 0.0  # log of the decay every count has taken so far
+        # ring by refresh period (accesses at clocks (p r, (p + 1) r]): ``_decayed`` when
+        # period p began, so an access's weight now is exp(_decayed - _period_start[p])
+        self._period_start = np.zeros(DECAY_RING)
         self._rng = np.random.default_rng(0)
         # lookups use linear age buckets of a granularity that follows the eviction age (two
         # numpy ops per lookup); the counts keep log-spaced distances (scale-free evidence)
@@ -162,12 +167,16 @@ class ReuseModel:
             j = min(int(2.0 * math.log2(d)), N_BUCKETS - 1)
             # weighted as its access is weighted in ``accesses`` by now (forgetting by the age
             # of the access the evidence is about): at full weight, a reuse d accesses away was
-            # counted e^(d/tau) times its access, and every hazard near tau read high. The
-            # counts decay at each refresh (clock multiples of ``refresh_every``), so the
-            # weight is one refresh's decay per refresh since that access
+            # counted e^(d/tau) times its access, and every hazard near tau read high
             r = self.refresh_every
-            steps = (self.clock - 1) // r - (self.clock - d - 1) // r
-            self.reuses[int(self.cell[b]), j] += math.exp(steps * self._log_decay) if steps else 1.0
+            then, now = (self.clock - d - 1) // r, (self.clock - 1) // r  # refresh periods
+            if then == now:
+                weight = 1.0
+            elif now - then < DECAY_RING:
+                weight = math.exp(self._decayed - self._period_start[then % DECAY_RING])
+            else:  # older than the ring: at the current rate (a weight near 0 by then)
+                weight = math.exp((now - then) * self._log_decay)
+            self.reuses[int(self.cell[b]), j] += weight
             irr = min(1 + j // 4, N_IRR - 1)
         st = min(st + 1, MAX_COUNT)
         self.count[b] = st
@@ -175,8 +184,7 @@ class ReuseModel:
         self.cell[b] = cell
         self.accesses[cell] += 1.0
         self.last[b] = self.clock
-        self._since += 1
-        if self._since >= self.refresh_every:
+        if self.clock % self.refresh_every == 0:  # on a fixed grid: the decay ring's periods
             self.refresh()
             return True
         return False
@@ -195,7 +203,6 @@ class ReuseModel:
     # -- tables ------------------------------------------------------------
     def refresh(self) -> None:
         """Rebuild every candidate's table from the decayed counts (O(cells x buckets))."""
-        self._since = 0
         self.refreshes += 1
         if self._ev_n >= 1.0:
             self.eviction_age = max(1.0, self._ev_sum / self._ev_n)
@@ -203,7 +210,7 @@ class ReuseModel:
         self._inv_g = 1.0 / self.granularity
         tau = self.memory_horizons * self.eviction_age
         self._log_decay = -self.refresh_every / tau
-        pending = self._pending(tau)
+        pending = self._pending()
         hazards: dict[str, np.ndarray] = {}
         # candidates of one partition share their survival curves and the survival at each age
         survival: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -233,8 +240,11 @@ class ReuseModel:
         self.accesses *= decay
         self._ev_sum *= decay
         self._ev_n *= decay
+        self._decayed += self._log_decay
+        if self.clock % self.refresh_every == 0:  # (a refresh called off the grid only decays)
+            self._period_start[(self.clock // self.refresh_every) % DECAY_RING] = self._decayed
 
-    def _pending(self, tau: float) -> np.ndarray:
+    def _pending(self) -> np.ndarray:
         """Accesses not yet followed by a reuse, per (cell, bucket of their age so far):
         they are right-censored there, not evidence of no reuse. Estimated from a
         uniform sample of block ids, so a refresh costs O(sample), not O(blocks)."""
@@ -242,9 +252,18 @@ class ReuseModel:
         ids = self._rng.integers(0, n, size=min(n, PENDING_SAMPLE)) if n > PENDING_SAMPLE else np.arange(n)
         ids = ids[self.count[ids] > 0]
         ages = self.clock - self.last[ids]
-        weight = np.exp(-ages / tau) * (n / max(1, min(n, PENDING_SAMPLE)))  # decayed like the counts
+        weight = self._access_weights(self.last[ids]) * (n / max(1, min(n, PENDING_SAMPLE)))  # as in the counts
         flat = self.cell[ids].astype(np.int64) * N_BUCKETS + distance_bucket(ages + 1)
         return np.bincount(flat, weights=weight, minlength=N_CELLS * N_BUCKETS).reshape(N_CELLS, N_BUCKETS)
+
+    def _access_weights(self, last: np.ndarray) -> np.ndarray:
+        """The weight accesses made at clocks ``last`` have in the counts now (``access``'s rule)."""
+        r = self.refresh_every
+        then, now = (last - 1) // r, (self.clock - 1) // r
+        log_w = np.where(now - then < DECAY_RING, self._decayed - self._period_start[then % DECAY_RING],
+                         (now - then) * self._log_decay)
+        log_w[then == now] = 0.0
+        return np.exp(log_w)
 
     def _hazard(self, partition: str, pending: np.ndarray, memo: dict[str, np.ndarray]) -> np.ndarray:
         """Posterior mean hazard per (partition cell, distance bucket): reuses in the bucket

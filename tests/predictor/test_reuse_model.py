@@ -261,6 +261,26 @@ def test_a_reuse_counts_as_much_as_its_access_does_by_then():
     assert m.reuses[cell].sum() <= m.accesses[cell] * (1 + 1e-9)  # later passes: some not reused yet
 
 
+def test_a_reuse_weighs_its_access_while_tau_moves_and_after_an_extra_refresh():
+    """The eviction age (so tau, so each refresh's decay) is re-estimated at every refresh,
+    and a refresh may be asked for off its grid: a reuse still weighs exactly what its
+    access does, every decay since it counted as applied (the running total at each refresh
+    period), not the latest rate times the refreshes since."""
+    cands = (Candidate("all", 1.0),)
+    m = ReuseModel(600, candidates=cands, refresh_every=97, initial_age=10.0, memory_horizons=30.0)
+    for b in range(500):  # the first pass: stage 1, every block reused once, at distance 500
+        m.access(b, cls=0)
+        if b % 97 == 50:
+            m.evicted(b)  # moves the eviction age at the next refresh: tau changes
+            m._ev_sum += 3.0 * b
+    m.refresh()  # an extra refresh, off the grid: it decays the counts like any other
+    for b in range(500):
+        m.access(b, cls=0)
+    assert m.eviction_age != 10.0
+    first = _cell(0, 1)
+    assert m.reuses[first].sum() == pytest.approx(m.accesses[first], rel=1e-9)
+
+
 def test_a_window_reads_survival_inside_its_buckets_not_at_their_edges():
     """P(reused within W | age) = 1 - S(age + W) / S(age) with S log-linear inside a bucket:
     a constant hazard per access. One cell, one hazard h in bucket 10 ([32, 45.25)): a window
