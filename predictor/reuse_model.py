@@ -52,8 +52,16 @@ except ImportError:  # pragma: no cover - exercised where the extension was not 
 
 from kvtier.predictor.cells import EXPAND, N_CELLS, N_IRR, PARENT, PARTITIONS, SUM_ROWS, cell_of, first_cell_of
 from kvtier.predictor.classes import MAX_COUNT
+from kvtier.predictor.survival import (
+    N_BUCKETS,
+    distance_bucket,
+    hit_density,
+    log_survival,
+    log_survival_at,
+    log_survival_slopes,
+    window_probabilities,
+)
 
-N_BUCKETS = 48  # half octaves: the last one, from 2^23.5 accesses, takes every longer distance
 PENDING_SAMPLE = 4096  # block ids sampled per refresh to estimate the not-yet-reused accesses
 N_AGES = 256  # linear age buckets of the lookup tables ...
 AGE_STEPS_PER_EVICTION_AGE = 8  # ... 1/8 of the eviction age wide: they cover 32 eviction ages
@@ -64,12 +72,6 @@ AGE_STEPS_PER_EVICTION_AGE = 8  # ... 1/8 of the eviction age wide: they cover 3
 TABLE_DTYPE = np.float32
 DECAY_RING = 4096  # refreshes whose running decay total is kept (older accesses: the current rate)
 DENSITY_CHUNK = 32  # age buckets per pass of the density computation: its float64 scratch stays small
-
-
-def distance_bucket(d: np.ndarray) -> np.ndarray:
-    """Bucket of distances ``d`` >= 1 (vectorised): floor(2 log2 d), capped."""
-    out = (2.0 * np.log2(np.maximum(d, 1))).astype(np.int64)
-    return np.minimum(out, N_BUCKETS - 1)
 
 
 @dataclass(frozen=True)
@@ -219,22 +221,22 @@ class ReuseModel:
             w = max(1.0, cand.horizon_multiple * self.eviction_age)
             self.horizons[k] = w
             if cand.partition not in survival:
-                log_surv_t = np.ascontiguousarray(_log_survival(self._hazard(cand.partition, pending, hazards)).T)
-                slopes = _log_survival_slopes(log_surv_t).astype(TABLE_DTYPE)
+                log_surv_t = np.ascontiguousarray(log_survival(self._hazard(cand.partition, pending, hazards)).T)
+                slopes = log_survival_slopes(log_surv_t).astype(TABLE_DTYPE)
                 log_surv32 = log_surv_t.astype(TABLE_DTYPE)
                 at_age = self._at_age[cand.partition]
-                _log_survival_at(log_surv32, slopes, ages + 1.0, out=at_age, step=self._step)
+                log_survival_at(log_surv32, slopes, ages + 1.0, out=at_age, step=self._step)
                 survival[cand.partition] = log_surv_t, log_surv32, slopes, at_age
             log_surv_t, log_surv32, slopes, at_age = survival[cand.partition]
             cmap = EXPAND[cand.partition]
             table = self.prob[k] if cand.density else self.table3[k]
             # the partition's cells: straight into the table, or into scratch and expanded
             p = table if cmap is None else self._coarse[: at_age.size].reshape(at_age.shape)
-            _window_probabilities(log_surv32, slopes, at_age, ages + 1.0 + w, out=p, step=self._step)
+            window_probabilities(log_surv32, slopes, at_age, ages + 1.0 + w, out=p, step=self._step)
             if cmap is not None:
                 np.take(p, cmap, axis=1, out=table, mode="clip")  # "raise" would buffer out: 5x slower
             if cand.density:
-                self._density(log_surv_t, w, p, cmap, out=self.table3[k])
+                hit_density(log_surv_t, ages + 1.0, w, p, cmap, self.table3[k], self._scratch, DENSITY_CHUNK)
         decay = math.exp(self._log_decay)
         self.reuses *= decay
         self.accesses *= decay
@@ -294,56 +296,6 @@ class ReuseModel:
         memo[partition] = hazard
         return hazard
 
-    def _density(self, log_surv_t: np.ndarray, w: float, p: np.ndarray, cmap: "np.ndarray | None",
-                 out: np.ndarray) -> None:
-        """Hit density (LHD's measure) within the horizon: P(reused within ``w``) over the
-        expected accesses the block holds its slot until reused or ``w`` passes. Unlike P
-        alone it keeps rising as a block nears a reuse farther off than ``w`` (a loop longer
-        than the cache): the block that is closest to its reuse is worth most.
-
-        The slot time is the integral of survival over the window [lo, lo + w): whole
-        buckets inside it from a cumulative sum, the two partial buckets at its ends by
-        their overlap; row gathers only (a BLAS matmul here spun its threads on every
-        refresh). Computed per partition cell in float64, 32 age buckets at a time,
-        expanded to fine cells and rounded when written into ``out``."""
-        lo = np.arange(N_AGES) * self.granularity + 1.0  # the window, in distances since the last access
-        hi = lo + w
-        s, e = distance_bucket(lo), distance_bucket(hi)
-        # [bucket edge, cell]: survival to the start of each bucket, floored at e^-600 (no block
-        # lives that long: below it only subnormal arithmetic, 100x slower, would follow)
-        surv_t = np.exp(np.maximum(log_surv_t, -600.0))
-        mean_t = 0.5 * (surv_t[:-1] + surv_t[1:])  # [bucket, cell]: within each bucket (trapezoid)
-        n_cells = log_surv_t.shape[1]
-        cum_t = np.zeros((N_BUCKETS + 1, n_cells))
-        np.cumsum(mean_t * _WIDTHS[:, None], axis=0, out=cum_t[1:])
-        same = s == e
-        after_first = np.where(same, e, s + 1)  # whole buckets: [after_first, e), none when same
-        first = np.where(same, hi, _EDGES[after_first]) - lo
-        last = np.where(same, 0.0, hi - _EDGES[e])
-        for a in range(0, N_AGES, DENSITY_CHUNK):
-            z = slice(a, a + DENSITY_CHUNK)
-            n = len(s[z])
-            # reused scratch (fresh MBs fault in page by page)
-            held, part, diff = (x[:n * n_cells].reshape(n, n_cells) for x in self._scratch)
-            np.take(mean_t, s[z], axis=0, out=held, mode="clip")
-            held *= first[z, None]
-            np.take(mean_t, e[z], axis=0, out=part, mode="clip")
-            part *= last[z, None]
-            held += part
-            np.take(cum_t, e[z], axis=0, out=part, mode="clip")
-            np.take(cum_t, after_first[z], axis=0, out=diff, mode="clip")
-            part -= diff  # the difference first: both terms can be far larger than the
-            held += part  # partial buckets held so far (survival long gone to ~0)
-            np.take(surv_t, s[z], axis=0, out=part, mode="clip")
-            np.maximum(part, 1e-300, out=part)
-            held /= part
-            np.maximum(held, 1.0, out=held)
-            np.divide(p[z], held, out=held)
-            if cmap is None:
-                out[z] = held
-            else:
-                out[z] = held[:, cmap]
-
     def probability_just_accessed(self, k: int, b: int) -> float:
         """Candidate ``k``'s P(reused within its horizon) of block ``b`` at age 0."""
         table = self.prob.get(k)
@@ -397,56 +349,3 @@ class ReuseModel:
     def value_just_accessed(self, k: int, b: int) -> float:
         """Candidate ``k``'s value of block ``b`` at age 0, in the cell its latest access put it in."""
         return float(self.table3[k, 0, int(self.cell[b])])
-
-
-_EDGES = 2.0 ** (np.arange(N_BUCKETS + 1) / 2.0)  # distance bucket j covers [_EDGES[j], _EDGES[j + 1])
-_EDGES[-1] = np.inf  # the last bucket takes every longer distance
-_WIDTHS = np.append(np.diff(_EDGES[:-1]), 0.0)  # bucket widths; the open last one only ever partly
-# the span over which a bucket's hazard is spread when survival is interpolated: its width, and
-# for the open last one the width it would have (its hazard spent by 2^24, survival flat after)
-_SPANS = _EDGES[:-1] * (math.sqrt(2.0) - 1.0)
-
-
-def _log_survival(hazard: np.ndarray) -> np.ndarray:
-    """log P(not reused by the end of distance bucket j-1), per (partition) cell; column 0 is 0."""
-    return np.concatenate((np.zeros((hazard.shape[0], 1)),
-                           np.cumsum(np.log1p(-np.minimum(hazard, 1 - 1e-12)), axis=1)), axis=1)
-
-
-def _log_survival_slopes(log_surv_t: np.ndarray) -> np.ndarray:
-    """d log S / d distance inside each bucket, ``[bucket, cell]``: a constant hazard per access
-    within a bucket's span (``_SPANS``; the open last one's hazard is spent over the width it
-    would have, survival flat after it: dropping it lost every reuse beyond 2^23.5 accesses)."""
-    slopes = np.zeros_like(log_surv_t)  # a row per edge; the buckets are rows 0 .. N_BUCKETS - 1
-    np.divide(log_surv_t[1:] - log_surv_t[:-1], _SPANS[:, None], out=slopes[:-1])
-    return slopes
-
-
-def _log_survival_at(log_surv_t: np.ndarray, slopes: np.ndarray, x: np.ndarray, out: np.ndarray,
-                     step: np.ndarray) -> np.ndarray:
-    """``out[i, cell]`` = log P(next reuse distance >= ``x[i]``) per (partition) cell, from the
-    survival at the bucket edges (``log_surv_t[edge, cell]``), log-linear within a bucket;
-    all of one dtype; ``step``: scratch of at least ``out.size`` (module doc: why not at
-    the edges)."""
-    j = distance_bucket(x)
-    step = step[: out.size].reshape(out.shape)
-    np.take(log_surv_t, j, axis=0, out=out, mode="clip")  # "raise" would buffer out: 5x slower
-    np.take(slopes, j, axis=0, out=step, mode="clip")
-    step *= np.minimum(x - _EDGES[j], _SPANS[j]).astype(out.dtype)[:, None]  # past 2^24: flat
-    out += step
-    return out
-
-
-def _window_probabilities(log_surv_t: np.ndarray, slopes: np.ndarray, at_start: np.ndarray,
-                          end: np.ndarray, out: np.ndarray, step: np.ndarray) -> np.ndarray:
-    """``out[i, cell]`` = P(reused before distance ``end[i]`` | not reused before the age of
-    row ``i``) per (age, partition cell): 1 - S(end) / S(start), ``at_start`` = log S(start).
-    In the tables' float32: a refresh rebuilds 256 ages x 768 cells for each candidate, and
-    float64 passes over them had cost replay ~10% of its speed. (``exp``, not ``expm1``:
-    numpy's ``expm1`` is scalar, several times slower.)"""
-    _log_survival_at(log_surv_t, slopes, end, out=out, step=step)
-    out -= at_start
-    np.exp(out, out=out)
-    np.subtract(1.0, out, out=out)
-    np.maximum(out, 0.0, out=out)  # float32 rounding across a bucket edge can leave -1e-6
-    return out
