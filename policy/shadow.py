@@ -75,7 +75,7 @@ class ShadowCaches:
             cand = self.slots[ks[:, None], pos]
             v = values_rows(ks, cand)
             i = v.argmin(axis=1)
-            admitted = values_new(ks, b) >= v[self._rows[: len(full)], i]  # else: not admitted
+            admitted = values_new(ks, b) > v[self._rows[: len(full)], i]  # else: not admitted
             if admitted.any():
                 for r in np.flatnonzero(admitted).tolist():
                     k = full[r]

@@ -24,8 +24,12 @@ holds no value fitted to one trace.
 Victims: the lowest value among ``samples`` uniformly sampled residents (a
 dense resident array: O(1) sampling and removal), one vectorised table lookup
 per eviction. Admission uses the same number: a missed block enters only if it
-is worth at least the victim it would displace, so blocks that will not be
-reused before the cache forgets them never push out ones that will.
+is worth more than the victim it would displace, so blocks that will not be
+reused before the cache forgets them never push out ones that will. A tie keeps
+the resident: displacing an equal costs a copy and gains nothing, and where the
+model cannot tell blocks apart (a loop longer than the cache: every block is
+reused at the same distance) admitting on ties cycled the cache like LRU, with
+no hits; keeping the incumbents holds a fixed share of the loop, as LIRS does.
 """
 
 from __future__ import annotations
@@ -130,7 +134,7 @@ class ValuePolicy(Policy):
         mine = float(np.float32(p) * self.weight[b]) if self._weighted else p
         if self._scored(b):
             self._predict(b, self.model.probability_just_accessed(self.active, b))
-        if not self.admission or mine >= v_value:
+        if not self.admission or mine > v_value:
             return True
         self._victim = -1
         self.bypassed += 1
@@ -185,7 +189,7 @@ class ValuePolicy(Policy):
     def admit_many(self, blocks: np.ndarray, classes: np.ndarray) -> np.ndarray:
         """Which offered blocks are worth a slot here: their value now (feature class
         ``classes``, their access stage and age) at least the lowest of a fresh sample
-        of residents, what the next eviction would take. No state changes."""
+        of residents, what the next eviction would take (a tie declines). No state changes."""
         ok = np.ones(blocks.size, dtype=bool)
         if not self.admission or self.size < self.samples or blocks.size == 0:
             return ok
@@ -197,7 +201,7 @@ class ValuePolicy(Policy):
         mine = model.tables[self.active][cells, model.age_buckets(blocks)]
         if self._weighted:
             mine = mine * self.weight[blocks]
-        return np.asarray(mine >= floor)
+        return np.asarray(mine > floor)  # a tie keeps the residents, as ``admit``
 
     def best(self, k: int) -> np.ndarray:
         """Up to ``k`` of ``4k`` sampled residents with the highest value (speculative promotion)."""

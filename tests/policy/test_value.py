@@ -128,11 +128,16 @@ def test_no_prediction_is_scored_before_the_model_has_evidence():
     assert pol.model.refreshes >= 1 and not np.isnan(pol.calib.pred).all()
 
 
-def test_a_weighted_newcomer_that_ties_its_victim_is_admitted():
+def test_a_weighted_newcomer_that_ties_its_victim_keeps_the_incumbent():
     """The newcomer's value and the victim's are the same float32 product when table and
-    weight are equal: a tie admits (a float64 product for one side broke ties at random)."""
+    weight are equal (a float64 product for one side broke ties at random), and a tie keeps
+    the resident: displacing an equal costs a copy and gains nothing (on a loop longer than
+    the cache, admitting on ties cycled it like LRU: no hits)."""
     pol = _filled()
     pol.model.table3[:] = 0.3
     pol.set_weights(np.arange(64), np.full(64, 0.7))
     pol.observe(20, 20.0, 0)
-    assert pol.admit(20, 20.0, 0, -1) and pol.bypassed == 0
+    assert not pol.admit(20, 20.0, 0, -1) and pol.bypassed == 1
+    pol.set_weights(np.array([21]), np.array([0.7001]))
+    pol.observe(21, 21.0, 0)
+    assert pol.admit(21, 21.0, 0, -1) and pol.bypassed == 1
