@@ -201,11 +201,15 @@ def test_adopt_sealed_is_all_or_nothing(manager):
 
 
 def test_a_completion_that_raises_does_not_strand_the_ones_polled_with_it(manager):
-    """Completions the mover hands over together are applied one by one: when applying one
-    raises (here an event listener), the others are applied by the next poll, so no block
-    stays busy forever and ``wait`` returns."""
+    """Completions the mover hands over together are applied path group by path group:
+    when applying one group raises (here an event listener), that group is still applied
+    in full and the groups after it are applied by the next poll, so no block stays busy
+    forever and ``wait`` returns."""
     m = manager
     a, b = _new_sealed(m, 21), _new_sealed(m, 22)
+    c = _new_sealed(m, 23)
+    m.demote([c], "hbm", "dram")
+    m.wait()
     boom = {"armed": True}
 
     def listener(kind: str, blk: int, tier: int) -> None:
@@ -216,13 +220,61 @@ def test_a_completion_that_raises_does_not_strand_the_ones_polled_with_it(manage
     m.listeners.append(listener)
     m.demote([a], "hbm", "dram")
     m.demote([b], "hbm", "dram")
-    m.mover.drain()  # both completions are waiting: one poll takes them together
+    m.promote([c], "hbm")  # another path: its own group, after the one that raises
+    m.mover.drain()  # all three completions are waiting: one poll takes them together
     with pytest.raises(RuntimeError, match="listener failed"):
         m.poll()
+    assert len(m._unapplied) == 1 and int(m.table.busy[c]) == 1  # the promotion waits for the next poll
+    # the group whose listener raised was applied in full all the same
+    for blk, tag in ((a, 21), (b, 22)):
+        assert int(m.table.busy[blk]) == 0 and m.table.copies[blk] == 0b010
+        assert int(m.table.slot[Tier.HBM, blk]) == -1 and m.read(blk) == pattern(tag, BB).tobytes()
+    assert m.counters["moves_hbm->dram"] == 3
     m.wait(timeout=5)
-    assert int(m.table.busy[b]) == 0 and m.table.copies[b] == 0b010
-    assert m.read(b) == pattern(22, BB).tobytes()
-    # the completion whose listener raised was applied in full all the same
-    assert m.table.copies[a] == 0b010 and int(m.table.slot[Tier.HBM, a]) == -1
-    assert m.read(a) == pattern(21, BB).tobytes() and m.counters["moves_hbm->dram"] == 2
+    assert int(m.table.busy[c]) == 0 and m.table.copies[c] == 0b011 and m.counters["moves_dram->hbm"] == 1
     m.check_invariants()
+
+
+def test_completions_applied_as_one_group_leave_the_state_of_one_by_one(nvme_dir):
+    """Memory-copy completions of one path polled together are applied in one pass; every
+    table column, list and counter ends as if each had been applied on its own, a failed
+    block included."""
+    def run(together: bool, sub: str):
+        m = TierManager(block_bytes=12_000, hbm_slots=8, dram_slots=8, nvme_slots=12,
+                        nvme_dir=f"{nvme_dir}/{sub}", io_backend="posix", io_threads=2)
+        try:
+            blocks = [_new_sealed(m, 40 + i) for i in range(6)]
+            stored: list[tuple[str, int, int]] = []
+            m.listeners.append(lambda kind, blk, tier: stored.append((kind, blk, tier)))
+            real = m.mover._execute
+
+            def failing(batch):  # the third block's copy fails: its DRAM slot must be given back
+                out = real(batch)
+                for comp in out:
+                    comp.ok[comp.blocks == blocks[2]] = False
+                    if blocks[2] in comp.blocks:
+                        comp.errors[blocks[2]] = "injected"
+                return out
+
+            m.mover._execute = failing
+            passes = []
+            apply_one = m._apply_completion
+            m._apply_completion = lambda p, c: (passes.append(p.blocks.size), apply_one(p, c))
+            for lo in (0, 2, 4):
+                m.demote(blocks[lo: lo + 2], "hbm", "dram")
+                if not together:
+                    m.wait()
+            m.mover.drain()  # every completion is waiting: one poll takes them all
+            m.wait()
+            assert passes == ([6] if together else [2, 2, 2])
+            m.check_invariants()
+            per_tier = {t: [e for e in stored if e[2] == t] for t in (0, 1)}  # the order each tier sees
+            counters = {k: v for k, v in m.counters.items() if not k.startswith("busy_ns")}  # time, not state
+            return snapshot(m), counters, per_tier, [m.read(b) for b in blocks]
+        finally:
+            m.close()
+
+    one, grouped = run(False, "a"), run(True, "b")
+    assert_same(one[0], grouped[0])
+    assert one[1] == grouped[1] and one[1]["moves_hbm->dram"] == 5 and one[1]["errors_hbm->dram"] == 1
+    assert one[2] == grouped[2] and one[3] == grouped[3]
