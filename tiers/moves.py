@@ -34,6 +34,11 @@ log = logging.getLogger("kvtier.tiers")
 TID_WRAP = (1 << 31) - 1  # transfer ids cycle through 1 .. 2^31-1: 4 B a block, not 8
 
 
+def _most_urgent(errors: list[BaseException]) -> Optional[BaseException]:
+    """The error to raise of those a group's listeners deferred: an interrupt first."""
+    return next((e for e in errors if not isinstance(e, Exception)), errors[0] if errors else None)
+
+
 @dataclass
 class _Pending:
     blocks: np.ndarray
@@ -77,7 +82,7 @@ class TierMoves:
         self._tids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self._unapplied: deque[Completion] = deque()  # taken from the mover by a poll that raised
-        self._deferred: Optional[list[Exception]] = None  # listener errors while a completion is applied
+        self._deferred: Optional[list[BaseException]] = None  # listener errors while a group is applied
         self.counters: Counter[str] = Counter()
         self.last_errors: dict[int, str] = {}
         self.listeners: list[EventListener] = []
@@ -96,9 +101,9 @@ class TierMoves:
             if self._deferred is None:
                 fn(kind, b, tier)
                 continue
-            try:  # applying a completion: its bookkeeping finishes first (see ``_apply``)
+            try:  # applying a group: its bookkeeping finishes first (see ``_apply``)
                 fn(kind, b, tier)
-            except Exception as e:
+            except BaseException as e:  # an interrupt too: half a group applied would leak its slots
                 self._deferred.append(e)
 
     def _emit_many(self, kind: str, blocks: np.ndarray, tier: int) -> None:
@@ -204,22 +209,31 @@ class TierMoves:
         return tid
 
     def _apply(self, group: list[Completion]) -> None:
-        """Apply completions of one path as one (``_groups``). A listener that raises does not
-        cut the bookkeeping short (slots, failures, orphans, lists, counters): its error is
-        raised once it is done."""
+        """Apply completions of one path as one (``_groups``). A listener that raises, even
+        with an interrupt, does not cut the bookkeeping short (slots, failures, orphans,
+        lists, counters): once it is done the first interrupt, else the first error, is
+        raised and every other listener error of the group is logged."""
         self._deferred = []
+        raised: Optional[BaseException] = None
         try:
             self._apply_completion(*self._merged([(self._pending.pop(c.tid), c) for c in group]))
+            raised = _most_urgent(self._deferred)
         finally:
             errors, self._deferred = self._deferred, None
-        if errors:
-            raise errors[0]
+            for e in errors:
+                if e is not raised:
+                    log.error("tier event listener failed: %r", e, exc_info=e)
+        if raised is not None:
+            raise raised
 
     def _groups(self, done: list[Completion]) -> list[list[Completion]]:
-        """Consecutive memory-copy completions of one path, each group applied in one pass:
-        the mover copies descriptors queued back to back as one copy, and applying each on
-        its own cost ~0.1 ms of fixed numpy work a descriptor on the owner thread, which on
-        a host whose copy threads fill every core is wall time added to the move."""
+        """Consecutive memory-copy completions of one path (as one poll took them from the
+        mover), each group applied in one pass: the mover copies descriptors queued back to
+        back as one copy, so they finish together, and applying each on its own cost ~0.1 ms
+        of fixed numpy work a descriptor on the owner thread, which on a host whose copy
+        threads fill every core is wall time added to the move. Events of a group come per
+        kind (every block's "stored", then the "removed"): in order per block and per tier,
+        not across blocks."""
         out: list[list[Completion]] = []
         key = None
         for c in done:

@@ -278,3 +278,46 @@ def test_completions_applied_as_one_group_leave_the_state_of_one_by_one(nvme_dir
     assert_same(one[0], grouped[0])
     assert one[1] == grouped[1] and one[1]["moves_hbm->dram"] == 5 and one[1]["errors_hbm->dram"] == 1
     assert one[2] == grouped[2] and one[3] == grouped[3]
+
+
+def test_an_interrupt_in_a_listener_still_applies_the_whole_group(manager, caplog):
+    """A listener that raises an interrupt (not an ``Exception``) mid-group: every
+    completion of the group is still applied (a failed block's reserved slot comes back,
+    its error is counted), the interrupt is raised once that is done, and the group's
+    other listener errors are logged, not dropped."""
+    m = manager
+    blocks = [_new_sealed(m, 60 + i) for i in range(3)]
+    real = m.mover._execute
+
+    def failing(batch):  # the last block's copy fails: its DRAM slot must be given back
+        out = real(batch)
+        for comp in out:
+            if blocks[2] in comp.blocks:
+                comp.ok[comp.blocks == blocks[2]] = False
+                comp.errors[blocks[2]] = "injected"
+        return out
+
+    def listener(kind: str, blk: int, tier: int) -> None:
+        if kind == "stored":
+            raise KeyboardInterrupt if blk == blocks[0] else RuntimeError(f"listener failed on {blk}")
+
+    m.mover._execute = failing
+    m.listeners.append(listener)
+    for b in blocks:
+        m.demote([b], "hbm", "dram")
+    m.mover.drain()  # the three completions are polled together: one group
+    with caplog.at_level("ERROR", logger="kvtier.tiers"), pytest.raises(KeyboardInterrupt):
+        m.poll()
+    assert f"listener failed on {blocks[1]}" in caplog.text  # the other error is logged
+    assert not m._pending and not m._unapplied and not m.table.busy[blocks].any()
+    assert m.table.copies[blocks[0]] == 0b010 and m.table.copies[blocks[1]] == 0b010
+    assert m.table.copies[blocks[2]] == 0b001 and int(m.table.slot[Tier.DRAM, blocks[2]]) == -1
+    assert m.counters["moves_hbm->dram"] == 2 and m.counters["errors_hbm->dram"] == 1
+    assert m.last_errors[blocks[2]] == "injected"
+    m.check_invariants()
+    m.listeners.clear()
+    m.mover._execute = real
+    m.demote([blocks[2]], "hbm", "dram")  # the failed block moves again: no slot leaked
+    m.wait(timeout=5)
+    assert m.table.copies[blocks[2]] == 0b010 and m.read(blocks[2]) == pattern(62, BB).tobytes()
+    m.check_invariants()
