@@ -41,6 +41,7 @@ import numpy as np
 from kvtier.policy import register_policy
 from kvtier.policy.base import Eligible, Policy, budget, swap_remove
 from kvtier.policy.shadow import ShadowCaches
+from kvtier.policy.value_compiled import Runner, replay_runner
 from kvtier.predictor.calibration import CalibrationTracker
 from kvtier.predictor.cells import N_IRR, cell_of
 from kvtier.predictor.reuse_model import DEFAULT_CANDIDATES, ReuseModel
@@ -210,6 +211,11 @@ class ValuePolicy(Policy):
         cand = np.unique(self.slots[np.random.default_rng(self.model.clock).integers(
             0, self.size, size=min(4 * k, 4 * self.size))])
         return cand[np.argsort(-self._values(cand), kind="stable")[:k]]
+
+    def compiled_replay(self, blocks: np.ndarray, classes: np.ndarray, resident: np.ndarray) -> Optional[Runner]:
+        """Replay's loop over this policy in compiled code, with the same decisions
+        (``kvtier.policy.value_compiled``); None where it cannot serve."""
+        return replay_runner(self, blocks, classes, resident)
 
     def set_weights(self, blocks: np.ndarray, weights: np.ndarray) -> None:
         self.weight[blocks] = weights

@@ -22,7 +22,7 @@ ALLOWED: dict[str, set[str]] = {
     "scoring": set(),
     "predictor": {"kernels"},  # the compiled victim search (kernels/_value.c)
     "tiers": {"kernels", "protocol"},
-    "policy": {"predictor", "scoring", "tiers"},
+    "policy": {"predictor", "scoring", "tiers", "kernels"},  # the compiled replay loop (kernels/_replay.c)
     "daemon": {"protocol", "kernels", "tiers", "scoring", "predictor", "policy"},
     "client": {"protocol"},
     "connectors": {"client", "protocol"},  # engine side: never the daemon
