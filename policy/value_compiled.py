@@ -44,13 +44,14 @@ def available() -> bool:
 def replay_runner(policy: "ValuePolicy", blocks: np.ndarray, classes: np.ndarray,
                   resident: np.ndarray) -> Optional[Runner]:
     """``run(start, stop) -> (next, hits)`` over ``policy``'s state, or None where the
-    kernel was not built or the policy is weighted (the daemon's case, not replay's)."""
-    if _run is None or policy._weighted or policy.model.last.size >= _HASH_INPUT_LIMIT:
-        return None
+    kernel was not built, the policy is weighted (the daemon's case, not replay's) or the
+    arrays do not cover the policy's block ids one to one."""
+    n = policy.model.last.size
+    if (_run is None or policy._weighted or n >= _HASH_INPUT_LIMIT or resident.dtype != np.bool_
+            or not resident.flags.c_contiguous or resident.size != n or blocks.size != classes.size):
+        return None  # the hooks serve (and raise what they raise)
     blocks = np.ascontiguousarray(blocks, dtype=np.int64)
     classes = np.ascontiguousarray(classes, dtype=np.int64)
-    if resident.dtype != np.bool_ or not resident.flags.c_contiguous or resident.size != policy.model.last.size:
-        raise ValueError("resident must be a contiguous bool array over every block")
     staged_p = np.zeros(STAGED_PAIRS)
     staged_y = np.zeros(STAGED_PAIRS, dtype=np.uint8)
     staged_d = np.zeros(STAGED_PAIRS, dtype=np.float32)

@@ -129,3 +129,10 @@ def test_past_two_to_the_24_accesses_deadlines_compare_as_numpy_does():
         p.model.clock = (1 << 24) + 1  # odd: not a float32
     assert simulate(fast, tr) == simulate(ref, tr, compiled=False)
     assert _state(fast) == _state(ref)
+
+
+def test_a_policy_over_more_ids_than_the_trace_replays_through_its_hooks():
+    tr = _small([1, 2, 3, 1])
+    p = make_policy("kvtier", 4, 16)  # resident covers the trace's 8 ids, the policy 16
+    assert p.compiled_replay(tr.block, tr.cls, np.zeros(8, dtype=bool)) is None
+    assert simulate(p, tr) == 1
