@@ -50,7 +50,7 @@ try:  # the victim search in one call (kernels/_value.c); numpy otherwise, same 
 except ImportError:  # pragma: no cover - exercised where the extension was not built
     _c_lowest = None
 
-from kvtier.predictor.cells import EXPAND, N_CELLS, N_IRR, PARENT, PARTITIONS, SUM_ROWS, cell_of, first_cell_of
+from kvtier.predictor.cells import N_CELLS, N_IRR, PARENT, PARTITIONS, SUM_ROWS, cell_of, first_cell_of
 from kvtier.predictor.classes import MAX_COUNT
 from kvtier.predictor.survival import (
     N_BUCKETS,
@@ -95,6 +95,20 @@ DEFAULT_CANDIDATES: tuple[Candidate, ...] = (
     Candidate("class_stage", 8.0), Candidate("stage_irr", 4.0), Candidate("class_stage_irr", 4.0),
     Candidate("class_stage_irr", 32.0, density=True), Candidate("class_stage_irr", 128.0, density=True),
 )
+
+
+_ROW_KEY = np.random.default_rng(0x5EED).random(N_BUCKETS) + 0.5  # fixed weights: a row's key
+
+
+def distinct_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct rows of ``a``, the row of them each row of ``a`` is): rows grouped by a
+    weighted sum (no sort of whole rows: ``np.unique(axis=0)`` cost a refresh 5 ms), then
+    checked equal; keys shared by unequal rows (or NaN) keep every row as it is."""
+    key = (a * _ROW_KEY).sum(axis=1)
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    if not np.array_equal(a[first][inverse], a):
+        return a, np.arange(a.shape[0])
+    return a[first], inverse
 
 
 class ReuseModel:
@@ -154,8 +168,8 @@ class ReuseModel:
         # per partition its survival at each age (shared by its candidates), and a coarse
         # partition's window probabilities before they are expanded to the fine cells
         cells = {c.partition: int(PARTITIONS[c.partition].max()) + 1 for c in self.candidates}
-        self._at_age = {name: np.zeros((N_AGES, n), dtype=TABLE_DTYPE) for name, n in cells.items()}
-        self._coarse = np.zeros(N_AGES * max([n for n in cells.values() if n < N_CELLS] or [0]), dtype=TABLE_DTYPE)
+        self._at_age = {name: np.zeros(N_AGES * n, dtype=TABLE_DTYPE) for name, n in cells.items()}
+        self._coarse = np.zeros(N_AGES * max(cells.values()), dtype=TABLE_DTYPE)
 
     # -- evidence ----------------------------------------------------------
     def access(self, b: int, cls: int) -> bool:
@@ -215,28 +229,34 @@ class ReuseModel:
         pending = self._pending()
         hazards: dict[str, np.ndarray] = {}
         # candidates of one partition share their survival curves and the survival at each age
-        survival: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+        survival: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
         ages = np.arange(N_AGES) * self.granularity  # each lookup bucket's lower edge
         for k, cand in enumerate(self.candidates):
             w = max(1.0, cand.horizon_multiple * self.eviction_age)
             self.horizons[k] = w
             if cand.partition not in survival:
-                log_surv_t = np.ascontiguousarray(log_survival(self._hazard(cand.partition, pending, hazards)).T)
+                # cells with the same hazards have the same tables: each distinct row is computed
+                # once (most cells are empty or impossible, e.g. a first access with a reuse
+                # distance, and answer with their parent's hazard: ~150 of 768 are distinct) and
+                # expanded to the fine cells when written. Every step is per column, so the
+                # tables are the ones computing every cell gives, bit for bit
+                distinct, inverse = distinct_rows(self._hazard(cand.partition, pending, hazards))
+                cmap = inverse[PARTITIONS[cand.partition]]
+                log_surv_t = np.ascontiguousarray(log_survival(distinct).T)
                 slopes = log_survival_slopes(log_surv_t).astype(TABLE_DTYPE)
                 log_surv32 = log_surv_t.astype(TABLE_DTYPE)
-                at_age = self._at_age[cand.partition]
+                at_age = self._at_age[cand.partition][: N_AGES * distinct.shape[0]].reshape(N_AGES, -1)
                 log_survival_at(log_surv32, slopes, ages + 1.0, out=at_age, step=self._step)
-                survival[cand.partition] = log_surv_t, log_surv32, slopes, at_age
-            log_surv_t, log_surv32, slopes, at_age = survival[cand.partition]
-            cmap = EXPAND[cand.partition]
+                survival[cand.partition] = log_surv_t, log_surv32, slopes, at_age, cmap
+            log_surv_t, log_surv32, slopes, at_age, cmap = survival[cand.partition]
             table = self.prob[k] if cand.density else self.table3[k]
-            # the partition's cells: straight into the table, or into scratch and expanded
-            p = table if cmap is None else self._coarse[: at_age.size].reshape(at_age.shape)
+            p = self._coarse[: at_age.size].reshape(at_age.shape)  # distinct cells, then expanded
             window_probabilities(log_surv32, slopes, at_age, ages + 1.0 + w, out=p, step=self._step)
-            if cmap is not None:
-                np.take(p, cmap, axis=1, out=table, mode="clip")  # "raise" would buffer out: 5x slower
+            np.take(p, cmap, axis=1, out=table, mode="clip")  # "raise" would buffer out: 5x slower
             if cand.density:
-                hit_density(log_surv_t, ages + 1.0, w, p, cmap, self.table3[k], self._scratch, DENSITY_CHUNK)
+                # as many ages a pass as the scratch holds for this many distinct cells
+                chunk = DENSITY_CHUNK * (N_CELLS // log_surv_t.shape[1])
+                hit_density(log_surv_t, ages + 1.0, w, p, cmap, self.table3[k], self._scratch, chunk)
         decay = math.exp(self._log_decay)
         self.reuses *= decay
         self.accesses *= decay

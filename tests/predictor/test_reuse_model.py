@@ -154,6 +154,37 @@ def test_hazards_per_partition_cell_expand_to_the_fine_cell_computation():
         assert np.allclose(got, _fine_cell_hazard(m, name, pending), rtol=1e-12, atol=0.0), name
 
 
+def test_tables_from_distinct_hazard_rows_equal_every_cell_computed(monkeypatch):
+    """A refresh computes each distinct hazard row once and expands it to its cells; the
+    tables (window probabilities and densities, every candidate) must be the ones computing
+    every cell on its own gives, bit for bit."""
+    rng = np.random.default_rng(11)
+    blocks = rng.zipf(1.3, size=6000) % 700
+    tables = []
+    for dedup in (True, False):
+        with monkeypatch.context() as mp:
+            if not dedup:
+                mp.setattr(reuse_model, "distinct_rows", lambda a: (a, np.arange(a.shape[0])))
+            m = ReuseModel(700, refresh_every=1000, initial_age=60.0)
+            for i, b in enumerate(blocks.tolist()):
+                m.access(int(b), cls=i % 5)
+            tables.append((m.table3.copy(), {k: v.copy() for k, v in m.prob.items()}))
+    (t1, p1), (t2, p2) = tables
+    assert t1.tobytes() == t2.tobytes()
+    assert p1.keys() == p2.keys() and all(p1[k].tobytes() == p2[k].tobytes() for k in p1)
+    assert np.unique(t1[0].reshape(reuse_model.N_AGES, -1), axis=1).shape[1] < t1.shape[2] // 2  # rows were shared
+
+
+def test_distinct_rows_groups_equal_rows_and_keeps_rows_whose_keys_collide(monkeypatch):
+    a = np.array([[0.1, 0.2], [0.3, 0.4], [0.1, 0.2], [0.3, 0.4], [0.5, 0.0]])
+    a = np.pad(a, ((0, 0), (0, reuse_model.N_BUCKETS - 2)))
+    distinct, inverse = reuse_model.distinct_rows(a)
+    assert distinct.shape[0] == 3 and np.array_equal(distinct[inverse], a)
+    monkeypatch.setattr(reuse_model, "_ROW_KEY", np.zeros(reuse_model.N_BUCKETS))  # every key collides
+    distinct, inverse = reuse_model.distinct_rows(a)
+    assert np.array_equal(distinct, a) and inverse.tolist() == [0, 1, 2, 3, 4]
+
+
 def test_one_gather_over_all_candidates_equals_each_candidates_lookup():
     """The shadow caches value every candidate at once (``values_rows``); it must agree,
     element for element, with candidate-by-candidate lookups, and with the [cell, age] views."""
