@@ -12,7 +12,9 @@
  *   - one that could draw past the end of the policy's or the shadows' pool of random
  *     positions (Python refills the pools with numpy's generator);
  *   - one whose calibration pairs might not fit the staging buffer;
- *   - a block id or feature class out of range (Python raises the error).
+ *   - one that would read or write anything out of range: a block id, feature class, cell,
+ *     clock, random position, slot or reverse index (the hooks do with it what they do:
+ *     raise, mostly), so corrupt state is never read here and the loop indexes freely.
  *
  * Python then takes that one access on the reference path and calls again. Everything
  * the run changes lives in the arrays given, and in ``ints`` / ``floats`` (the scalar
@@ -30,7 +32,9 @@ enum { I_CLOCK, I_SIZE, I_POOL_AT, I_SHADOW_AT, I_BYPASSED, I_STAGED,
        /* ints: read only */
        I_REFRESH_EVERY, I_ACTIVE, I_CAPACITY, I_SAMPLES, I_ADMISSION, I_THRESHOLD, I_SHADOW_CAP,
        I_SHADOW_SAMPLES, I_K, I_SCORED, I_CALIBRATION_SAMPLE, I_N_AGES, I_N_CELLS, I_N_STAGES, I_N_IRR,
-       I_N_BUCKETS, I_DECAY_RING, I_MAX_COUNT, N_INTS };
+       I_N_BUCKETS, I_DECAY_RING, I_MAX_COUNT,
+       I_FLOAT32_COMPARE, /* numpy >= 2 compares a Python float with a float32 in float32, 1.x in float64 */
+       N_INTS };
 /* floats: read only, then read/write */
 enum { F_DECAYED, F_LOG_DECAY, F_INV_G, F_HORIZON, F_EV_SUM, F_EV_N, N_FLOATS };
 /* arrays, in this order */
@@ -39,14 +43,14 @@ enum { A_BLOCKS, A_CLASSES, A_RESIDENT, A_LAST, A_COUNT, A_CELL, A_REUSES, A_ACC
        A_SHADOW_SIZE, A_SHADOW_HITS, A_SHADOW_POOL, A_PRED, A_DEADLINE, A_STAGED_P, A_STAGED_Y,
        A_STAGED_D, N_ARRAYS };
 
-static const struct { const char *name; const char *formats; Py_ssize_t itemsize; } SPEC[N_ARRAYS] = {
-    {"blocks", "qlQL", 8}, {"classes", "qlQL", 8}, {"resident", "?bB", 1}, {"last", "qlQL", 8},
-    {"count", "B", 1}, {"cell", "h", 2}, {"reuses", "d", 8}, {"accesses", "d", 8},
-    {"period_start", "d", 8}, {"tables", "f", 4}, {"prob", "f", 4}, {"stage_of_count", "qlQL", 8},
-    {"slots", "qlQL", 8}, {"where", "i", 4}, {"pool", "qlQL", 8}, {"member", "B", 1},
-    {"shadow_slots", "qlQL", 8}, {"shadow_size", "qlQL", 8}, {"shadow_hits", "d", 8},
-    {"shadow_pool", "qlQL", 8}, {"pred", "f", 4}, {"deadline", "f", 4}, {"staged_p", "d", 8},
-    {"staged_y", "B", 1}, {"staged_d", "f", 4},
+static const struct { const char *name; const char *formats; Py_ssize_t itemsize; int written; } SPEC[N_ARRAYS] = {
+    {"blocks", "qlQL", 8, 0}, {"classes", "qlQL", 8, 0}, {"resident", "?bB", 1, 1}, {"last", "qlQL", 8, 1},
+    {"count", "B", 1, 1}, {"cell", "h", 2, 1}, {"reuses", "d", 8, 1}, {"accesses", "d", 8, 1},
+    {"period_start", "d", 8, 0}, {"tables", "f", 4, 0}, {"prob", "f", 4, 0}, {"stage_of_count", "qlQL", 8, 0},
+    {"slots", "qlQL", 8, 1}, {"where", "i", 4, 1}, {"pool", "qlQL", 8, 0}, {"member", "B", 1, 1},
+    {"shadow_slots", "qlQL", 8, 1}, {"shadow_size", "qlQL", 8, 1}, {"shadow_hits", "d", 8, 1},
+    {"shadow_pool", "qlQL", 8, 0}, {"pred", "f", 4, 1}, {"deadline", "f", 4, 1}, {"staged_p", "d", 8, 1},
+    {"staged_y", "B", 1, 1}, {"staged_d", "f", 4, 1},
 };
 
 #define HASH 0x9E3779B1ULL
@@ -62,7 +66,7 @@ typedef struct {
 } State;
 
 static int get(PyObject *o, Py_buffer *v, int i) {
-    if (PyObject_GetBuffer(o, v, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+    if (PyObject_GetBuffer(o, v, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS | (SPEC[i].written ? PyBUF_WRITABLE : 0)) < 0)
         return -1;
     const char *f = v->format ? v->format : "B";
     if (f[0] == '<' || f[0] == '=' || f[0] == '@')
@@ -93,6 +97,9 @@ static int check_sizes(const Py_buffer *b, const int64_t *I) {
     if (I[I_K] < 1 || I[I_K] > 8 || I[I_CAPACITY] < 1 || I[I_SAMPLES] < 1 || I[I_SHADOW_SAMPLES] < 1 ||
         I[I_SHADOW_CAP] < 1 || I[I_REFRESH_EVERY] < 1 || I[I_DECAY_RING] < 1 || I[I_CALIBRATION_SAMPLE] < 1 ||
         I[I_ACTIVE] < 0 || I[I_ACTIVE] >= I[I_K] || I[I_SIZE] < 0 || I[I_SIZE] > I[I_CAPACITY] ||
+        I[I_N_AGES] < 1 || I[I_N_STAGES] < 1 || I[I_N_IRR] < 1 || I[I_N_BUCKETS] < 1 || I[I_MAX_COUNT] < 1 ||
+        I[I_MAX_COUNT] > 255 || I[I_N_CELLS] < I[I_N_STAGES] * I[I_N_IRR] || I[I_N_CELLS] > 32767 ||
+        I[I_CLOCK] < 0 || I[I_CLOCK] >= ((int64_t)1 << 62) || I[I_THRESHOLD] < 0 ||
         n_blocks > ((Py_ssize_t)1 << 31)) {
         PyErr_SetString(PyExc_ValueError, "run: registers out of range");
         return -1;
@@ -108,6 +115,11 @@ static int check_sizes(const Py_buffer *b, const int64_t *I) {
     for (int i = 0; i < I[I_K]; i++)
         if (((int64_t *)b[A_SHADOW_SIZE].buf)[i] < 0 || ((int64_t *)b[A_SHADOW_SIZE].buf)[i] > I[I_SHADOW_CAP]) {
             PyErr_SetString(PyExc_ValueError, "run: a shadow cache's size is out of range");
+            return -1;
+        }
+    for (int64_t c = 0; c <= I[I_MAX_COUNT]; c++)
+        if (((int64_t *)b[A_STAGE_OF_COUNT].buf)[c] < 0 || ((int64_t *)b[A_STAGE_OF_COUNT].buf)[c] >= I[I_N_STAGES]) {
+            PyErr_SetString(PyExc_ValueError, "run: stage_of_count names a stage out of range");
             return -1;
         }
     return 0;
@@ -133,12 +145,16 @@ static inline void stage_pair(State *s, int64_t *I, float p, uint8_t y, float d)
     I[I_STAGED] = n + 1;
 }
 
-/* CalibrationTracker.access: a pending prediction of ``b`` resolves (numpy compares a
- * Python float with a float32 element in float32). */
+/* ``now <= deadline`` as numpy compares a Python float with a float32 element. */
+static inline int before(const int64_t *I, double now, float deadline) {
+    return I[I_FLOAT32_COMPARE] ? (float)now <= deadline : now <= (double)deadline;
+}
+
+/* CalibrationTracker.access: a pending prediction of ``b`` resolves. */
 static inline void calib_access(State *s, int64_t *I, int64_t b, double now) {
     float p = s->pred[b];
     if (p == p) {
-        stage_pair(s, I, p, (float)now <= s->deadline[b], s->deadline[b]);
+        stage_pair(s, I, p, (uint8_t)before(I, now, s->deadline[b]), s->deadline[b]);
         s->pred[b] = NAN;
     }
 }
@@ -147,7 +163,7 @@ static inline void calib_access(State *s, int64_t *I, int64_t b, double now) {
 static inline void calib_predict(State *s, int64_t *I, int64_t b, double p, double now, double horizon) {
     float old = s->pred[b];
     if (old == old) {
-        if ((float)now <= s->deadline[b])
+        if (before(I, now, s->deadline[b]))
             return;
         stage_pair(s, I, old, 0, s->deadline[b]);
     }
@@ -192,9 +208,9 @@ static inline void model_access(State *s, int64_t *I, const double *F, int64_t b
         (best_v) = (v);                                                               \
     }
 
-/* ShadowCaches.access: every candidate's miniature takes sampled block ``b``. Returns -1
- * on a corrupt position or slot (nothing is written then). */
-static int shadows_access(State *s, int64_t *I, double inv_g, int64_t b) {
+/* ShadowCaches.access: every candidate's miniature takes sampled block ``b`` (the
+ * positions and slots it reads were checked by ``must_stop``). */
+static void shadows_access(State *s, int64_t *I, double inv_g, int64_t b) {
     int64_t K = I[I_K], cap = I[I_SHADOW_CAP], ss = I[I_SHADOW_SAMPLES], clock = I[I_CLOCK];
     Py_ssize_t table = I[I_N_AGES] * I[I_N_CELLS];
     int bits = s->member[b], full[8], n_full = 0;
@@ -217,10 +233,7 @@ static int shadows_access(State *s, int64_t *I, double inv_g, int64_t b) {
             Py_ssize_t best = -1;
             float best_v = 0.0f;
             for (int64_t j = 0; j < ss; j++) {
-                int64_t at = pos[r * ss + j], c;
-                if (at < 0 || at >= cap || (c = s->sslots[k * cap + at]) < 0 || c >= s->n_blocks)
-                    return -1;
-                float v = s->tables[k * table + age_index(s, I, inv_g, clock, c)];
+                float v = s->tables[k * table + age_index(s, I, inv_g, clock, s->sslots[k * cap + pos[r * ss + j]])];
                 LOWEST_STEP(v, j, best, best_v)
                 if (isnan(v))
                     break;
@@ -239,39 +252,69 @@ static int shadows_access(State *s, int64_t *I, double inv_g, int64_t b) {
             }
     }
     s->member[b] = (uint8_t)bits;
-    return 0;
 }
 
-/* Whether access ``i`` must go to the reference path (module doc). */
+static inline int sampled(const int64_t *I, int64_t b) {
+    return (((uint64_t)b * HASH) & 0xFFFFFFFFULL) < (uint64_t)I[I_THRESHOLD];
+}
+
+/* A block id whose table row can be looked up: in range, a cell in range, an age >= 0. */
+static inline int valid(const State *s, const int64_t *I, int64_t c) {
+    return c >= 0 && c < s->n_blocks && s->cell[c] >= 0 && s->cell[c] < I[I_N_CELLS] && s->last[c] >= 0 &&
+           s->last[c] <= I[I_CLOCK];
+}
+
+/* Whether access ``i`` must go to the reference path (module doc): before anything of it
+ * is written, every index it may read or write is checked here. */
 static inline int must_stop(const State *s, const int64_t *I, int64_t b, int64_t cls) {
-    if (b < 0 || b >= s->n_blocks || cls < 0 || (cls + 1) * I[I_N_STAGES] * I[I_N_IRR] > I[I_N_CELLS])
+    if ((I[I_CLOCK] + 1) % I[I_REFRESH_EVERY] == 0 || (I[I_SCORED] && I[I_STAGED] + 3 > s->n_staged))
         return 1;
-    if ((I[I_CLOCK] + 1) % I[I_REFRESH_EVERY] == 0)
+    if (cls < 0 || cls >= I[I_N_CELLS] / (I[I_N_STAGES] * I[I_N_IRR]) || !valid(s, I, b) ||
+        (s->count[b] && s->last[b] < 1))
         return 1;
-    if (I[I_SIZE] == I[I_CAPACITY] && I[I_CAPACITY] > I[I_SAMPLES] && I[I_POOL_AT] + I[I_SAMPLES] > s->n_pool)
+    if (sampled(I, b)) {
+        int64_t cap = I[I_SHADOW_CAP], ss = I[I_SHADOW_SAMPLES];
+        if (I[I_SHADOW_AT] + I[I_K] * ss > s->n_spool)
+            return 1;
+        const int64_t *pos = s->spool + I[I_SHADOW_AT];
+        for (int64_t k = 0, r = 0; k < I[I_K]; k++) {
+            if ((s->member[b] >> k & 1) || s->ssize[k] < cap)
+                continue;
+            for (int64_t j = 0; j < ss; j++, r++) /* the draws of the r-th miniature that must evict */
+                if (pos[r] < 0 || pos[r] >= cap || !valid(s, I, s->sslots[k * cap + pos[r]]))
+                    return 1;
+        }
+    }
+    if (s->resident[b] || I[I_SIZE] < I[I_CAPACITY])
+        return 0;
+    /* a miss of a full cache: the victim search's draws, candidates and the swap-remove */
+    int draw = I[I_CAPACITY] > I[I_SAMPLES];
+    if (draw && I[I_POOL_AT] + I[I_SAMPLES] > s->n_pool)
         return 1;
-    if ((((uint64_t)b * HASH) & 0xFFFFFFFFULL) < (uint64_t)I[I_THRESHOLD] &&
-        I[I_SHADOW_AT] + I[I_K] * I[I_SHADOW_SAMPLES] > s->n_spool)
-        return 1;
-    return I[I_SCORED] && I[I_STAGED] + 3 > s->n_staged;
+    int64_t n_cand = draw ? I[I_SAMPLES] : I[I_SIZE];
+    for (int64_t j = 0; j < n_cand; j++) {
+        int64_t at = draw ? s->pool[I[I_POOL_AT] + j] : j, c;
+        if (at < 0 || at >= I[I_SIZE] || !valid(s, I, c = s->slots[at]) || s->where[c] != at || c == b)
+            return 1;
+    }
+    int64_t last = s->slots[I[I_SIZE] - 1];
+    return last < 0 || last >= s->n_blocks;
 }
 
-static int run(State *s, int64_t *I, double *F, Py_ssize_t *i, Py_ssize_t stop, int64_t *hits) {
+static void run(State *s, int64_t *I, double *F, Py_ssize_t *i, Py_ssize_t stop, int64_t *hits) {
     double inv_g = F[F_INV_G];
     Py_ssize_t table = I[I_N_AGES] * I[I_N_CELLS];
     const float *mine_table = s->tables + I[I_ACTIVE] * table;
     for (; *i < stop; (*i)++) {
         int64_t b = s->blocks[*i], cls = s->classes[*i];
         if (must_stop(s, I, b, cls))
-            return 0;
+            return;
         /* ValuePolicy.observe */
         if (scored(I, b))
             calib_access(s, I, b, (double)(I[I_CLOCK] + 1));
         model_access(s, I, F, b, cls);
-        if ((((uint64_t)b * HASH) & 0xFFFFFFFFULL) < (uint64_t)I[I_THRESHOLD] && shadows_access(s, I, inv_g, b) < 0) {
-            PyErr_SetString(PyExc_ValueError, "run: a shadow cache's pool or slots are corrupt");
-            return -1;
-        }
+        if (sampled(I, b))
+            shadows_access(s, I, inv_g, b);
         if (s->resident[b]) {
             (*hits)++;
             continue;
@@ -285,24 +328,20 @@ static int run(State *s, int64_t *I, double *F, Py_ssize_t *i, Py_ssize_t stop, 
             continue;
         }
         /* ValuePolicy._find_victim over ``samples`` residents drawn from the pool */
-        Py_ssize_t n_cand = I[I_CAPACITY] > I[I_SAMPLES] ? I[I_SAMPLES] : I[I_SIZE];
+        int draw = I[I_CAPACITY] > I[I_SAMPLES];
+        Py_ssize_t n_cand = draw ? I[I_SAMPLES] : I[I_SIZE];
         const int64_t *pos = s->pool + I[I_POOL_AT];
         Py_ssize_t best = -1;
         float best_v = 0.0f;
         for (Py_ssize_t j = 0; j < n_cand; j++) {
-            int64_t at = I[I_CAPACITY] > I[I_SAMPLES] ? pos[j] : j, c;
-            if (at < 0 || at >= I[I_CAPACITY] || (c = s->slots[at]) < 0 || c >= s->n_blocks) {
-                PyErr_SetString(PyExc_ValueError, "run: the policy's pool or slots are corrupt");
-                return -1;
-            }
-            float v = mine_table[age_index(s, I, inv_g, clock, c)];
+            float v = mine_table[age_index(s, I, inv_g, clock, s->slots[draw ? pos[j] : j])];
             LOWEST_STEP(v, j, best, best_v)
             if (isnan(v))
                 break;
         }
-        if (I[I_CAPACITY] > I[I_SAMPLES])
+        if (draw)
             I[I_POOL_AT] += I[I_SAMPLES];
-        int64_t victim = s->slots[I[I_CAPACITY] > I[I_SAMPLES] ? pos[best] : best];
+        int64_t victim = s->slots[draw ? pos[best] : best];
         /* ValuePolicy.admit */
         float mine = mine_table[s->cell[b]];
         if (scored(I, b))
@@ -326,7 +365,6 @@ static int run(State *s, int64_t *I, double *F, Py_ssize_t *i, Py_ssize_t stop, 
         s->where[b] = (int32_t)(size - 1);
         s->resident[b] = 1;
     }
-    return 0;
 }
 
 static PyObject *py_run(PyObject *self, PyObject *args) {
@@ -386,8 +424,8 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "run: a position register is out of range");
         goto done;
     }
-    if (run(&s, I, F, &start, stop, &hits) == 0)
-        ok = 1;
+    run(&s, I, F, &start, stop, &hits);
+    ok = 1;
 done:
     for (int i = 0; i < got; i++)
         PyBuffer_Release(&b[i]);

@@ -145,6 +145,11 @@ class Policy:
         """Has ``observe`` recorded an access of ``b`` (policies without per-block history: yes)?"""
         return True
 
+    def residents(self) -> "Optional[np.ndarray]":
+        """The block ids this policy holds, where it can list them cheaply (None: it cannot),
+        so a replay can continue a policy that already holds blocks."""
+        return None
+
     def best(self, k: int) -> "np.ndarray":
         """Up to ``k`` residents worth the most (speculative promotion); none by default."""
         return np.zeros(0, dtype=np.int64)

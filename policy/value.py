@@ -47,6 +47,7 @@ from kvtier.predictor.cells import N_IRR, cell_of
 from kvtier.predictor.reuse_model import DEFAULT_CANDIDATES, ReuseModel
 
 _HASH = 0x9E3779B1
+_HOOKS = ("observe", "on_hit", "admit", "evict", "insert", "_record_eviction", "_find_victim", "_sample")
 
 
 @register_policy("kvtier")
@@ -214,8 +215,14 @@ class ValuePolicy(Policy):
 
     def compiled_replay(self, blocks: np.ndarray, classes: np.ndarray, resident: np.ndarray) -> Optional[Runner]:
         """Replay's loop over this policy in compiled code, with the same decisions
-        (``kvtier.policy.value_compiled``); None where it cannot serve."""
+        (``kvtier.policy.value_compiled``); None where it cannot serve, and where a hook
+        is overridden (a subclass or an instance: the kernel would not call it)."""
+        if type(self) is not ValuePolicy or any(h in vars(self) for h in _HOOKS):
+            return None
         return replay_runner(self, blocks, classes, resident)
+
+    def residents(self) -> np.ndarray:
+        return self.slots[: self.size].copy()
 
     def set_weights(self, blocks: np.ndarray, weights: np.ndarray) -> None:
         self.weight[blocks] = weights

@@ -35,6 +35,9 @@ Runner = Callable[[int, int], "tuple[int, int]"]
 STAGED_PAIRS = 4096  # calibration pairs a run may stage before the tracker takes them
 _STAGE_OF_COUNT = np.asarray(STAGE_OF_COUNT, dtype=np.int64)
 _HASH_INPUT_LIMIT = 1 << 31  # the kernel hashes block ids in 64-bit arithmetic; Python's ints are exact
+# how CalibrationTracker's ``now <= deadline[b]`` compares a Python float with a float32
+# element: in float32 under numpy >= 2 (NEP 50), in float64 under numpy 1.x
+_FLOAT32_COMPARE = int(bool(16777217.0 <= np.array([16777216.0], dtype=np.float32)[0]))
 
 
 def available() -> bool:
@@ -48,7 +51,9 @@ def replay_runner(policy: "ValuePolicy", blocks: np.ndarray, classes: np.ndarray
     arrays do not cover the policy's block ids one to one."""
     n = policy.model.last.size
     if (_run is None or policy._weighted or n >= _HASH_INPUT_LIMIT or resident.dtype != np.bool_
-            or not resident.flags.c_contiguous or resident.size != n or blocks.size != classes.size):
+            or not resident.flags.c_contiguous or resident.size != n or blocks.size != classes.size
+            or blocks.dtype.kind not in "iu" or classes.dtype.kind not in "iu"
+            or int(resident.sum()) != policy.size or not resident[policy.slots[: policy.size]].all()):
         return None  # the hooks serve (and raise what they raise)
     blocks = np.ascontiguousarray(blocks, dtype=np.int64)
     classes = np.ascontiguousarray(classes, dtype=np.int64)
@@ -67,7 +72,7 @@ def replay_runner(policy: "ValuePolicy", blocks: np.ndarray, classes: np.ndarray
             model.clock, policy.size, policy._pool_at, shadows._at, policy.bypassed, 0,
             model.refresh_every, k, policy.capacity, policy.samples, int(policy.admission), shadows.threshold,
             shadows.capacity, shadows.samples, shadows.k, int(scored), policy.calibration_sample, N_AGES,
-            N_CELLS, N_STAGES, N_IRR, N_BUCKETS, DECAY_RING, MAX_COUNT], dtype=np.int64)
+            N_CELLS, N_STAGES, N_IRR, N_BUCKETS, DECAY_RING, MAX_COUNT, _FLOAT32_COMPARE], dtype=np.int64)
         floats = np.array([model._decayed, model._log_decay, model._inv_g, float(model.horizons[k]),
                            model._ev_sum, model._ev_n])
         arrays = (blocks, classes, resident, model.last, model.count, model.cell, model.reuses, model.accesses,
@@ -84,6 +89,8 @@ def replay_runner(policy: "ValuePolicy", blocks: np.ndarray, classes: np.ndarray
             n = int(ints[5])
             if n and calib is not None:
                 calib.pairs.extend(staged_p[:n], staged_y[:n], staged_d[:n])
+        if nxt > start:
+            policy._victim = -1  # as every access through the hooks leaves it
         return int(nxt), int(hits)
 
     return run

@@ -77,11 +77,14 @@ class PairLog:
             self.n += k
             return
         w = self.window
+        # where one pair at a time would have put the last ``w`` of them: a batch leaves the
+        # ring as the same pairs one by one do
+        start = self.head + max(0, k - w)
         p, y = p[-w:], y[-w:]
-        idx = (self.head + np.arange(p.size)) % w
+        idx = (start + np.arange(p.size)) % w
         self.p[idx], self.y[idx] = p, y
-        self.head = int((self.head + p.size) % w)
-        self.n = min(w, self.n + p.size)
+        self.head = int((self.head + k) % w)
+        self.n = min(w, self.n + k)
 
     def arrays(self, closed_by: Optional[float] = None) -> tuple[np.ndarray, np.ndarray]:
         """Predictions and outcomes; with ``closed_by`` (replay only), only pairs whose

@@ -51,7 +51,7 @@ except ImportError:  # pragma: no cover - exercised where the extension was not 
     _c_lowest = None
 
 from kvtier.predictor.cells import N_CELLS, N_IRR, PARENT, PARTITIONS, SUM_ROWS, cell_of, first_cell_of
-from kvtier.predictor.classes import MAX_COUNT
+from kvtier.predictor.classes import MAX_COUNT, N_FEATURE_CLASSES
 from kvtier.predictor.survival import (
     N_BUCKETS,
     distance_bucket,
@@ -174,7 +174,11 @@ class ReuseModel:
     # -- evidence ----------------------------------------------------------
     def access(self, b: int, cls: int) -> bool:
         """One access of block ``b`` with feature class ``cls`` (the per-access path: scalar work only).
-        True when the tables were rebuilt by this access."""
+        True when the tables were rebuilt by this access. A block id or class out of range is
+        refused before anything is recorded (numpy would wrap a negative index)."""
+        if not 0 <= b < self.last.size or not 0 <= cls < N_FEATURE_CLASSES:
+            raise IndexError(f"block {b} or feature class {cls} out of range ({self.last.size} blocks, "
+                             f"{N_FEATURE_CLASSES} classes)")
         self.clock += 1
         st = int(self.count[b])
         irr = 0

@@ -45,6 +45,11 @@ def simulate(policy: Policy, trace: Trace, next_use: Optional[np.ndarray] = None
     if policy.offline and next_use is None:
         raise ValueError(f"policy {policy.name} is offline: it needs next_use")
     resident = np.zeros(trace.n_unique, dtype=bool)
+    if policy.size:  # a policy that already holds blocks: they are resident here too
+        held = policy.residents()
+        if held is None:
+            raise ValueError(f"policy {policy.name} holds {policy.size} blocks it cannot list: replay it from empty")
+        resident[held] = True
     make_runner = getattr(policy, "compiled_replay", None) if compiled and not policy.offline else None
     runner = make_runner(trace.block, trace.cls, resident) if make_runner is not None else None
     blocks = trace.block.tolist()

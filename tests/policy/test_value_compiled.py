@@ -70,6 +70,7 @@ def test_compiled_replay_leaves_the_state_of_the_python_hooks(family, fraction):
     {"admission": False},
     {"track_calibration": False},
     {"calibration_sample": 1, "refresh_every": 500},  # every block scored: the staging buffer fills
+    {"calibration_sample": 1, "refresh_every": 500, "calibration_window": 50},
 ])
 def test_compiled_replay_matches_with_other_settings(params):
     tr = synthetic_trace("chat", requests=800)
@@ -105,18 +106,117 @@ def test_an_id_outside_the_policy_is_left_to_the_hooks_which_refuse_it():
     assert _state(fast) == _state(ref)
 
 
-def test_a_corrupt_pool_is_refused_not_read():
+def _both(tr, cap, prepare=None, **params):
+    """Replay ``tr`` through the hooks and through the kernel: (result or error, state) each."""
+    out = []
+    for compiled in (False, True):
+        p = make_policy("kvtier", cap, tr.n_unique, **params)
+        if prepare is not None:
+            prepare(p)
+        try:
+            got = simulate(p, tr, compiled=compiled)
+        except Exception as e:  # noqa: BLE001 - the two paths must fail alike
+            got = type(e)
+        out.append((got, _state(p)))
+    return out
+
+
+def test_a_corrupt_pool_is_left_to_the_hooks():
+    """The kernel checks every index an access may touch before it writes anything, and
+    leaves an access it cannot check to the hooks (which raise here): nothing out of bounds."""
+    tr = synthetic_trace("zipf", requests=200)
+
+    def corrupt(p):
+        p._pool[:] = 10 ** 9
+    (want, ref), (got, fast) = _both(tr, 20, corrupt)
+    assert want is IndexError and got is IndexError and fast == ref
+
+
+def test_a_replay_continues_a_policy_that_already_holds_blocks():
+    """simulate seeds its residency from the policy (a second replay, or hooks before it):
+    a held block is a hit, not inserted twice (which had the kernel write slots[-1])."""
+    first, second = _small([5, 6]), _small([5, 1, 2, 3, 5, 6, 7, 1, 2])
+    hits = []
+    for compiled in (False, True):
+        p = make_policy("kvtier", 2, 8)
+        simulate(p, first, compiled=compiled)
+        hits.append(simulate(p, second, compiled=compiled))
+        assert sorted(p.slots[: p.size].tolist()) == sorted(np.flatnonzero(p.where >= 0).tolist())
+        assert len(set(p.slots[: p.size].tolist())) == p.size
+    assert hits[0] == hits[1] and hits[0] >= 1  # block 5 was held: its first access hits
+    lru = make_policy("lru", 2, 8)
+    simulate(lru, first)
+    with pytest.raises(ValueError, match="replay it from empty"):
+        simulate(lru, second)
+
+
+def test_slots_that_disagree_with_their_index_are_declined_not_written():
     tr = synthetic_trace("zipf", requests=200)
     p = make_policy("kvtier", 20, tr.n_unique)
     resident = np.zeros(tr.n_unique, dtype=bool)
     run = p.compiled_replay(tr.block, tr.cls, resident)
-    nxt, _ = run(0, 100)
-    assert nxt == 100 and p.size == 20  # full: the next miss draws from the pool
-    p._pool[p._pool_at: p._pool_at + p.samples] = 10 ** 9
-    with pytest.raises(ValueError, match="pool or slots are corrupt"):
-        run(100, tr.n_accesses)
-    slots = p.slots.copy()
-    assert np.array_equal(np.sort(slots), np.sort(np.flatnonzero(resident)))  # nothing half-moved
+    nxt, _ = run(0, 150)
+    assert nxt == 150 and p.size == 20
+    p.where[p.slots[: p.size]] = -1  # every resident's reverse index lost
+    nxt, _ = run(150, tr.n_accesses)
+    assert nxt < tr.n_accesses and not resident[tr.block[nxt]]  # stopped at the next miss
+    assert p.slots.size == 20 and (p.where == -1).sum() == p.where.size
+
+
+def test_read_only_trace_arrays_replay():
+    tr = synthetic_trace("chat", requests=300)
+    tr.block.setflags(write=False)
+    tr.cls.setflags(write=False)
+    (want, ref), (got, fast) = _both(tr, 30)
+    assert got == want and fast == ref
+
+
+@pytest.mark.parametrize("cls", [-1, 16, 2 ** 60 - 1])
+def test_a_feature_class_out_of_range_is_refused_before_anything_is_recorded(cls):
+    tr = _small([1, 2, 1, 3, 1])
+    tr.cls = np.array([0, 0, cls, 0, 0], dtype=np.int64)
+    (want, ref), (got, fast) = _both(tr, 4)
+    assert want is IndexError and got is IndexError and fast == ref
+    p = make_policy("kvtier", 4, 8)
+    with pytest.raises(IndexError):
+        simulate(p, tr)
+    assert p.model.clock == 2  # the two accesses before it, nothing of the third
+
+
+def test_a_calibration_window_leaves_the_ring_as_pairs_one_by_one_do():
+    tr = synthetic_trace("chat", requests=800)
+    (want, ref), (got, fast) = _both(tr, 40, calibration_sample=1, refresh_every=500, calibration_window=7)
+    assert got == want and fast == ref
+
+
+def test_a_pending_victim_is_cleared_as_the_hooks_clear_it():
+    tr = synthetic_trace("chat", requests=200)
+
+    def pend(p):  # a daemon-style admit of a full cache, never followed by its evict
+        for b in range(p.capacity):
+            p.insert(b, 0.0, 0, -1)
+        p.admit(p.capacity + 1, 0.0, 0, -1)
+    (want, ref), (got, fast) = _both(tr, 10, pend)
+    assert got == want and fast == ref
+
+
+def test_overridden_hooks_keep_the_replay_on_the_hooks():
+    p = make_policy("kvtier", 4, 8)
+    p.admit = lambda *a: True  # type: ignore[method-assign]
+    assert p.compiled_replay(np.zeros(3, np.int64), np.zeros(3, np.int64), np.zeros(8, bool)) is None
+
+
+def test_registers_out_of_range_are_refused():
+    tr = synthetic_trace("zipf", requests=50)
+    p = make_policy("kvtier", 20, tr.n_unique)
+    run = p.compiled_replay(tr.block, tr.cls, np.zeros(tr.n_unique, dtype=bool))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(value_compiled, "N_IRR", 0)
+        with pytest.raises(ValueError, match="registers out of range"):
+            run(0, 10)
+    with pytest.raises(TypeError, match="format"):
+        value_compiled._run((tr.block,) * 25, np.zeros(25, np.int64), np.zeros(6), 0, 1)
+    assert p.model.clock == 0
 
 
 def test_past_two_to_the_24_accesses_deadlines_compare_as_numpy_does():
