@@ -4,8 +4,9 @@
 this module lends the kernel that state's arrays and scalars for one run of
 accesses and writes the scalars back. The kernel takes every access that needs
 nothing but table lookups and counts, and stops before one that rebuilds the
-model's tables, refills a pool of random positions or meets an id it cannot
-check; ``simulate`` gives that access to the Python hooks and calls again. So
+model's tables, refills a pool of random positions or would touch an index it
+cannot check (corrupt state is never read or written there); ``simulate`` gives
+that access to the Python hooks and calls again. So
 every decision, count and calibration pair is the one the Python path makes (a
 test replays the synthetic families both ways and compares the whole state), at
 well under a microsecond an access instead of ~25.
