@@ -62,7 +62,7 @@ typedef struct {
     int32_t *where;
     double *reuses, *accesses, *period_start, *shits, *staged_p;
     float *tables, *prob, *pred, *deadline, *staged_d;
-    Py_ssize_t n_trace, n_blocks, n_pool, n_spool, n_staged, n_stage_of_count;
+    Py_ssize_t n_trace, n_blocks, n_pool, n_spool, n_staged;
 } State;
 
 static int get(PyObject *o, Py_buffer *v, int i) {
@@ -409,7 +409,6 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
         .prob = b[A_PROB].buf, .pred = b[A_PRED].buf, .deadline = b[A_DEADLINE].buf,
         .staged_d = b[A_STAGED_D].buf, .n_trace = len(&b[A_BLOCKS]), .n_blocks = len(&b[A_LAST]),
         .n_pool = len(&b[A_POOL]), .n_spool = len(&b[A_SHADOW_POOL]), .n_staged = len(&b[A_STAGED_P]),
-        .n_stage_of_count = len(&b[A_STAGE_OF_COUNT]),
     };
     if (I[I_SCORED] && (len(&b[A_PRED]) != s.n_blocks || len(&b[A_DEADLINE]) != s.n_blocks)) {
         PyErr_SetString(PyExc_ValueError, "run: calibration arrays must cover every block");
