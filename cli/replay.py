@@ -64,7 +64,8 @@ def _params(path: str | None, policies: list[str]) -> dict[str, Any]:
     cfg = load_config(path, environ={})
     base = cfg.policy.params() | {"track_calibration": cfg.predictor.track_calibration,
                                   "calibration_bins": cfg.predictor.calibration_bins,
-                                  "calibration_sample": cfg.predictor.calibration_sample}
+                                  "calibration_sample": cfg.predictor.calibration_sample,
+                                  "recalibrate": cfg.predictor.recalibrate}
     return {name: {} if getattr(POLICIES[name], "replay_only", False) else dict(base) for name in policies}
 
 
@@ -140,8 +141,9 @@ def run(args: argparse.Namespace) -> int:
                           f"{rep['accesses_per_s'][p]:,.0f}")
         console.print(table)
         if rep["calibration"]:
-            console.print(f"predictor calibration: Brier {rep['calibration']['brier']:.4f}, "
-                          f"ECE {rep['calibration']['ece']:.4f}")
+            c = rep["calibration"]
+            raw = f" (the model's own before recalibration: {c['ece_raw']:.4f})" if "ece_raw" in c else ""
+            console.print(f"predictor calibration: Brier {c['brier']:.4f}, ECE {c['ece']:.4f}{raw}")
         if args.plot:
             plot(rep, args.plot if len(args.traces) == 1 else args.plot.replace(".png", f"-{trace.name}.png"))
         if args.tiers:

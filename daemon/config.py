@@ -169,6 +169,9 @@ class PredictorConfig(_Section):
     """Reliability bins of the calibration tracker (Brier, ECE)."""
     track_calibration: bool = True
     """Score predictions against outcomes (costs a little per access)."""
+    recalibrate: bool = True
+    """kvtier: state each decision's probability through a monotone map learned online from the outcomes
+    of earlier ones (per candidate model); decisions rank by the model's own. ``ece_raw`` is the model's."""
 
 
 class MetricsConfig(_Section):

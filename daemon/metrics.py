@@ -104,9 +104,10 @@ class SnapshotCollector(Collector):
                                         buckets=buckets, sum_value=hist["sum"])
         yield from _remote_families(s.get("remote") or {})
         calib = s.get("calibration") or {}
-        for name in ("brier", "ece"):
+        for name, text in (("brier", "Reuse predictor brier"), ("ece", "Reuse predictor ece"),
+                           ("ece_raw", "Reuse model ece before recalibration")):
             if name in calib and calib[name] == calib[name]:
-                yield _gauge(f"kvtier_predictor_{name}", f"Reuse predictor {name}", calib[name])
+                yield _gauge(f"kvtier_predictor_{name}", text, calib[name])
         if "n" in calib:  # how much the two figures above rest on: few predictions, noisy figures
             yield _gauge("kvtier_predictor_scored", "Resolved predictions behind the calibration figures",
                          calib["n"])

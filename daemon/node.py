@@ -240,7 +240,8 @@ def _complete_node(cfg: KvtierConfig, args: Any, mgr: TierManager, hbm_tensor: O
     layers = layers if isinstance(layers, int) and layers > 0 and args.block_bytes % layers == 0 else 1
     pc, pr = cfg.policy, cfg.predictor
     params = pc.params() | {"track_calibration": pr.track_calibration, "calibration_bins": pr.calibration_bins,
-                            "calibration_sample": pr.calibration_sample, "calibration_window": 1 << 17}
+                            "calibration_sample": pr.calibration_sample, "calibration_window": 1 << 17,
+                            "recalibrate": pr.recalibrate}
     placement = Placement(mgr, pc.name, params, clock)  # listeners in this order: placement, events, prefetch
     scores = ImportanceScores(mgr.table.max_blocks, **cfg.scoring.model_dump())
 

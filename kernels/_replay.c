@@ -13,7 +13,8 @@
  *     positions (Python refills the pools with numpy's generator);
  *   - one whose calibration pairs might not fit the staging buffer;
  *   - one that would read or write anything out of range: a block id, feature class, cell,
- *     clock, random position, slot or reverse index (the hooks do with it what they do:
+ *     clock, random position, slot, reverse index or a prediction's recalibration bin (the
+ *     hooks do with it what they do:
  *     raise, mostly), so corrupt state is never read here and the loop indexes freely.
  *
  * Python then takes that one access on the reference path and calls again. Everything
@@ -34,6 +35,7 @@ enum { I_CLOCK, I_SIZE, I_POOL_AT, I_SHADOW_AT, I_BYPASSED, I_STAGED,
        I_SHADOW_SAMPLES, I_K, I_SCORED, I_CALIBRATION_SAMPLE, I_N_AGES, I_N_CELLS, I_N_STAGES, I_N_IRR,
        I_N_BUCKETS, I_DECAY_RING, I_MAX_COUNT,
        I_FLOAT32_COMPARE, /* numpy >= 2 compares a Python float with a float32 in float32, 1.x in float64 */
+       I_RECAL, I_RECAL_BINS, I_RECAL_RING, I_RECAL_PERIOD, I_RECAL_FOLDED, /* predictor/recalibration.py */
        N_INTS };
 /* floats: read only, then read/write */
 enum { F_DECAYED, F_LOG_DECAY, F_INV_G, F_HORIZON, F_EV_SUM, F_EV_N, N_FLOATS };
@@ -41,7 +43,7 @@ enum { F_DECAYED, F_LOG_DECAY, F_INV_G, F_HORIZON, F_EV_SUM, F_EV_N, N_FLOATS };
 enum { A_BLOCKS, A_CLASSES, A_RESIDENT, A_LAST, A_COUNT, A_CELL, A_REUSES, A_ACCESSES, A_PERIOD_START,
        A_TABLES, A_PROB, A_STAGE_OF_COUNT, A_SLOTS, A_WHERE, A_POOL, A_MEMBER, A_SHADOW_SLOTS,
        A_SHADOW_SIZE, A_SHADOW_HITS, A_SHADOW_POOL, A_PRED, A_DEADLINE, A_STAGED_P, A_STAGED_Y,
-       A_STAGED_D, N_ARRAYS };
+       A_STAGED_D, A_RAW_BIN, A_RECAL_MAP, A_DUE_N, A_DUE_P, A_REUSED, N_ARRAYS };
 
 static const struct { const char *name; const char *formats; Py_ssize_t itemsize; int written; } SPEC[N_ARRAYS] = {
     {"blocks", "qlQL", 8, 0}, {"classes", "qlQL", 8, 0}, {"resident", "?bB", 1, 1}, {"last", "qlQL", 8, 1},
@@ -50,18 +52,20 @@ static const struct { const char *name; const char *formats; Py_ssize_t itemsize
     {"slots", "qlQL", 8, 1}, {"where", "i", 4, 1}, {"pool", "qlQL", 8, 0}, {"member", "B", 1, 1},
     {"shadow_slots", "qlQL", 8, 1}, {"shadow_size", "qlQL", 8, 1}, {"shadow_hits", "d", 8, 1},
     {"shadow_pool", "qlQL", 8, 0}, {"pred", "f", 4, 1}, {"deadline", "f", 4, 1}, {"staged_p", "d", 8, 1},
-    {"staged_y", "B", 1, 1}, {"staged_d", "f", 4, 1},
+    {"staged_y", "B", 1, 1}, {"staged_d", "f", 4, 1}, {"raw_bin", "B", 1, 1}, {"recal_map", "f", 4, 0},
+    {"due_n", "d", 8, 1}, {"due_p", "d", 8, 1}, {"reused", "d", 8, 1},
 };
 
 #define HASH 0x9E3779B1ULL
+#define UNTRACKED 255 /* recalibration.UNTRACKED */
 
 typedef struct {
     int64_t *blocks, *classes, *last, *stage_of_count, *slots, *pool, *sslots, *ssize, *spool;
-    uint8_t *resident, *count, *member, *staged_y;
+    uint8_t *resident, *count, *member, *staged_y, *raw_bin;
     int16_t *cell;
     int32_t *where;
-    double *reuses, *accesses, *period_start, *shits, *staged_p;
-    float *tables, *prob, *pred, *deadline, *staged_d;
+    double *reuses, *accesses, *period_start, *shits, *staged_p, *due_n, *due_p, *reused;
+    float *tables, *prob, *pred, *deadline, *staged_d, *recal_map;
     Py_ssize_t n_trace, n_blocks, n_pool, n_spool, n_staged;
 } State;
 
@@ -150,12 +154,34 @@ static inline int before(const int64_t *I, double now, float deadline) {
     return I[I_FLOAT32_COMPARE] ? (float)now <= deadline : now <= (double)deadline;
 }
 
+/* Recalibrator: a deadline's period, if the ring holds it (else -1). */
+static inline int64_t ring_slot(const int64_t *I, float deadline) {
+    int64_t period = (int64_t)floor((double)deadline / (double)I[I_RECAL_PERIOD]);
+    if (period < I[I_RECAL_FOLDED] || period >= I[I_RECAL_FOLDED] + I[I_RECAL_RING])
+        return -1;
+    return period % I[I_RECAL_RING];
+}
+
+/* recalibration.bin_of; UNTRACKED for NaN (Python's int() refuses it: the hooks raise) */
+static inline int64_t bin_of(const int64_t *I, float p) {
+    if (p != p)
+        return UNTRACKED;
+    int64_t b = (int64_t)((double)p * (double)I[I_RECAL_BINS]);
+    return b < 0 ? 0 : b > I[I_RECAL_BINS] - 1 ? I[I_RECAL_BINS] - 1 : b;
+}
+
 /* CalibrationTracker.access: a pending prediction of ``b`` resolves. */
 static inline void calib_access(State *s, int64_t *I, int64_t b, double now) {
     float p = s->pred[b];
     if (p == p) {
-        stage_pair(s, I, p, (uint8_t)before(I, now, s->deadline[b]), s->deadline[b]);
+        uint8_t y = (uint8_t)before(I, now, s->deadline[b]);
+        stage_pair(s, I, p, y, s->deadline[b]);
         s->pred[b] = NAN;
+        if (y && I[I_RECAL]) { /* Recalibrator.reuse */
+            int64_t slot = ring_slot(I, s->deadline[b]), code = s->raw_bin[b];
+            if (code != UNTRACKED && slot >= 0)
+                s->reused[slot * I[I_K] * I[I_RECAL_BINS] + code] += 1.0;
+        }
     }
 }
 
@@ -167,8 +193,21 @@ static inline void calib_predict(State *s, int64_t *I, int64_t b, double p, doub
             return;
         stage_pair(s, I, old, 0, s->deadline[b]);
     }
-    s->pred[b] = (float)p;
     s->deadline[b] = (float)(now + horizon);
+    if (!I[I_RECAL]) {
+        s->pred[b] = (float)p;
+        return;
+    }
+    float pf = (float)p; /* Recalibrator.track, then .state, for the active model */
+    int64_t bin = bin_of(I, pf), slot = ring_slot(I, s->deadline[b]), code = I[I_ACTIVE] * I[I_RECAL_BINS] + bin;
+    if (bin != UNTRACKED && slot >= 0) {
+        s->due_n[slot * I[I_K] * I[I_RECAL_BINS] + code] += 1.0;
+        s->due_p[slot * I[I_K] * I[I_RECAL_BINS] + code] += (double)pf;
+        s->raw_bin[b] = (uint8_t)code;
+    } else
+        s->raw_bin[b] = UNTRACKED;
+    float m = bin == UNTRACKED ? NAN : s->recal_map[code];
+    s->pred[b] = m != m ? pf : m;
 }
 
 /* ReuseModel.access, without the refresh (the caller stops before that access). */
@@ -271,6 +310,8 @@ static inline int must_stop(const State *s, const int64_t *I, int64_t b, int64_t
         return 1;
     if (cls < 0 || cls >= I[I_N_CELLS] / (I[I_N_STAGES] * I[I_N_IRR]) || !valid(s, I, b) ||
         (s->count[b] && s->last[b] < 1))
+        return 1;
+    if (I[I_SCORED] && I[I_RECAL] && s->raw_bin[b] >= I[I_K] * I[I_RECAL_BINS] && s->raw_bin[b] != UNTRACKED)
         return 1;
     if (sampled(I, b)) {
         int64_t cap = I[I_SHADOW_CAP], ss = I[I_SHADOW_SAMPLES];
@@ -407,11 +448,22 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
         .reuses = b[A_REUSES].buf, .accesses = b[A_ACCESSES].buf, .period_start = b[A_PERIOD_START].buf,
         .shits = b[A_SHADOW_HITS].buf, .staged_p = b[A_STAGED_P].buf, .tables = b[A_TABLES].buf,
         .prob = b[A_PROB].buf, .pred = b[A_PRED].buf, .deadline = b[A_DEADLINE].buf,
-        .staged_d = b[A_STAGED_D].buf, .n_trace = len(&b[A_BLOCKS]), .n_blocks = len(&b[A_LAST]),
+        .staged_d = b[A_STAGED_D].buf, .raw_bin = b[A_RAW_BIN].buf, .recal_map = b[A_RECAL_MAP].buf,
+        .due_n = b[A_DUE_N].buf, .due_p = b[A_DUE_P].buf, .reused = b[A_REUSED].buf, .n_trace = len(&b[A_BLOCKS]), .n_blocks = len(&b[A_LAST]),
         .n_pool = len(&b[A_POOL]), .n_spool = len(&b[A_SHADOW_POOL]), .n_staged = len(&b[A_STAGED_P]),
     };
     if (I[I_SCORED] && (len(&b[A_PRED]) != s.n_blocks || len(&b[A_DEADLINE]) != s.n_blocks)) {
         PyErr_SetString(PyExc_ValueError, "run: calibration arrays must cover every block");
+        goto done;
+    }
+    if (I[I_SCORED] && I[I_RECAL] &&
+        (I[I_RECAL_BINS] < 1 || I[I_K] * I[I_RECAL_BINS] > UNTRACKED || I[I_RECAL_RING] < 1 ||
+         I[I_RECAL_PERIOD] < 1 || I[I_RECAL_FOLDED] < 0 || I[I_RECAL_FOLDED] > ((int64_t)1 << 52) ||
+         len(&b[A_RAW_BIN]) != s.n_blocks || len(&b[A_RECAL_MAP]) != I[I_K] * I[I_RECAL_BINS] ||
+         len(&b[A_DUE_N]) != I[I_RECAL_RING] * I[I_K] * I[I_RECAL_BINS] ||
+         len(&b[A_DUE_P]) != I[I_RECAL_RING] * I[I_K] * I[I_RECAL_BINS] ||
+         len(&b[A_REUSED]) != I[I_RECAL_RING] * I[I_K] * I[I_RECAL_BINS])) {
+        PyErr_SetString(PyExc_ValueError, "run: recalibration registers or arrays out of range");
         goto done;
     }
     if (start < 0 || stop > s.n_trace || start > stop) {

@@ -56,7 +56,7 @@ class ValuePolicy(Policy):
                  prior_strength: float = 2.0, refresh_every: int = 2000, memory_horizons: float = 32.0,
                  shadow_blocks: int = 128, default_candidate: int = 2, seed: int = 0,
                  track_calibration: bool = True, calibration_bins: int = 10, calibration_sample: int = 8,
-                 calibration_window: Optional[int] = None, **_: object) -> None:
+                 calibration_window: Optional[int] = None, recalibrate: bool = True, **_: object) -> None:
         super().__init__(capacity, max_blocks)
         if samples < 1 or not 0 <= default_candidate < len(DEFAULT_CANDIDATES) or calibration_sample < 1:
             raise ValueError("samples >= 1, calibration_sample >= 1, default_candidate indexes the candidate grid")
@@ -76,7 +76,12 @@ class ValuePolicy(Policy):
         self._pool_at = 0
         self._victim = -1
         self.bypassed = 0
-        self.calib = CalibrationTracker(max_blocks, calibration_bins, calibration_window) if track_calibration else None
+        # the probabilities stated for decisions are recalibrated online, per candidate model
+        # (``kvtier.predictor.recalibration``); decisions rank by the model's own
+        self.calib = (CalibrationTracker(max_blocks, calibration_bins, calibration_window,
+                                         recalibrate_period=refresh_every if recalibrate else None,
+                                         models=len(DEFAULT_CANDIDATES))
+                      if track_calibration else None)
         self.calibration_sample = int(calibration_sample)
 
     # -- the value ---------------------------------------------------------
@@ -93,7 +98,7 @@ class ValuePolicy(Policy):
 
     def _predict(self, b: int, p: float) -> None:
         assert self.calib is not None
-        self.calib.predict(b, p, float(self.model.clock), float(self.model.horizons[self.active]))
+        self.calib.predict(b, p, float(self.model.clock), float(self.model.horizons[self.active]), self.active)
 
     # -- cache hooks ---------------------------------------------------------
     def observe(self, b: int, now: float, cls: int) -> None:
@@ -104,6 +109,8 @@ class ValuePolicy(Policy):
         if model.access(b, cls):
             self.active = self.shadows.best(self.active)
             self.shadows.decay(0.9)
+            if self.calib is not None:
+                self.calib.fold(model.clock, model.refresh_decay)
         if self.shadows.sampled(b):
             self.shadows.access(b, model.values_rows, model.values_just_accessed)
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from kvtier.predictor.cells import N_CELLS, N_IRR
 from kvtier.predictor.classes import MAX_COUNT, N_STAGES, STAGE_OF_COUNT
+from kvtier.predictor.recalibration import BINS, RING
 from kvtier.predictor.reuse_model import DECAY_RING, N_AGES
 from kvtier.predictor.survival import N_BUCKETS
 
@@ -54,7 +55,9 @@ def replay_runner(policy: "ValuePolicy", blocks: np.ndarray, classes: np.ndarray
     if (_run is None or policy._weighted or n >= _HASH_INPUT_LIMIT or resident.dtype != np.bool_
             or not resident.flags.c_contiguous or resident.size != n or blocks.size != classes.size
             or blocks.dtype.kind not in "iu" or classes.dtype.kind not in "iu"
-            or int(resident.sum()) != policy.size or not resident[policy.slots[: policy.size]].all()):
+            or int(resident.sum()) != policy.size or not resident[policy.slots[: policy.size]].all()
+            or (policy.calib is not None and policy.calib.recal is not None
+                and policy.calib.recal.models != policy.shadows.k)):
         return None  # the hooks serve (and raise what they raise)
     blocks = np.ascontiguousarray(blocks, dtype=np.int64)
     classes = np.ascontiguousarray(classes, dtype=np.int64)
@@ -62,9 +65,12 @@ def replay_runner(policy: "ValuePolicy", blocks: np.ndarray, classes: np.ndarray
     staged_y = np.zeros(STAGED_PAIRS, dtype=np.uint8)
     staged_d = np.zeros(STAGED_PAIRS, dtype=np.float32)
     no_floats = np.zeros(0, dtype=np.float32)
+    no_doubles = np.zeros(0)
+    no_bytes = np.zeros(0, dtype=np.uint8)
 
     def run(start: int, stop: int) -> tuple[int, int]:
         model, shadows, calib = policy.model, policy.shadows, policy.calib
+        recal = calib.recal if calib is not None else None
         k = policy.active
         prob = model.prob.get(k)
         shadow_size = np.asarray(shadows.size, dtype=np.int64)
@@ -73,14 +79,18 @@ def replay_runner(policy: "ValuePolicy", blocks: np.ndarray, classes: np.ndarray
             model.clock, policy.size, policy._pool_at, shadows._at, policy.bypassed, 0,
             model.refresh_every, k, policy.capacity, policy.samples, int(policy.admission), shadows.threshold,
             shadows.capacity, shadows.samples, shadows.k, int(scored), policy.calibration_sample, N_AGES,
-            N_CELLS, N_STAGES, N_IRR, N_BUCKETS, DECAY_RING, MAX_COUNT, _FLOAT32_COMPARE], dtype=np.int64)
+            N_CELLS, N_STAGES, N_IRR, N_BUCKETS, DECAY_RING, MAX_COUNT, _FLOAT32_COMPARE, int(recal is not None),
+            BINS, RING, recal.period if recal else 1, recal.folded if recal else 0], dtype=np.int64)
         floats = np.array([model._decayed, model._log_decay, model._inv_g, float(model.horizons[k]),
                            model._ev_sum, model._ev_n])
         arrays = (blocks, classes, resident, model.last, model.count, model.cell, model.reuses, model.accesses,
                   model._period_start, model.table3, model.table3[k] if prob is None else prob, _STAGE_OF_COUNT,
                   policy.slots, policy.where, policy._pool, shadows.member, shadows.slots, shadow_size,
                   shadows.hits, shadows._pool, calib.pred if calib is not None else no_floats,
-                  calib.deadline if calib is not None else no_floats, staged_p, staged_y, staged_d)
+                  calib.deadline if calib is not None else no_floats, staged_p, staged_y, staged_d,
+                  calib.raw_bin if calib is not None and recal else no_bytes, recal.map if recal else no_floats,
+                  recal.due_n if recal else no_doubles, recal.due_p if recal else no_doubles,
+                  recal.reused if recal else no_doubles)
         try:
             nxt, hits = _run(arrays, ints, floats, start, stop)
         finally:  # the registers hold every access taken, also where the kernel raised

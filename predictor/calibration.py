@@ -19,6 +19,8 @@ from typing import Optional
 
 import numpy as np
 
+from kvtier.predictor.recalibration import BINS, UNTRACKED, Recalibrator
+
 
 def brier(p: np.ndarray, y: np.ndarray) -> float:
     p = np.asarray(p, dtype=np.float64)
@@ -99,7 +101,8 @@ class PairLog:
 class CalibrationTracker:
     """Online (prediction, outcome) pairs, resolved per block."""
 
-    def __init__(self, max_blocks: int, n_bins: int = 10, window: Optional[int] = None) -> None:
+    def __init__(self, max_blocks: int, n_bins: int = 10, window: Optional[int] = None,
+                 recalibrate_period: Optional[int] = None, models: int = 1) -> None:
         self.n_bins = n_bins
         # float32: a probability needs no more, and a deadline in accesses is exact to 2^24 and
         # within 1e-7 of itself beyond (a calibration deadline, not a correctness one): 8 B a block
@@ -107,35 +110,54 @@ class CalibrationTracker:
         self.deadline = np.zeros(max_blocks, dtype=np.float32)
         # a long-running daemon keeps the newest ``window`` pairs; replay keeps all
         self.pairs = PairLog(window)
+        # with a period: the stated probability is recalibrated online (``recalibration``), and
+        # per model; each pending prediction keeps its code (model and bin), to count its reuse
+        self.recal = Recalibrator(recalibrate_period, models) if recalibrate_period else None
+        self.raw_bin = np.full(max_blocks if self.recal else 0, UNTRACKED, dtype=np.uint8)
 
     @property
     def n_scored(self) -> int:
         return self.pairs.n
 
-    def predict(self, block: int, p: float, now: float, horizon: float) -> None:
-        """Score ``p`` = P(``block`` is accessed within ``horizon`` of ``now``). While an
-        earlier prediction of the block is pending it stands and this one is skipped:
-        replacing it would drop exactly the predictions whose block was not reused
-        (a block is predicted again when it is evicted), biasing the outcomes up."""
+    def predict(self, block: int, p: float, now: float, horizon: float, model: int = 0) -> None:
+        """Score ``model``'s ``p`` = P(``block`` is accessed within ``horizon`` of ``now``)
+        (recalibrated where this tracker recalibrates). While an earlier prediction of
+        the block is pending it stands and this one is skipped: replacing it would drop
+        exactly the predictions whose block was not reused (a block is predicted again
+        when it is evicted), biasing the outcomes up."""
         old = self.pred[block]
         if old == old:  # not NaN: pending
             if now <= self.deadline[block]:
                 return
             self.pairs.extend(np.array([old]), np.zeros(1, dtype=np.uint8), self.deadline[block: block + 1])  # not reused
-        self.pred[block] = p
         self.deadline[block] = now + horizon
+        if self.recal is None:
+            self.pred[block] = p
+        else:
+            self.raw_bin[block] = self.recal.track(model, p, float(self.deadline[block]))
+            self.pred[block] = self.recal.state(model, p)
 
     def access(self, block: int, now: float) -> None:
         p = self.pred[block]
         if p == p:  # not NaN: a prediction is pending
-            self.pairs.extend(np.array([p]), np.array([now <= self.deadline[block]], dtype=np.uint8),
-                              self.deadline[block: block + 1])
+            reused = bool(now <= self.deadline[block])
+            self.pairs.extend(np.array([p]), np.array([reused], dtype=np.uint8), self.deadline[block: block + 1])
             self.pred[block] = np.nan
+            if reused and self.recal is not None:
+                self.recal.reuse(int(self.raw_bin[block]), float(self.deadline[block]))
+
+    def fold(self, now: int, decay: float) -> None:
+        """Once per model refresh: closed windows train the recalibration map (``decay``:
+        the weight older evidence keeps per period, the model's own forgetting)."""
+        if self.recal is not None:
+            self.recal.fold(now, decay)
 
     def on_freed(self, block: int) -> None:
         """``block`` is gone: its pending prediction is dropped, never scored."""
         self.pred[block] = np.nan
         self.deadline[block] = 0.0
+        if self.recal is not None:
+            self.raw_bin[block] = UNTRACKED
 
     def finish(self, now: float) -> None:
         """Resolve pending predictions whose deadline has passed (no reuse)."""
@@ -150,6 +172,8 @@ class CalibrationTracker:
 
     def summary(self, now: Optional[float] = None) -> dict[str, float]:
         p, y = self.arrays(now)
-        return {"brier": brier(p, y), "ece": ece(p, y, self.n_bins), "n": int(p.size),
+        # the model's own, in this tracker's bins where they split the recalibration's (else 10)
+        raw = {"ece_raw": self.recal.raw_ece(self.n_bins if BINS % self.n_bins == 0 else 10)} if self.recal else {}
+        return {"brier": brier(p, y), "ece": ece(p, y, self.n_bins), **raw, "n": int(p.size),
                 "mean_p": float(p.mean()) if p.size else float("nan"),
                 "base_rate": float(y.mean()) if y.size else float("nan")}

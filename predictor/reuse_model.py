@@ -270,6 +270,11 @@ class ReuseModel:
         if self.clock % self.refresh_every == 0:  # (a refresh called off the grid only decays)
             self._period_start[(self.clock // self.refresh_every) % DECAY_RING] = self._decayed
 
+    @property
+    def refresh_decay(self) -> float:
+        """The weight the counts kept at the latest refresh (their forgetting per refresh period)."""
+        return math.exp(self._log_decay)
+
     def _pending(self) -> np.ndarray:
         """Accesses not yet followed by a reuse, per (cell, bucket of their age so far):
         they are right-censored there, not evidence of no reuse. Estimated from a

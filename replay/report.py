@@ -47,7 +47,8 @@ def replay(trace: Trace, fractions: Sequence[float], policies: Sequence[str], pa
         rs = [r for r in results if r.policy == name]
         aps[name] = sum(r.accesses for r in rs) / sum(r.seconds for r in rs)
     calib = [r.calibration for r in results if r.calibration]
-    calibration = {k: float(np.mean([c[k] for c in calib])) for k in ("brier", "ece")} if calib else {}
+    calibration = {k: float(np.mean([c[k] for c in calib])) for k in ("brier", "ece", "ece_raw")
+                   if calib and all(k in c for c in calib)}
     return {"trace": trace.name, "format": trace.format, "accesses": trace.n_accesses,
             "unique_blocks": trace.n_unique, "requests": trace.n_requests,
             "max_hit_ratio": 1 - trace.n_unique / trace.n_accesses,

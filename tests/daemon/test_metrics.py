@@ -135,7 +135,7 @@ def exported(tmp_path_factory) -> dict[str, str]:
             snap = c.stats()
     finally:
         assert d.stop() == 0
-    snap["calibration"] = {"brier": 0.1, "ece": 0.05, "n": 10}
+    snap["calibration"] = {"brier": 0.1, "ece": 0.05, "ece_raw": 0.08, "n": 10}
     assert snap["remote"] == {"enabled": False}  # the remote tier's families come from a node that has one:
     snap["remote"] = REMOTE_SNAPSHOT  # its stats' shape, as tests/daemon/test_remote_nodes.py reads them
     e = Exporter()

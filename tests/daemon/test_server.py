@@ -235,7 +235,8 @@ def test_telemetry_and_metrics(daemon):
     import re
     used = set(re.findall(r"kvtier_[a-z_]+", json.dumps(dash)))
     bases = {re.sub(r"_(bucket|total)$", "", n) for n in used}
-    bases -= {"kvtier_predictor_ece", "kvtier_predictor_brier"}  # exported once predictions have resolved
+    bases -= {"kvtier_predictor_ece", "kvtier_predictor_brier",  # exported once predictions have resolved
+              "kvtier_predictor_ece_raw"}
     bases -= {n for n in bases if n.startswith("kvtier_remote_")}  # only with [tiers.remote] (test_metrics has them)
     assert bases <= set(fams), bases - set(fams)
 

@@ -23,8 +23,14 @@ def _state(p) -> str:
         h.update(np.ascontiguousarray(a).tobytes())
     if p.calib is not None:
         c = p.calib
-        for a in (c.pred, c.deadline, c.pairs.p[: c.pairs.n], c.pairs.y[: c.pairs.n], c.pairs.d[: c.pairs.n]):
+        for a in (c.pred, c.deadline, c.pairs.p[: c.pairs.n], c.pairs.y[: c.pairs.n], c.pairs.d[: c.pairs.n],
+                  c.raw_bin):
             h.update(a.tobytes())
+        if c.recal is not None:
+            r = c.recal
+            for a in (r.due_n, r.due_p, r.reused, r.n, r.sum_p, r.sum_y, r.all_n, r.all_p, r.all_y, r.map):
+                h.update(a.tobytes())
+            h.update(repr(r.folded).encode())
     h.update(repr((m.clock, m._ev_sum, m._ev_n, m.eviction_age, p.size, p.bypassed, p._pool_at, sh._at, sh.size,
                    p.active, p.stats())).encode())
     return h.hexdigest()
@@ -69,6 +75,7 @@ def test_compiled_replay_leaves_the_state_of_the_python_hooks(family, fraction):
     {"samples": 64},  # a cache smaller than the sample: every resident is a candidate, no pool draws
     {"admission": False},
     {"track_calibration": False},
+    {"recalibrate": False},
     {"calibration_sample": 1, "refresh_every": 500},  # every block scored: the staging buffer fills
     {"calibration_sample": 1, "refresh_every": 500, "calibration_window": 50},
 ])
@@ -215,8 +222,34 @@ def test_registers_out_of_range_are_refused():
         with pytest.raises(ValueError, match="registers out of range"):
             run(0, 10)
     with pytest.raises(TypeError, match="format"):
-        value_compiled._run((tr.block,) * 25, np.zeros(25, np.int64), np.zeros(6), 0, 1)
+        value_compiled._run((tr.block,) * 30, np.zeros(30, np.int64), np.zeros(6), 0, 1)
     assert p.model.clock == 0
+
+
+def test_recalibration_arrays_that_do_not_match_the_registers_are_refused():
+    tr = synthetic_trace("zipf", requests=200)
+    p = make_policy("kvtier", 20, tr.n_unique, refresh_every=100)
+    simulate(p, tr)  # scored from the first refresh on
+    p.calib.recal.map = np.zeros(3, dtype=np.float32)  # not one per model and bin
+    run = p.compiled_replay(tr.block, tr.cls, np.isin(np.arange(tr.n_unique), p.residents()))
+    before = _state(p)
+    with pytest.raises(ValueError, match="recalibration"):
+        run(0, 10)
+    assert _state(p) == before
+
+
+def test_a_corrupt_prediction_code_goes_to_the_hooks():
+    """A pending prediction's code past the models' bins is not read by the kernel: the
+    hooks take that access (and raise, indexing the counts with it), after the same
+    accesses before it."""
+    def prepare(p):
+        p.model.refreshes = 1  # scored from here on
+        p.calib.pred[1], p.calib.deadline[1] = 0.5, 1000.0
+        p.calib.raw_bin[1] = 200  # 8 models x 20 bins: codes 0..159, or 255 (untracked)
+
+    (want, ref), (got, fast) = _both(_small([2, 3, 4, 1, 5]), 4, prepare, calibration_sample=1)
+    assert want is IndexError and got is IndexError
+    assert fast == ref
 
 
 def test_past_two_to_the_24_accesses_deadlines_compare_as_numpy_does():

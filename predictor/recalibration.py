@@ -1,0 +1,154 @@
+"""Online recalibration of the reuse probabilities the policy states for its decisions.
+
+The reuse model is fitted on every access, but its probabilities are stated for
+the decisions the policy takes: misses it considers admitting and residents it
+evicts, populations the model's cells do not tell apart from the rest (a miss
+says the block came back late; the victim is the lowest of a sample), and on a
+drifting workload its counts lag. Measured on the decisions, its probabilities
+read 1.5-2x the observed rate at mid values on a Zipf family.
+
+So the stated probability goes through a map learned from the outcomes of
+earlier stated predictions: per bin of the model's probability (``BINS``
+equal-width bins), the decayed share of predictions reused within their
+window, shrunk towards the bins' mean prediction with ``PSEUDO_COUNT``
+pseudo-predictions and made non-decreasing by pool-adjacent-violators (so a
+higher model probability never states less). A bin with no evidence yet states
+the model's own probability. The map is causal: a prediction enters it only once
+its window has closed, counted by the period its deadline falls in, reuses and
+all; counted at resolution, reuses arrive early and misses late, and every bin
+would read high. Decisions still rank by the model's probability (the map only
+states it), so hit ratios do not change; ``ece_raw`` reports the model's own.
+
+Cost: a byte a block (the prediction's bin, to count its reuse), a ring of
+``RING`` periods x ``BINS`` counts, and O(RING x BINS) at most per model refresh.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+BINS = 20  # equal-width bins of the model's probability (two per bin of a 10-bin ECE)
+RING = 512  # deadline periods ahead a prediction may fall and still train the map
+PSEUDO_COUNT = 4.0  # pseudo-predictions at the bin's mean model probability
+UNTRACKED = 255  # a prediction's bin when it does not train the map (deadline beyond the ring)
+
+
+def bin_of(p: float) -> int:
+    """The bin of model probability ``p`` (float32, as stored), as the replay kernel computes
+    it; ``UNTRACKED`` for NaN."""
+    q = float(np.float32(p))
+    if q != q:
+        return UNTRACKED
+    return min(max(int(q * BINS), 0), BINS - 1)
+
+
+def pool_adjacent_violators(y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The non-decreasing fit of ``y`` with weights ``w`` (least squares)."""
+    vals: list[float] = []
+    wts: list[float] = []
+    lens: list[int] = []
+    for yi, wi in zip(y.tolist(), w.tolist()):
+        vals.append(yi)
+        wts.append(wi)
+        lens.append(1)
+        while len(vals) > 1 and vals[-2] > vals[-1]:
+            v2, w2, n2 = vals.pop(), wts.pop(), lens.pop()
+            v1, w1, n1 = vals.pop(), wts.pop(), lens.pop()
+            vals.append((v1 * w1 + v2 * w2) / (w1 + w2))
+            wts.append(w1 + w2)
+            lens.append(n1 + n2)
+    return np.repeat(np.asarray(vals), lens)
+
+
+class Recalibrator:
+    """Per candidate model, the map from its probability to the stated one, and the counts
+    it is learned from (a prediction is known by its code: model x ``BINS`` + bin).
+
+    ``period`` accesses make one deadline period; the owner calls ``fold`` once per
+    period (the model's refresh), which closes every period before ``now``."""
+
+    def __init__(self, period: int, models: int = 1) -> None:
+        if period < 1 or not 1 <= models * BINS <= UNTRACKED:
+            raise ValueError(f"period >= 1 access, 1 <= models <= {UNTRACKED // BINS}")
+        self.period = int(period)
+        self.models = int(models)
+        codes = self.models * BINS
+        # per (deadline period mod RING, code): predictions made, their model probabilities, reuses
+        self.due_n = np.zeros((RING, codes))
+        self.due_p = np.zeros((RING, codes))
+        self.reused = np.zeros((RING, codes))
+        self.folded = 0  # periods before this one are closed and in the totals
+        self.n = np.zeros(codes)  # closed, decayed
+        self.sum_p = np.zeros(codes)
+        self.sum_y = np.zeros(codes)
+        self.all_n = np.zeros(codes)  # closed, not decayed: the model's own calibration (``ece_raw``)
+        self.all_p = np.zeros(codes)
+        self.all_y = np.zeros(codes)
+        self.map = np.full(codes, np.nan, dtype=np.float32)  # NaN: no evidence, state the model's
+
+    def _slot(self, deadline: float) -> int:
+        """The ring row of ``deadline``'s period (float32, as stored), -1 outside the ring."""
+        period = math.floor(float(np.float32(deadline)) / self.period)
+        return period % RING if self.folded <= period < self.folded + RING else -1
+
+    def track(self, k: int, p: float, deadline: float) -> int:
+        """Model ``k`` stated a prediction of its probability ``p``, window ending at
+        ``deadline``: its code, or ``UNTRACKED`` where its period is outside the ring."""
+        b, slot = bin_of(p), self._slot(deadline)
+        if b == UNTRACKED or slot < 0:
+            return UNTRACKED
+        code = k * BINS + b
+        self.due_n[slot, code] += 1.0
+        self.due_p[slot, code] += float(np.float32(p))
+        return code
+
+    def reuse(self, code: int, deadline: float) -> None:
+        """A tracked prediction (``code``) was reused within its window."""
+        slot = self._slot(deadline)
+        if code != UNTRACKED and slot >= 0:
+            self.reused[slot, code] += 1.0
+
+    def state(self, k: int, p: float) -> float:
+        """The probability stated for model ``k``'s probability ``p`` (float32)."""
+        b = bin_of(p)
+        m = np.nan if b == UNTRACKED else self.map[k * BINS + b]
+        return float(np.float32(p)) if m != m else float(m)
+
+    def fold(self, now: int, decay: float) -> None:
+        """Close every period before ``now``'s: their counts join the totals (each older
+        period's weight times ``decay``), and the maps are rebuilt."""
+        current = now // self.period
+        closing = range(self.folded, current)[-RING:]
+        if not closing:
+            return
+        for period in closing:
+            s = period % RING
+            for tot in (self.n, self.sum_p, self.sum_y):
+                tot *= decay
+            for tot, every, row in ((self.n, self.all_n, self.due_n), (self.sum_p, self.all_p, self.due_p),
+                                    (self.sum_y, self.all_y, self.reused)):
+                tot += row[s]
+                every += row[s]
+                row[s] = 0.0
+        self.folded = current
+        self.map[:] = np.nan
+        for k in range(self.models):
+            at = slice(k * BINS, (k + 1) * BINS)
+            n = self.n[at]
+            seen = n > 0
+            if seen.any():
+                w = n[seen] + PSEUDO_COUNT
+                fit = (self.sum_y[at][seen] + PSEUDO_COUNT * self.sum_p[at][seen] / n[seen]) / w
+                self.map[at][seen] = pool_adjacent_violators(fit, w)
+
+    def raw_ece(self, n_bins: int = 10) -> float:
+        """The model's own expected calibration error over the closed predictions, in
+        ``n_bins`` equal-width bins (a divisor of ``BINS``)."""
+        if BINS % n_bins:
+            raise ValueError(f"n_bins must divide {BINS}")
+        g = BINS // n_bins
+        n, p, y = (a.reshape(self.models, n_bins, g).sum((0, 2)) for a in (self.all_n, self.all_p, self.all_y))
+        total = n.sum()
+        return float(np.abs(p - y).sum() / total) if total else float("nan")
