@@ -8,7 +8,7 @@ import pytest
 from kvtier.predictor import reuse_model
 from kvtier.predictor.cells import N_IRR
 from kvtier.predictor.classes import N_STAGES, STAGE_OF_COUNT
-from kvtier.predictor.reuse_model import Candidate, ReuseModel, distance_bucket
+from kvtier.predictor.reuse_model import PENDING_SAMPLE, Candidate, ReuseModel, distance_bucket
 
 
 def _cell(cls: int, count: int, irr: int = 0) -> int:
@@ -55,11 +55,15 @@ def test_a_cell_without_evidence_answers_with_its_parents_hazard():
     """Hazard = reuses in a distance bucket / accesses still at risk there, shrunk towards
     the parent cell (class x stage -> stage -> all) with ``prior_strength`` observations."""
     cands = (Candidate("class_stage", 4.0),)
-    m = ReuseModel(16, candidates=cands, refresh_every=10_000, prior_strength=2.0, initial_age=8.0)
+    m = ReuseModel(64, candidates=cands, refresh_every=10_000, prior_strength=2.0, initial_age=8.0)
     m.reuses[_cell(0, 1), 4] = 30.0  # class 0, stage 1: 30 of 40 reused at distance 4-5
     m.accesses[_cell(0, 1)] = 40.0
     m.accesses[_cell(1, 1)] = 40.0  # class 1, stage 1: 40, never reused
-    m.refresh()  # no block was accessed, so nothing is pending (censored)
+    # the accesses not reused are their blocks' latest, long ago: censored far past bucket 4
+    m.clock = 2000
+    for b, cell in enumerate([_cell(0, 1)] * 10 + [_cell(1, 1)] * 40):
+        m.count[b], m.cell[b], m.last[b] = 1, cell, 1000
+    m.refresh()
     pooled = 30.0 / (1.0 + 80.0)
     stage1 = (2.0 * pooled + 30.0) / (2.0 + 80.0)
     # at age 0 the window (32 accesses) covers bucket 4, the only one with a hazard
@@ -318,10 +322,12 @@ def test_a_window_reads_survival_inside_its_buckets_not_at_their_edges():
     ending a third of the way into it holds a third of the bucket's log-survival. Read at the
     bucket's far edge (as before), the window was widened to all of it."""
     cands = (Candidate("all", 1.0),)
-    m = ReuseModel(8, candidates=cands, refresh_every=10**6, initial_age=8.0, memory_horizons=1e12)
-    m.reuses[0, 10] = 50.0  # half of 100 accesses reused in bucket 10, the rest never
+    m = ReuseModel(64, candidates=cands, refresh_every=10**6, initial_age=8.0, memory_horizons=1e12)
+    m.reuses[0, 10] = 50.0  # half of 100 accesses reused in bucket 10, the rest never:
     m.accesses[0] = 100.0
-    m.refresh()  # nothing pending (no block was accessed)
+    m.clock = 200_000  # those are their blocks' latest, censored far past bucket 10
+    m.count[:50], m.cell[:50], m.last[:50] = 1, 0, 100_000
+    m.refresh()
     h = 50.0 / (1.0 + 100.0)  # the root cell: prior 0 with one pseudo-observation
     edge, width = 2.0 ** 5, 2.0 ** 5.5 - 2.0 ** 5
     w = m.horizons[0]  # one eviction age: 8 accesses
@@ -342,14 +348,35 @@ def test_reuses_in_the_open_last_bucket_still_count():
     width it would have (to 2^24), survival flat after. A node with 10^6-block caches has
     eviction ages near 10^5, and its 128-eviction-age density model looks that far."""
     cands = (Candidate("all", 1.0),)
-    m = ReuseModel(8, candidates=cands, refresh_every=10**6, initial_age=2.0 ** 22, memory_horizons=1e12)
-    m.reuses[0, 47] = 50.0  # half of 100 accesses reused beyond 2^23.5, the rest never
+    m = ReuseModel(64, candidates=cands, refresh_every=10**6, initial_age=2.0 ** 22, memory_horizons=1e12)
+    m.reuses[0, 47] = 50.0  # half of 100 accesses reused beyond 2^23.5, the rest not yet:
     m.accesses[0] = 100.0
+    m.clock = 1 << 25  # those are their blocks' latest, 2^24 ago: censored in the last bucket
+    m.count[:50], m.cell[:50], m.last[:50] = 1, 0, (1 << 25) - (1 << 24)
     m.refresh()
-    h = 50.0 / (1.0 + 100.0)
+    h = 50.0 / (1.0 + 100.0 - 0.5 * 50.0)  # a censored access is at risk for half its bucket
     w = m.horizons[0]  # 2^22 accesses: from age 0 the window ends before the last bucket
     assert float(m.tables[0][0, 0]) == pytest.approx(0.0, abs=1e-7)
     age = 24 * m.granularity  # 3 * 2^22 = 2^23.58: the window [2^23.58, 2^24.17) covers the rest of it
     expected = 1.0 - (1.0 - h) ** ((2.0 ** 24 - (age + 1.0)) / (2.0 ** 24 - 2.0 ** 23.5))
     assert float(m.tables[0][0, 24]) == pytest.approx(expected, rel=1e-4)
     assert w == 2.0 ** 22
+
+
+def test_the_censored_count_per_cell_is_exact_and_only_its_ages_are_sampled():
+    """Every access is reused or is its block's latest: a cell's pending mass is its accesses
+    less its reuses, whatever the sample of blocks saw. Scaled from a sample instead, a cell
+    whose sample read short kept accesses at risk at distances none had reached."""
+    n = 4 * PENDING_SAMPLE
+    m = ReuseModel(n, candidates=(Candidate("all", 1.0),), refresh_every=10**9, initial_age=100.0)
+    rng = np.random.default_rng(3)
+    for b in rng.integers(0, n, size=30_000).tolist():
+        m.access(b, cls=b % 3)
+    rare = _cell(5, 1)
+    m.accesses[rare] += 7.0  # pending accesses of blocks the sample cannot have seen
+    pending = m._pending()
+    want = np.maximum(m.accesses - m.reuses.sum(axis=1), 0.0)
+    assert np.allclose(pending.sum(axis=1), want, rtol=1e-9, atol=1e-9)
+    assert pending[rare, 0] == 7.0 and pending[rare, 1:].sum() == 0.0  # censored at entry
+    seen = pending.sum(axis=1) > 0
+    assert seen.sum() >= 6  # classes 0-2 at stages 1 and 2, at least
