@@ -36,14 +36,15 @@ enum { I_CLOCK, I_SIZE, I_POOL_AT, I_SHADOW_AT, I_BYPASSED, I_STAGED,
        I_N_BUCKETS, I_DECAY_RING, I_MAX_COUNT,
        I_FLOAT32_COMPARE, /* numpy >= 2 compares a Python float with a float32 in float32, 1.x in float64 */
        I_RECAL, I_RECAL_BINS, I_RECAL_RING, I_RECAL_PERIOD, I_RECAL_FOLDED, /* predictor/recalibration.py */
-       N_INTS };
+       /* ints: read/write again */
+       I_RECAL_UNTRACKED, N_INTS };
 /* floats: read only, then read/write */
 enum { F_DECAYED, F_LOG_DECAY, F_INV_G, F_HORIZON, F_EV_SUM, F_EV_N, N_FLOATS };
 /* arrays, in this order */
 enum { A_BLOCKS, A_CLASSES, A_RESIDENT, A_LAST, A_COUNT, A_CELL, A_REUSES, A_ACCESSES, A_PERIOD_START,
        A_TABLES, A_PROB, A_STAGE_OF_COUNT, A_SLOTS, A_WHERE, A_POOL, A_MEMBER, A_SHADOW_SLOTS,
        A_SHADOW_SIZE, A_SHADOW_HITS, A_SHADOW_POOL, A_PRED, A_DEADLINE, A_STAGED_P, A_STAGED_Y,
-       A_STAGED_D, A_RAW_BIN, A_RECAL_MAP, A_DUE_N, A_DUE_P, A_REUSED, N_ARRAYS };
+       A_STAGED_D, A_RAW_BIN, A_RECAL_FLOOR, A_RECAL_CEILING, A_DUE_N, A_DUE_P, A_REUSED, N_ARRAYS };
 
 static const struct { const char *name; const char *formats; Py_ssize_t itemsize; int written; } SPEC[N_ARRAYS] = {
     {"blocks", "qlQL", 8, 0}, {"classes", "qlQL", 8, 0}, {"resident", "?bB", 1, 1}, {"last", "qlQL", 8, 1},
@@ -52,7 +53,8 @@ static const struct { const char *name; const char *formats; Py_ssize_t itemsize
     {"slots", "qlQL", 8, 1}, {"where", "i", 4, 1}, {"pool", "qlQL", 8, 0}, {"member", "B", 1, 1},
     {"shadow_slots", "qlQL", 8, 1}, {"shadow_size", "qlQL", 8, 1}, {"shadow_hits", "d", 8, 1},
     {"shadow_pool", "qlQL", 8, 0}, {"pred", "f", 4, 1}, {"deadline", "f", 4, 1}, {"staged_p", "d", 8, 1},
-    {"staged_y", "B", 1, 1}, {"staged_d", "f", 4, 1}, {"raw_bin", "B", 1, 1}, {"recal_map", "f", 4, 0},
+    {"staged_y", "B", 1, 1}, {"staged_d", "f", 4, 1}, {"raw_bin", "B", 1, 1}, {"recal_floor", "f", 4, 0},
+    {"recal_ceiling", "f", 4, 0},
     {"due_n", "d", 8, 1}, {"due_p", "d", 8, 1}, {"reused", "d", 8, 1},
 };
 
@@ -65,7 +67,7 @@ typedef struct {
     int16_t *cell;
     int32_t *where;
     double *reuses, *accesses, *period_start, *shits, *staged_p, *due_n, *due_p, *reused;
-    float *tables, *prob, *pred, *deadline, *staged_d, *recal_map;
+    float *tables, *prob, *pred, *deadline, *staged_d, *recal_floor, *recal_ceiling;
     Py_ssize_t n_trace, n_blocks, n_pool, n_spool, n_staged;
 } State;
 
@@ -154,20 +156,21 @@ static inline int before(const int64_t *I, double now, float deadline) {
     return I[I_FLOAT32_COMPARE] ? (float)now <= deadline : now <= (double)deadline;
 }
 
-/* Recalibrator: a deadline's period, if the ring holds it (else -1). */
+/* Recalibrator._slot: the ring row of a deadline's period, -1 outside the ring or not a
+ * number; compared in double before any conversion (folded + ring < 2^53: exact). */
 static inline int64_t ring_slot(const int64_t *I, float deadline) {
-    int64_t period = (int64_t)floor((double)deadline / (double)I[I_RECAL_PERIOD]);
-    if (period < I[I_RECAL_FOLDED] || period >= I[I_RECAL_FOLDED] + I[I_RECAL_RING])
+    double q = (double)deadline / (double)I[I_RECAL_PERIOD];
+    if (!(q >= (double)I[I_RECAL_FOLDED] && q < (double)(I[I_RECAL_FOLDED] + I[I_RECAL_RING])))
         return -1;
-    return period % I[I_RECAL_RING];
+    return (int64_t)floor(q) % I[I_RECAL_RING];
 }
 
-/* recalibration.bin_of; UNTRACKED for NaN (Python's int() refuses it: the hooks raise) */
+/* recalibration.bin_of: clamped before the conversion; UNTRACKED for NaN */
 static inline int64_t bin_of(const int64_t *I, float p) {
-    if (p != p)
+    double x = (double)p * (double)I[I_RECAL_BINS];
+    if (x != x)
         return UNTRACKED;
-    int64_t b = (int64_t)((double)p * (double)I[I_RECAL_BINS]);
-    return b < 0 ? 0 : b > I[I_RECAL_BINS] - 1 ? I[I_RECAL_BINS] - 1 : b;
+    return x < 0.0 ? 0 : x >= (double)(I[I_RECAL_BINS] - 1) ? I[I_RECAL_BINS] - 1 : (int64_t)x;
 }
 
 /* CalibrationTracker.access: a pending prediction of ``b`` resolves. */
@@ -204,10 +207,16 @@ static inline void calib_predict(State *s, int64_t *I, int64_t b, double p, doub
         s->due_n[slot * I[I_K] * I[I_RECAL_BINS] + code] += 1.0;
         s->due_p[slot * I[I_K] * I[I_RECAL_BINS] + code] += (double)pf;
         s->raw_bin[b] = (uint8_t)code;
-    } else
+    } else {
         s->raw_bin[b] = UNTRACKED;
-    float m = bin == UNTRACKED ? NAN : s->recal_map[code];
-    s->pred[b] = m != m ? pf : m;
+        I[I_RECAL_UNTRACKED]++;
+    }
+    if (bin == UNTRACKED) {
+        s->pred[b] = pf;
+        return;
+    }
+    float lo = s->recal_floor[code], hi = s->recal_ceiling[code];
+    s->pred[b] = pf < lo ? lo : pf > hi ? hi : pf;
 }
 
 /* ReuseModel.access, without the refresh (the caller stops before that access). */
@@ -448,7 +457,8 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
         .reuses = b[A_REUSES].buf, .accesses = b[A_ACCESSES].buf, .period_start = b[A_PERIOD_START].buf,
         .shits = b[A_SHADOW_HITS].buf, .staged_p = b[A_STAGED_P].buf, .tables = b[A_TABLES].buf,
         .prob = b[A_PROB].buf, .pred = b[A_PRED].buf, .deadline = b[A_DEADLINE].buf,
-        .staged_d = b[A_STAGED_D].buf, .raw_bin = b[A_RAW_BIN].buf, .recal_map = b[A_RECAL_MAP].buf,
+        .staged_d = b[A_STAGED_D].buf, .raw_bin = b[A_RAW_BIN].buf, .recal_floor = b[A_RECAL_FLOOR].buf,
+        .recal_ceiling = b[A_RECAL_CEILING].buf,
         .due_n = b[A_DUE_N].buf, .due_p = b[A_DUE_P].buf, .reused = b[A_REUSED].buf, .n_trace = len(&b[A_BLOCKS]), .n_blocks = len(&b[A_LAST]),
         .n_pool = len(&b[A_POOL]), .n_spool = len(&b[A_SHADOW_POOL]), .n_staged = len(&b[A_STAGED_P]),
     };
@@ -458,8 +468,9 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
     }
     if (I[I_SCORED] && I[I_RECAL] &&
         (I[I_RECAL_BINS] < 1 || I[I_K] * I[I_RECAL_BINS] > UNTRACKED || I[I_RECAL_RING] < 1 ||
-         I[I_RECAL_PERIOD] < 1 || I[I_RECAL_FOLDED] < 0 || I[I_RECAL_FOLDED] > ((int64_t)1 << 52) ||
-         len(&b[A_RAW_BIN]) != s.n_blocks || len(&b[A_RECAL_MAP]) != I[I_K] * I[I_RECAL_BINS] ||
+         I[I_RECAL_RING] > ((int64_t)1 << 20) || I[I_RECAL_PERIOD] < 1 || I[I_RECAL_FOLDED] < 0 ||
+         I[I_RECAL_FOLDED] > ((int64_t)1 << 52) || I[I_RECAL_UNTRACKED] < 0 || len(&b[A_RAW_BIN]) != s.n_blocks ||
+         len(&b[A_RECAL_FLOOR]) != I[I_K] * I[I_RECAL_BINS] || len(&b[A_RECAL_CEILING]) != I[I_K] * I[I_RECAL_BINS] ||
          len(&b[A_DUE_N]) != I[I_RECAL_RING] * I[I_K] * I[I_RECAL_BINS] ||
          len(&b[A_DUE_P]) != I[I_RECAL_RING] * I[I_K] * I[I_RECAL_BINS] ||
          len(&b[A_REUSED]) != I[I_RECAL_RING] * I[I_K] * I[I_RECAL_BINS])) {

@@ -80,7 +80,8 @@ def replay_runner(policy: "ValuePolicy", blocks: np.ndarray, classes: np.ndarray
             model.refresh_every, k, policy.capacity, policy.samples, int(policy.admission), shadows.threshold,
             shadows.capacity, shadows.samples, shadows.k, int(scored), policy.calibration_sample, N_AGES,
             N_CELLS, N_STAGES, N_IRR, N_BUCKETS, DECAY_RING, MAX_COUNT, _FLOAT32_COMPARE, int(recal is not None),
-            BINS, RING, recal.period if recal else 1, recal.folded if recal else 0], dtype=np.int64)
+            BINS, RING, recal.period if recal else 1, recal.folded if recal else 0,
+            recal.untracked if recal else 0], dtype=np.int64)
         floats = np.array([model._decayed, model._log_decay, model._inv_g, float(model.horizons[k]),
                            model._ev_sum, model._ev_n])
         arrays = (blocks, classes, resident, model.last, model.count, model.cell, model.reuses, model.accesses,
@@ -88,7 +89,8 @@ def replay_runner(policy: "ValuePolicy", blocks: np.ndarray, classes: np.ndarray
                   policy.slots, policy.where, policy._pool, shadows.member, shadows.slots, shadow_size,
                   shadows.hits, shadows._pool, calib.pred if calib is not None else no_floats,
                   calib.deadline if calib is not None else no_floats, staged_p, staged_y, staged_d,
-                  calib.raw_bin if calib is not None and recal else no_bytes, recal.map if recal else no_floats,
+                  calib.raw_bin if calib is not None and recal else no_bytes,
+                  recal.floor if recal else no_floats, recal.ceiling if recal else no_floats,
                   recal.due_n if recal else no_doubles, recal.due_p if recal else no_doubles,
                   recal.reused if recal else no_doubles)
         try:
@@ -96,6 +98,8 @@ def replay_runner(policy: "ValuePolicy", blocks: np.ndarray, classes: np.ndarray
         finally:  # the registers hold every access taken, also where the kernel raised
             model.clock, policy.size, policy._pool_at, shadows._at, policy.bypassed = (int(v) for v in ints[:5])
             model._ev_sum, model._ev_n = float(floats[4]), float(floats[5])
+            if recal is not None:
+                recal.untracked = int(ints[-1])
             shadows.size = shadow_size.tolist()
             n = int(ints[5])
             if n and calib is not None:

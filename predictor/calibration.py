@@ -154,10 +154,12 @@ class CalibrationTracker:
 
     def on_freed(self, block: int) -> None:
         """``block`` is gone: its pending prediction is dropped, never scored."""
+        if self.recal is not None:
+            if self.pred[block] == self.pred[block]:
+                self.recal.drop(int(self.raw_bin[block]), float(self.deadline[block]))
+            self.raw_bin[block] = UNTRACKED
         self.pred[block] = np.nan
         self.deadline[block] = 0.0
-        if self.recal is not None:
-            self.raw_bin[block] = UNTRACKED
 
     def finish(self, now: float) -> None:
         """Resolve pending predictions whose deadline has passed (no reuse)."""

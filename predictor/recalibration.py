@@ -11,16 +11,24 @@ So the stated probability goes through a map learned from the outcomes of
 earlier stated predictions: per bin of the model's probability (``BINS``
 equal-width bins), the decayed share of predictions reused within their
 window, shrunk towards the bins' mean prediction with ``PSEUDO_COUNT``
-pseudo-predictions and made non-decreasing by pool-adjacent-violators (so a
-higher model probability never states less). A bin with no evidence yet states
-the model's own probability. The map is causal: a prediction enters it only once
+pseudo-predictions and made non-decreasing by pool-adjacent-violators. A bin
+with no evidence yet states the model's own probability, held between its
+neighbours' (the map is stored as a floor and a ceiling per bin, equal where
+there is evidence), so a higher model probability never states less. The map is causal: a prediction enters it only once
 its window has closed, counted by the period its deadline falls in, reuses and
 all; counted at resolution, reuses arrive early and misses late, and every bin
 would read high. Decisions still rank by the model's probability (the map only
 states it), so hit ratios do not change; ``ece_raw`` reports the model's own.
 
-Cost: a byte a block (the prediction's bin, to count its reuse), a ring of
-``RING`` periods x ``BINS`` counts, and O(RING x BINS) at most per model refresh.
+A freed block's pending prediction leaves its period's counts (as the tracker drops
+its pair). Predictions whose deadline is more than ``RING`` periods ahead (a
+density model's 128 eviction ages on a large cache) are not tracked
+(``untracked``): they state the map of their model, learned from the rest.
+Past ~2^29 accesses float32 deadlines round by more than an access and a reuse
+just after its period closed may be scored in the pairs but not counted here.
+
+Cost: a byte a block (the prediction's model and bin, to count its reuse), a ring
+of ``RING`` periods x models x ``BINS`` counts, and O(models x BINS) a refresh.
 """
 
 from __future__ import annotations
@@ -38,10 +46,10 @@ UNTRACKED = 255  # a prediction's bin when it does not train the map (deadline b
 def bin_of(p: float) -> int:
     """The bin of model probability ``p`` (float32, as stored), as the replay kernel computes
     it; ``UNTRACKED`` for NaN."""
-    q = float(np.float32(p))
-    if q != q:
+    x = float(np.float32(p)) * BINS
+    if x != x:
         return UNTRACKED
-    return min(max(int(q * BINS), 0), BINS - 1)
+    return 0 if x < 0.0 else BINS - 1 if x >= BINS - 1 else int(x)
 
 
 def pool_adjacent_violators(y: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -86,18 +94,25 @@ class Recalibrator:
         self.all_n = np.zeros(codes)  # closed, not decayed: the model's own calibration (``ece_raw``)
         self.all_p = np.zeros(codes)
         self.all_y = np.zeros(codes)
-        self.map = np.full(codes, np.nan, dtype=np.float32)  # NaN: no evidence, state the model's
+        # the stated probability: the model's, clamped to [floor, ceiling] of its code
+        self.floor = np.zeros(codes, dtype=np.float32)
+        self.ceiling = np.ones(codes, dtype=np.float32)
+        self.untracked = 0  # predictions stated but not tracked (deadline past the ring)
 
     def _slot(self, deadline: float) -> int:
-        """The ring row of ``deadline``'s period (float32, as stored), -1 outside the ring."""
-        period = math.floor(float(np.float32(deadline)) / self.period)
-        return period % RING if self.folded <= period < self.folded + RING else -1
+        """The ring row of ``deadline``'s period (float32, as stored), -1 outside the ring
+        (or not a number), compared before any conversion, as the replay kernel does."""
+        q = float(np.float32(deadline)) / self.period
+        if not self.folded <= q < self.folded + RING:
+            return -1
+        return math.floor(q) % RING
 
     def track(self, k: int, p: float, deadline: float) -> int:
         """Model ``k`` stated a prediction of its probability ``p``, window ending at
         ``deadline``: its code, or ``UNTRACKED`` where its period is outside the ring."""
         b, slot = bin_of(p), self._slot(deadline)
         if b == UNTRACKED or slot < 0:
+            self.untracked += 1
             return UNTRACKED
         code = k * BINS + b
         self.due_n[slot, code] += 1.0
@@ -110,11 +125,22 @@ class Recalibrator:
         if code != UNTRACKED and slot >= 0:
             self.reused[slot, code] += 1.0
 
+    def drop(self, code: int, deadline: float) -> None:
+        """A tracked prediction will never resolve (its block was freed): out of its
+        period's counts, if still open (its probability taken as its bin's mean there)."""
+        slot = self._slot(deadline)
+        if code != UNTRACKED and slot >= 0 and self.due_n[slot, code] >= 1.0:
+            self.due_p[slot, code] -= self.due_p[slot, code] / self.due_n[slot, code]
+            self.due_n[slot, code] -= 1.0
+
     def state(self, k: int, p: float) -> float:
         """The probability stated for model ``k``'s probability ``p`` (float32)."""
         b = bin_of(p)
-        m = np.nan if b == UNTRACKED else self.map[k * BINS + b]
-        return float(np.float32(p)) if m != m else float(m)
+        q = np.float32(p)
+        if b == UNTRACKED:
+            return float(q)
+        lo, hi = self.floor[k * BINS + b], self.ceiling[k * BINS + b]
+        return float(lo if q < lo else hi if q > hi else q)
 
     def fold(self, now: int, decay: float) -> None:
         """Close every period before ``now``'s: their counts join the totals (each older
@@ -133,15 +159,20 @@ class Recalibrator:
                 every += row[s]
                 row[s] = 0.0
         self.folded = current
-        self.map[:] = np.nan
         for k in range(self.models):
             at = slice(k * BINS, (k + 1) * BINS)
             n = self.n[at]
-            seen = n > 0
-            if seen.any():
-                w = n[seen] + PSEUDO_COUNT
-                fit = (self.sum_y[at][seen] + PSEUDO_COUNT * self.sum_p[at][seen] / n[seen]) / w
-                self.map[at][seen] = pool_adjacent_violators(fit, w)
+            seen = np.flatnonzero(n > 0)
+            if not seen.size:
+                self.floor[at], self.ceiling[at] = 0.0, 1.0
+                continue
+            w = n[seen] + PSEUDO_COUNT
+            fit = pool_adjacent_violators((self.sum_y[at][seen] + PSEUDO_COUNT * self.sum_p[at][seen] / n[seen]) / w, w)
+            # a bin without evidence: between the nearest bins with evidence below and above it
+            below = np.searchsorted(seen, np.arange(BINS), side="right") - 1
+            above = np.searchsorted(seen, np.arange(BINS), side="left")
+            self.floor[at] = np.where(below >= 0, fit[np.maximum(below, 0)], 0.0)
+            self.ceiling[at] = np.where(above < seen.size, fit[np.minimum(above, seen.size - 1)], 1.0)
 
     def raw_ece(self, n_bins: int = 10) -> float:
         """The model's own expected calibration error over the closed predictions, in

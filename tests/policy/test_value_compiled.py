@@ -28,9 +28,10 @@ def _state(p) -> str:
             h.update(a.tobytes())
         if c.recal is not None:
             r = c.recal
-            for a in (r.due_n, r.due_p, r.reused, r.n, r.sum_p, r.sum_y, r.all_n, r.all_p, r.all_y, r.map):
+            for a in (r.due_n, r.due_p, r.reused, r.n, r.sum_p, r.sum_y, r.all_n, r.all_p, r.all_y, r.floor,
+                      r.ceiling):
                 h.update(a.tobytes())
-            h.update(repr(r.folded).encode())
+            h.update(repr((r.folded, r.untracked)).encode())
     h.update(repr((m.clock, m._ev_sum, m._ev_n, m.eviction_age, p.size, p.bypassed, p._pool_at, sh._at, sh.size,
                    p.active, p.stats())).encode())
     return h.hexdigest()
@@ -222,7 +223,7 @@ def test_registers_out_of_range_are_refused():
         with pytest.raises(ValueError, match="registers out of range"):
             run(0, 10)
     with pytest.raises(TypeError, match="format"):
-        value_compiled._run((tr.block,) * 30, np.zeros(30, np.int64), np.zeros(6), 0, 1)
+        value_compiled._run((tr.block,) * 31, np.zeros(31, np.int64), np.zeros(6), 0, 1)
     assert p.model.clock == 0
 
 
@@ -230,7 +231,7 @@ def test_recalibration_arrays_that_do_not_match_the_registers_are_refused():
     tr = synthetic_trace("zipf", requests=200)
     p = make_policy("kvtier", 20, tr.n_unique, refresh_every=100)
     simulate(p, tr)  # scored from the first refresh on
-    p.calib.recal.map = np.zeros(3, dtype=np.float32)  # not one per model and bin
+    p.calib.recal.ceiling = np.zeros(3, dtype=np.float32)  # not one per model and bin
     run = p.compiled_replay(tr.block, tr.cls, np.isin(np.arange(tr.n_unique), p.residents()))
     before = _state(p)
     with pytest.raises(ValueError, match="recalibration"):
@@ -250,6 +251,12 @@ def test_a_corrupt_prediction_code_goes_to_the_hooks():
     (want, ref), (got, fast) = _both(_small([2, 3, 4, 1, 5]), 4, prepare, calibration_sample=1)
     assert want is IndexError and got is IndexError
     assert fast == ref
+    p = make_policy("kvtier", 4, 8, calibration_sample=1)
+    prepare(p)
+    taken = _counting(p)
+    with pytest.raises(IndexError):
+        simulate(p, _small([2, 3, 4, 1, 5]))
+    assert taken[0] == 3  # the kernel took the three before it and stopped
 
 
 def test_past_two_to_the_24_accesses_deadlines_compare_as_numpy_does():

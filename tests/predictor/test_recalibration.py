@@ -41,7 +41,7 @@ def test_evidence_waits_until_its_window_has_closed():
     c = r.track(0, 0.1, 350.0)  # period 3
     r.reuse(c, 350.0)
     r.fold(300, 1.0)  # closes periods 0..2 only
-    assert np.isnan(r.map).all() and r.n.sum() == 0
+    assert (r.floor == 0).all() and (r.ceiling == 1).all() and r.n.sum() == 0
     assert r.state(0, 0.1) == pytest.approx(0.1)
     r.fold(400, 1.0)
     assert r.n[bin_of(0.1)] == 1 and r.sum_y[bin_of(0.1)] == 1
@@ -90,8 +90,37 @@ def test_the_map_never_states_less_for_a_higher_model_probability():
         if rng.random() < 1 - p:  # anti-calibrated: the higher, the rarer
             r.reuse(c, deadline)
     r.fold(5 * PERIOD, 0.9)
-    m = r.map[~np.isnan(r.map)]
-    assert m.size > BINS // 2 and np.all(np.diff(m) >= 0)
+    assert (r.n > 0).sum() > BINS // 2
+    stated = [r.state(0, p) for p in np.linspace(-0.1, 1.1, 2001)]
+    assert np.all(np.diff(stated) >= 0)
+
+
+def test_a_bin_without_evidence_stays_between_its_neighbours():
+    r = Recalibrator(PERIOD)
+    for _ in range(20):
+        r.reuse(r.track(0, 0.05, 10.0), 10.0)  # bin 1: always reused
+    r.fold(PERIOD, 1.0)
+    assert r.state(0, 0.05) == pytest.approx(float(np.float32((20 + PSEUDO_COUNT * np.float32(0.05)) / 24)))
+    assert r.state(0, 0.5) == r.state(0, 0.05)  # no evidence above: not below bin 1's value ...
+    assert r.state(0, 0.99) == pytest.approx(0.99)  # ... and the model's own above it
+    assert r.state(0, 0.01) == pytest.approx(0.01)  # no bin below: the model's own, up to bin 1's
+
+
+def test_a_freed_blocks_prediction_leaves_the_counts_as_it_leaves_the_pairs():
+    t = CalibrationTracker(10, recalibrate_period=PERIOD)
+    t.predict(3, 0.5, 0.0, 50.0)
+    t.on_freed(3)
+    t.fold(PERIOD, 1.0)
+    assert t.recal.n.sum() == 0 and t.pairs.n == 0 and t.raw_bin[3] == UNTRACKED
+    assert t.recal.state(0, 0.5) == pytest.approx(0.5)
+
+
+def test_untracked_predictions_are_counted():
+    r = Recalibrator(PERIOD)
+    r.track(0, 0.5, float(RING * PERIOD) + 1.0)
+    r.track(0, float("inf"), 10.0)
+    r.track(0, 0.5, float("inf"))
+    assert r.untracked == 2 and r.due_n[0, BINS - 1] == 1.0  # p = inf clamps to the top bin
 
 
 def test_pool_adjacent_violators():
