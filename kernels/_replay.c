@@ -44,7 +44,7 @@ enum { F_DECAYED, F_LOG_DECAY, F_INV_G, F_HORIZON, F_EV_SUM, F_EV_N, N_FLOATS };
 enum { A_BLOCKS, A_CLASSES, A_RESIDENT, A_LAST, A_COUNT, A_CELL, A_REUSES, A_ACCESSES, A_PERIOD_START,
        A_TABLES, A_PROB, A_STAGE_OF_COUNT, A_SLOTS, A_WHERE, A_POOL, A_MEMBER, A_SHADOW_SLOTS,
        A_SHADOW_SIZE, A_SHADOW_HITS, A_SHADOW_POOL, A_PRED, A_DEADLINE, A_STAGED_P, A_STAGED_Y,
-       A_STAGED_D, A_RAW_BIN, A_RECAL_FLOOR, A_RECAL_CEILING, A_DUE_N, A_DUE_P, A_REUSED, N_ARRAYS };
+       A_STAGED_D, A_PENDING_CODE, A_RECAL_FLOOR, A_RECAL_CEILING, A_DUE_N, A_DUE_P, A_REUSED, N_ARRAYS };
 
 static const struct { const char *name; const char *formats; Py_ssize_t itemsize; int written; } SPEC[N_ARRAYS] = {
     {"blocks", "qlQL", 8, 0}, {"classes", "qlQL", 8, 0}, {"resident", "?bB", 1, 1}, {"last", "qlQL", 8, 1},
@@ -53,7 +53,7 @@ static const struct { const char *name; const char *formats; Py_ssize_t itemsize
     {"slots", "qlQL", 8, 1}, {"where", "i", 4, 1}, {"pool", "qlQL", 8, 0}, {"member", "B", 1, 1},
     {"shadow_slots", "qlQL", 8, 1}, {"shadow_size", "qlQL", 8, 1}, {"shadow_hits", "d", 8, 1},
     {"shadow_pool", "qlQL", 8, 0}, {"pred", "f", 4, 1}, {"deadline", "f", 4, 1}, {"staged_p", "d", 8, 1},
-    {"staged_y", "B", 1, 1}, {"staged_d", "f", 4, 1}, {"raw_bin", "B", 1, 1}, {"recal_floor", "f", 4, 0},
+    {"staged_y", "B", 1, 1}, {"staged_d", "f", 4, 1}, {"pending_code", "B", 1, 1}, {"recal_floor", "f", 4, 0},
     {"recal_ceiling", "f", 4, 0},
     {"due_n", "d", 8, 1}, {"due_p", "d", 8, 1}, {"reused", "d", 8, 1},
 };
@@ -63,7 +63,7 @@ static const struct { const char *name; const char *formats; Py_ssize_t itemsize
 
 typedef struct {
     int64_t *blocks, *classes, *last, *stage_of_count, *slots, *pool, *sslots, *ssize, *spool;
-    uint8_t *resident, *count, *member, *staged_y, *raw_bin;
+    uint8_t *resident, *count, *member, *staged_y, *pending_code;
     int16_t *cell;
     int32_t *where;
     double *reuses, *accesses, *period_start, *shits, *staged_p, *due_n, *due_p, *reused;
@@ -181,7 +181,7 @@ static inline void calib_access(State *s, int64_t *I, int64_t b, double now) {
         stage_pair(s, I, p, y, s->deadline[b]);
         s->pred[b] = NAN;
         if (y && I[I_RECAL]) { /* Recalibrator.reuse */
-            int64_t slot = ring_slot(I, s->deadline[b]), code = s->raw_bin[b];
+            int64_t slot = ring_slot(I, s->deadline[b]), code = s->pending_code[b];
             if (code != UNTRACKED && slot >= 0)
                 s->reused[slot * I[I_K] * I[I_RECAL_BINS] + code] += 1.0;
         }
@@ -206,9 +206,9 @@ static inline void calib_predict(State *s, int64_t *I, int64_t b, double p, doub
     if (bin != UNTRACKED && slot >= 0) {
         s->due_n[slot * I[I_K] * I[I_RECAL_BINS] + code] += 1.0;
         s->due_p[slot * I[I_K] * I[I_RECAL_BINS] + code] += (double)pf;
-        s->raw_bin[b] = (uint8_t)code;
+        s->pending_code[b] = (uint8_t)code;
     } else {
-        s->raw_bin[b] = UNTRACKED;
+        s->pending_code[b] = UNTRACKED;
         I[I_RECAL_UNTRACKED]++;
     }
     if (bin == UNTRACKED) {
@@ -320,7 +320,7 @@ static inline int must_stop(const State *s, const int64_t *I, int64_t b, int64_t
     if (cls < 0 || cls >= I[I_N_CELLS] / (I[I_N_STAGES] * I[I_N_IRR]) || !valid(s, I, b) ||
         (s->count[b] && s->last[b] < 1))
         return 1;
-    if (I[I_SCORED] && I[I_RECAL] && s->raw_bin[b] >= I[I_K] * I[I_RECAL_BINS] && s->raw_bin[b] != UNTRACKED)
+    if (I[I_SCORED] && I[I_RECAL] && s->pending_code[b] >= I[I_K] * I[I_RECAL_BINS] && s->pending_code[b] != UNTRACKED)
         return 1;
     if (sampled(I, b)) {
         int64_t cap = I[I_SHADOW_CAP], ss = I[I_SHADOW_SAMPLES];
@@ -457,7 +457,7 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
         .reuses = b[A_REUSES].buf, .accesses = b[A_ACCESSES].buf, .period_start = b[A_PERIOD_START].buf,
         .shits = b[A_SHADOW_HITS].buf, .staged_p = b[A_STAGED_P].buf, .tables = b[A_TABLES].buf,
         .prob = b[A_PROB].buf, .pred = b[A_PRED].buf, .deadline = b[A_DEADLINE].buf,
-        .staged_d = b[A_STAGED_D].buf, .raw_bin = b[A_RAW_BIN].buf, .recal_floor = b[A_RECAL_FLOOR].buf,
+        .staged_d = b[A_STAGED_D].buf, .pending_code = b[A_PENDING_CODE].buf, .recal_floor = b[A_RECAL_FLOOR].buf,
         .recal_ceiling = b[A_RECAL_CEILING].buf,
         .due_n = b[A_DUE_N].buf, .due_p = b[A_DUE_P].buf, .reused = b[A_REUSED].buf, .n_trace = len(&b[A_BLOCKS]), .n_blocks = len(&b[A_LAST]),
         .n_pool = len(&b[A_POOL]), .n_spool = len(&b[A_SHADOW_POOL]), .n_staged = len(&b[A_STAGED_P]),
@@ -469,7 +469,7 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
     if (I[I_SCORED] && I[I_RECAL] &&
         (I[I_RECAL_BINS] < 1 || I[I_K] * I[I_RECAL_BINS] > UNTRACKED || I[I_RECAL_RING] < 1 ||
          I[I_RECAL_RING] > ((int64_t)1 << 20) || I[I_RECAL_PERIOD] < 1 || I[I_RECAL_FOLDED] < 0 ||
-         I[I_RECAL_FOLDED] > ((int64_t)1 << 52) || I[I_RECAL_UNTRACKED] < 0 || len(&b[A_RAW_BIN]) != s.n_blocks ||
+         I[I_RECAL_FOLDED] > ((int64_t)1 << 52) || I[I_RECAL_UNTRACKED] < 0 || len(&b[A_PENDING_CODE]) != s.n_blocks ||
          len(&b[A_RECAL_FLOOR]) != I[I_K] * I[I_RECAL_BINS] || len(&b[A_RECAL_CEILING]) != I[I_K] * I[I_RECAL_BINS] ||
          len(&b[A_DUE_N]) != I[I_RECAL_RING] * I[I_K] * I[I_RECAL_BINS] ||
          len(&b[A_DUE_P]) != I[I_RECAL_RING] * I[I_K] * I[I_RECAL_BINS] ||

@@ -89,7 +89,7 @@ def replay_runner(policy: "ValuePolicy", blocks: np.ndarray, classes: np.ndarray
                   policy.slots, policy.where, policy._pool, shadows.member, shadows.slots, shadow_size,
                   shadows.hits, shadows._pool, calib.pred if calib is not None else no_floats,
                   calib.deadline if calib is not None else no_floats, staged_p, staged_y, staged_d,
-                  calib.raw_bin if calib is not None and recal else no_bytes,
+                  calib.pending_code if calib is not None and recal else no_bytes,
                   recal.floor if recal else no_floats, recal.ceiling if recal else no_floats,
                   recal.due_n if recal else no_doubles, recal.due_p if recal else no_doubles,
                   recal.reused if recal else no_doubles)

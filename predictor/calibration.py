@@ -113,7 +113,7 @@ class CalibrationTracker:
         # with a period: the stated probability is recalibrated online (``recalibration``), and
         # per model; each pending prediction keeps its code (model and bin), to count its reuse
         self.recal = Recalibrator(recalibrate_period, models) if recalibrate_period else None
-        self.raw_bin = np.full(max_blocks if self.recal else 0, UNTRACKED, dtype=np.uint8)
+        self.pending_code = np.full(max_blocks if self.recal else 0, UNTRACKED, dtype=np.uint8)
 
     @property
     def n_scored(self) -> int:
@@ -134,7 +134,7 @@ class CalibrationTracker:
         if self.recal is None:
             self.pred[block] = p
         else:
-            self.raw_bin[block] = self.recal.track(model, p, float(self.deadline[block]))
+            self.pending_code[block] = self.recal.track(model, p, float(self.deadline[block]))
             self.pred[block] = self.recal.state(model, p)
 
     def access(self, block: int, now: float) -> None:
@@ -144,7 +144,7 @@ class CalibrationTracker:
             self.pairs.extend(np.array([p]), np.array([reused], dtype=np.uint8), self.deadline[block: block + 1])
             self.pred[block] = np.nan
             if reused and self.recal is not None:
-                self.recal.reuse(int(self.raw_bin[block]), float(self.deadline[block]))
+                self.recal.reuse(int(self.pending_code[block]), float(self.deadline[block]))
 
     def fold(self, now: int, decay: float) -> None:
         """Once per model refresh: closed windows train the recalibration map (``decay``:
@@ -156,8 +156,8 @@ class CalibrationTracker:
         """``block`` is gone: its pending prediction is dropped, never scored."""
         if self.recal is not None:
             if self.pred[block] == self.pred[block]:
-                self.recal.drop(int(self.raw_bin[block]), float(self.deadline[block]))
-            self.raw_bin[block] = UNTRACKED
+                self.recal.drop(int(self.pending_code[block]), float(self.deadline[block]))
+            self.pending_code[block] = UNTRACKED
         self.pred[block] = np.nan
         self.deadline[block] = 0.0
 

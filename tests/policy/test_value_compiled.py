@@ -24,7 +24,7 @@ def _state(p) -> str:
     if p.calib is not None:
         c = p.calib
         for a in (c.pred, c.deadline, c.pairs.p[: c.pairs.n], c.pairs.y[: c.pairs.n], c.pairs.d[: c.pairs.n],
-                  c.raw_bin):
+                  c.pending_code):
             h.update(a.tobytes())
         if c.recal is not None:
             r = c.recal
@@ -246,7 +246,7 @@ def test_a_corrupt_prediction_code_goes_to_the_hooks():
     def prepare(p):
         p.model.refreshes = 1  # scored from here on
         p.calib.pred[1], p.calib.deadline[1] = 0.5, 1000.0
-        p.calib.raw_bin[1] = 200  # 8 models x 20 bins: codes 0..159, or 255 (untracked)
+        p.calib.pending_code[1] = 200  # 8 models x 20 bins: codes 0..159, or 255 (untracked)
 
     (want, ref), (got, fast) = _both(_small([2, 3, 4, 1, 5]), 4, prepare, calibration_sample=1)
     assert want is IndexError and got is IndexError

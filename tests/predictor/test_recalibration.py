@@ -111,7 +111,7 @@ def test_a_freed_blocks_prediction_leaves_the_counts_as_it_leaves_the_pairs():
     t.predict(3, 0.5, 0.0, 50.0)
     t.on_freed(3)
     t.fold(PERIOD, 1.0)
-    assert t.recal.n.sum() == 0 and t.pairs.n == 0 and t.raw_bin[3] == UNTRACKED
+    assert t.recal.n.sum() == 0 and t.pairs.n == 0 and t.pending_code[3] == UNTRACKED
     assert t.recal.state(0, 0.5) == pytest.approx(0.5)
 
 
