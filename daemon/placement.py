@@ -295,6 +295,14 @@ class Placement:
                 if hasattr(pol, k) and not callable(getattr(pol, k)):
                     setattr(pol, k, v)
 
+    def configure_predictor(self, track_calibration: bool, calibration_bins: int, calibration_sample: int,
+                            recalibrate: bool) -> None:
+        """Reloaded ``[predictor]`` settings, to every policy that scores its decisions."""
+        for pol in self.policies.values():
+            setter = getattr(pol, "set_calibration", None)
+            if setter is not None:
+                setter(track_calibration, calibration_bins, calibration_sample, recalibrate)
+
     def stats(self) -> dict:
         out: dict[str, Any] = {"dropped": self.dropped, "demoted": self.demoted, "declined": self.declined,
                "access_backlog": self._log_n}

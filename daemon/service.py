@@ -295,6 +295,10 @@ class Service:
         if "policy" in changed:
             node.placement.configure(cfg.policy.params())
             node.prefetcher.budget_bytes_per_s = cfg.policy.prefetch_budget_bytes_per_s
+        if "predictor" in changed:
+            pr = cfg.predictor
+            node.placement.configure_predictor(pr.track_calibration, pr.calibration_bins, pr.calibration_sample,
+                                               pr.recalibrate)
 
     def close(self) -> None:
         if self.node is not None:

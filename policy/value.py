@@ -76,13 +76,10 @@ class ValuePolicy(Policy):
         self._pool_at = 0
         self._victim = -1
         self.bypassed = 0
-        # the probabilities stated for decisions are recalibrated online, per candidate model
-        # (``kvtier.predictor.recalibration``); decisions rank by the model's own
-        self.calib = (CalibrationTracker(max_blocks, calibration_bins, calibration_window,
-                                         recalibrate_period=refresh_every if recalibrate else None,
-                                         models=len(DEFAULT_CANDIDATES))
-                      if track_calibration else None)
+        self.calib: Optional[CalibrationTracker] = None
+        self._calibration_window = calibration_window
         self.calibration_sample = int(calibration_sample)
+        self.set_calibration(track_calibration, calibration_bins, calibration_sample, recalibrate)
 
     # -- the value ---------------------------------------------------------
     def _values(self, blocks: np.ndarray) -> np.ndarray:
@@ -243,6 +240,24 @@ class ValuePolicy(Policy):
         self.weight[b] = 1.0
         if self.calib is not None:
             self.calib.on_freed(b)
+
+    def set_calibration(self, track_calibration: bool, calibration_bins: int, calibration_sample: int,
+                        recalibrate: bool) -> None:
+        """The ``[predictor]`` settings, at start and on a reload. The probabilities stated for
+        decisions are recalibrated online, per candidate model (``kvtier.predictor.recalibration``);
+        decisions rank by the model's own. A changed tracker starts afresh (its pairs and map
+        were scored under the old settings); the sample rate applies to the next decision."""
+        if calibration_sample < 1:
+            raise ValueError("calibration_sample >= 1")
+        self.calibration_sample = int(calibration_sample)
+        c = self.calib
+        if (c is not None) == bool(track_calibration) and (c is None or (
+                c.n_bins == calibration_bins and (c.recal is not None) == bool(recalibrate))):
+            return
+        self.calib = (CalibrationTracker(self.model.last.size, calibration_bins, self._calibration_window,
+                                         recalibrate_period=self.model.refresh_every if recalibrate else None,
+                                         models=len(DEFAULT_CANDIDATES))
+                      if track_calibration else None)
 
     def seen(self, b: int) -> bool:
         return bool(self.model.count[b])

@@ -262,3 +262,24 @@ def test_class_telemetry_sets_the_class_of_sealed_blocks_only(svc):
     ingest(svc.node, counters, {**bad, "cont": True})
     assert fc[blocks[:2]].tolist() == [block_class(False, True, 7)] * 2
     assert fc[blocks[2]] == before[2]  # still open: its class is the engine's at alloc
+
+
+def test_a_reloaded_predictor_section_reaches_the_policies(tmp_path):
+    """``[predictor]`` is a hot section: a reload that changes it is applied, not only reported."""
+    base = ["tiers.hbm_bytes=16384", "tiers.dram_bytes=16384", "tiers.nvme_bytes=0",
+            f'server.runtime_dir="{tmp_path}/run"', "metrics.enabled=false"]
+    svc = Service(load_config(environ={}, overrides=base))
+    try:
+        call(svc, "register", pid=0, block_bytes=4096)
+        pols = [p for p in svc.node.placement.policies.values() if hasattr(p, "set_calibration")]
+        assert pols and all(p.calib.recal is not None and p.calibration_sample == 8 for p in pols)
+        kept = [p.calib for p in pols]
+        svc.apply_hot(load_config(environ={}, overrides=base + ["predictor.calibration_sample=2"]), ["predictor"])
+        assert [p.calib for p in pols] == kept and all(p.calibration_sample == 2 for p in pols)
+        svc.apply_hot(load_config(environ={}, overrides=base + ["predictor.recalibrate=false"]), ["predictor"])
+        assert all(p.calib is not None and p.calib.recal is None and p.calibration_sample == 8 for p in pols)
+        svc.apply_hot(load_config(environ={}, overrides=base + ["predictor.track_calibration=false"]), ["predictor"])
+        assert all(p.calib is None for p in pols)
+        call(svc, "alloc", n=2, seq=1)  # and the policies still serve
+    finally:
+        svc.close()
