@@ -289,8 +289,14 @@ class Placement:
         return have
 
     def configure(self, params: dict) -> None:
-        """Reloaded policy parameters: each policy takes the ones it has."""
+        """Reloaded policy parameters: the dedup window here; each policy takes the ones it has
+        (its own ``configure`` where it has one: a value kept inside its model)."""
+        self.epoch_s = float(params.get("epoch_s", self.epoch_s))
         for pol in self.policies.values():
+            configure = getattr(pol, "configure", None)
+            if configure is not None:
+                configure(params)
+                continue
             for k, v in params.items():
                 if hasattr(pol, k) and not callable(getattr(pol, k)):
                     setattr(pol, k, v)

@@ -13,6 +13,10 @@ from typing import Mapping, Optional, Sequence
 
 from .config import HOT_SECTIONS, KvtierConfig, load_config
 
+# keys of hot sections that the running policies were built with: once a node runs, a change
+# waits for a restart (reported so), the rest of the section applies at once
+RESTART_WITH_NODE = ("policy.name", "policy.refresh_every", "policy.shadow_blocks", "policy.default_candidate")
+
 
 def changed_keys(old: KvtierConfig, new: KvtierConfig) -> list[str]:
     """``section.field`` of every field whose value differs, in declaration order."""
@@ -56,4 +60,4 @@ def reload_hot(current: KvtierConfig, path: "str | Path | None", environ: Option
     return plan.config, plan.sections
 
 
-__all__ = ["ReloadPlan", "changed_keys", "plan_reload", "reload_hot"]
+__all__ = ["RESTART_WITH_NODE", "ReloadPlan", "changed_keys", "plan_reload", "reload_hot"]

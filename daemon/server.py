@@ -34,7 +34,7 @@ from .config import ConfigError, KvtierConfig
 from .dirlock import DirLock
 from .events import encode_batch, seq_frame
 from .metrics import Exporter
-from .reload import plan_reload
+from .reload import RESTART_WITH_NODE, plan_reload
 from .service import Service
 
 log = logging.getLogger("kvtier.server")
@@ -272,9 +272,12 @@ class Server:
         if new.policy.name != self.cfg.policy.name and self.service.node is not None:
             notes.append(f"policy.name {new.policy.name!r} takes effect on restart; "
                          f"running {self.cfg.policy.name!r} with the new parameters")
-            new.policy.name = self.cfg.policy.name
-            plan.applied.remove("policy.name")
-            plan.restart.append("policy.name")
+        for key in RESTART_WITH_NODE if self.service.node is not None else ():
+            if key in plan.applied:  # the running policies were built with it: kept until a restart
+                section, name = key.split(".")
+                setattr(getattr(new, section), name, getattr(getattr(self.cfg, section), name))
+                plan.applied.remove(key)
+                plan.restart.append(key)
         self.service.apply_hot(new, plan.sections)
         self.cfg = new
         log.info("reloaded: %s; needs a restart: %s", ", ".join(plan.applied) or "no changes",

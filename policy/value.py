@@ -241,6 +241,17 @@ class ValuePolicy(Policy):
         if self.calib is not None:
             self.calib.on_freed(b)
 
+    def configure(self, params: dict) -> None:
+        """Reloaded ``[policy]`` parameters that apply to a running model: admission, the victim
+        sample, the shrinkage and the memory (read at each refresh). The grid's refresh period,
+        shadow size and first candidate are built in; the daemon reports those as restart-only."""
+        if "samples" in params and int(params["samples"]) < 1:
+            raise ValueError("samples >= 1")
+        self.admission = bool(params.get("admission", self.admission))
+        self.samples = int(params.get("samples", self.samples))
+        self.model.m = float(params.get("prior_strength", self.model.m))
+        self.model.memory_horizons = float(params.get("memory_horizons", self.model.memory_horizons))
+
     def set_calibration(self, track_calibration: bool, calibration_bins: int, calibration_sample: int,
                         recalibrate: bool) -> None:
         """The ``[predictor]`` settings, at start and on a reload. The probabilities stated for

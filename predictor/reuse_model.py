@@ -133,6 +133,9 @@ class ReuseModel:
         self.cell = np.zeros(max_blocks, dtype=np.int16)  # class x stage x reuse distance at the latest access
         self.reuses = np.zeros((N_CELLS, N_BUCKETS))
         self.accesses = np.zeros(N_CELLS)
+        # latest accesses of blocks freed before a reuse: never reused (the id is gone), so at
+        # risk at every distance, not censored; weighed and decayed as ``accesses``
+        self.freed = np.zeros(N_CELLS)
         self.eviction_age = float(initial_age)  # this cache's mean eviction age, in accesses
         self._ev_sum, self._ev_n = 0.0, 0.0
         self._log_decay = -self.refresh_every / (self.memory_horizons * self.eviction_age)  # the last refresh's
@@ -215,7 +218,11 @@ class ReuseModel:
         self._ev_n += 1.0
 
     def reset(self, b: int) -> None:
-        """Block id ``b`` was freed: the next block with this id starts with no history."""
+        """Block id ``b`` was freed: the next block with this id starts with no history. Its
+        latest access, not reused, is never reused: it leaves the pending mass (no block
+        carries it now) and stays at risk at every distance."""
+        if self.count[b]:
+            self.freed[int(self.cell[b])] += float(self._access_weights(self.last[b: b + 1])[0])
         self.count[b] = 0
         self.cell[b] = 0
         self.last[b] = 0
@@ -264,6 +271,7 @@ class ReuseModel:
         decay = math.exp(self._log_decay)
         self.reuses *= decay
         self.accesses *= decay
+        self.freed *= decay
         self._ev_sum *= decay
         self._ev_n *= decay
         self._decayed += self._log_decay
@@ -279,8 +287,10 @@ class ReuseModel:
         """Accesses not yet followed by a reuse, per (cell, bucket of their age so far):
         they are right-censored there, not evidence of no reuse.
 
-        How many there are per cell is known exactly: every access is reused or is its
-        block's latest, so it is the cell's accesses less its reuses (both weighed alike).
+        How many there are per cell is known exactly: every access is reused, is a live
+        block's latest or was a freed block's latest (``freed``: never reused, so at risk
+        throughout, not censored), so it is the cell's accesses less its reuses and its freed
+        (all weighed alike).
         Only how they spread over ages is estimated, from a uniform sample of block ids, so
         a refresh costs O(sample), not O(blocks). Scaled from the sample alone, its noise
         left accesses at risk at distances none of them had reached (a cell of 1,000 whose
@@ -295,7 +305,7 @@ class ReuseModel:
         flat = self.cell[ids].astype(np.int64) * N_BUCKETS + distance_bucket(ages + 1)
         rows = np.bincount(flat, weights=weight, minlength=N_CELLS * N_BUCKETS).astype(np.float64, copy=False)
         rows = rows.reshape(N_CELLS, N_BUCKETS)
-        mass = np.maximum(self.accesses - self.reuses.sum(axis=1), 0.0)
+        mass = np.maximum(self.accesses - self.reuses.sum(axis=1) - self.freed, 0.0)
         sampled = rows.sum(axis=1)
         rows *= np.divide(mass, sampled, out=np.zeros_like(mass), where=sampled > 0)[:, None]
         rows[:, 0] += np.where(sampled > 0, 0.0, mass)

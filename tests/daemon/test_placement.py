@@ -283,3 +283,25 @@ def test_a_reloaded_predictor_section_reaches_the_policies(tmp_path):
         call(svc, "alloc", n=2, seq=1)  # and the policies still serve
     finally:
         svc.close()
+
+
+def test_reloaded_policy_parameters_reach_the_running_model(tmp_path):
+    """Each hot [policy] key a reload reports as applied is in effect: the dedup window, the
+    victim sample, admission and the model's shrinkage and memory."""
+    base = ["tiers.hbm_bytes=16384", "tiers.dram_bytes=16384", "tiers.nvme_bytes=0",
+            f'server.runtime_dir="{tmp_path}/run"', "metrics.enabled=false"]
+    svc = Service(load_config(environ={}, overrides=base))
+    try:
+        call(svc, "register", pid=0, block_bytes=4096)
+        new = load_config(environ={}, overrides=base + [
+            "policy.epoch_s=0.25", "policy.samples=4", "policy.admission=false", "policy.prior_strength=5.0",
+            "policy.memory_horizons=8.0"])
+        svc.apply_hot(new, ["policy"])
+        pl = svc.node.placement
+        assert pl.epoch_s == 0.25
+        pols = [p for p in pl.policies.values() if hasattr(p, "model")]
+        assert pols and all(p.samples == 4 and p.admission is False and p.model.m == 5.0
+                            and p.model.memory_horizons == 8.0 for p in pols)
+        call(svc, "alloc", n=2, seq=1)
+    finally:
+        svc.close()

@@ -262,6 +262,23 @@ def test_reload_valid_and_invalid(tmp_path):
         assert d.stop() == 0
 
 
+def test_reload_names_policy_keys_a_running_node_takes_only_at_restart(tmp_path):
+    cfg = tmp_path / "k.toml"
+    cfg.write_text("[policy]\nrefresh_every = 2000\n")
+    d = DaemonProcess(tmp_path, "tiers.hbm_bytes=65536", "tiers.dram_bytes=65536", "tiers.nvme_bytes=0",
+                      config=str(cfg))
+    try:
+        with d.client(heartbeat_s=None) as c:
+            c.register(block_bytes=4096)  # a node runs: its policies were built
+            cfg.write_text("[policy]\nrefresh_every = 500\nprior_strength = 3.0\n")
+            r = c.reload()
+            assert r["restart"] == ["policy.refresh_every"] and r["keys"] == ["policy.prior_strength"]
+            hot = c.stats()["config_hot"]["policy"]
+            assert hot["refresh_every"] == 2000 and hot["prior_strength"] == 3.0  # the running value kept
+    finally:
+        assert d.stop() == 0
+
+
 def test_graceful_stop_removes_runtime_files(tmp_path):
     d = DaemonProcess(tmp_path, "tiers.hbm_bytes=65536", "tiers.dram_bytes=65536", "tiers.nvme_bytes=262144")
     assert d.stop() == 0

@@ -380,3 +380,24 @@ def test_the_censored_count_per_cell_is_exact_and_only_its_ages_are_sampled():
     assert pending[rare, 0] == 7.0 and pending[rare, 1:].sum() == 0.0  # censored at entry
     seen = pending.sum(axis=1) > 0
     assert seen.sum() >= 6  # classes 0-2 at stages 1 and 2, at least
+
+
+def test_a_freed_blocks_latest_access_is_never_reused_not_pending():
+    """A block freed before its latest access was reused takes that access out of the
+    pending mass (no block carries it: spread over the live blocks' ages, it had made their
+    hazards read high) and leaves it at risk at every distance: it will not come back."""
+    m = ReuseModel(64, candidates=(Candidate("all", 1.0),), refresh_every=10**6, initial_age=10.0,
+                   memory_horizons=1e12)
+    for b in range(10):
+        m.access(b, cls=0)
+    for b in range(3):
+        m.access(b, cls=0)  # 3 reused at distance 8-10
+    for b in range(3, 10):
+        m.reset(b)  # 7 freed, never reused
+    first, second = _cell(0, 1), int(m.cell[0])  # blocks 0-2: stage 2, reuse distance 8-10
+    assert m.cell[1] == m.cell[2] == second and m.freed[first] == 7.0
+    pending = m._pending()
+    assert pending[first].sum() == 0.0 and pending[second].sum() == 3.0
+    m.refresh()
+    at_far_bucket = m._hazard("class_stage_irr", pending, {})[first, 20]
+    assert at_far_bucket == pytest.approx(2.0 * m._hazard("class_stage", pending, {})[first // N_IRR, 20] / (2.0 + 7.0))
