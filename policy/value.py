@@ -43,8 +43,8 @@ from kvtier.policy.base import Eligible, Policy, budget, swap_remove
 from kvtier.policy.shadow import ShadowCaches
 from kvtier.policy.value_compiled import Runner, replay_runner
 from kvtier.predictor.calibration import CalibrationTracker
-from kvtier.predictor.cells import N_IRR, cell_of
-from kvtier.predictor.reuse_model import DEFAULT_CANDIDATES, ReuseModel
+from kvtier.predictor.cells import DEFAULT_CANDIDATES, N_IRR, cell_of
+from kvtier.predictor.reuse_model import ReuseModel
 
 _HASH = 0x9E3779B1
 _HOOKS = ("observe", "on_hit", "admit", "evict", "insert", "_record_eviction", "_find_victim", "_sample")

@@ -5,11 +5,13 @@ A cell is what the model knows of an access: feature class x access stage
 buckets, LIRS's IRR). A partition maps every fine cell to a coarser one (the
 features a candidate conditions on); ``PARENT`` is the shrinkage hierarchy. One
 owner of the layout: the per-access path, ``admit_many`` and the table builder
-all compute cells with ``cell_of``.
+all compute cells with ``cell_of``. A candidate model is a partition and a horizon;
+``DEFAULT_CANDIDATES`` is the grid the shadow caches choose from.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -52,3 +54,26 @@ def first_cell_of(cmap: np.ndarray, n_cells: int) -> np.ndarray:
     first = np.zeros(n_cells, dtype=np.int64)
     first[cmap[::-1]] = np.arange(cmap.size)[::-1]
     return first
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One model: which features it conditions on, and its horizon in eviction ages."""
+
+    partition: str
+    horizon_multiple: float
+    density: bool = False  # value = P(reused within W) / expected slot time until then (hit density)
+
+
+# The grid the shadow caches choose from: a spread of horizons on the full features,
+# coarser feature sets, and two hit-density models with long horizons (a loop longer than
+# the cache: P within a short horizon is 0 at mid ages, density keeps rising towards the
+# reuse), 32 and 128 eviction ages: a reuse 70x the cache away (a loop at 1%) is beyond
+# 32 and was invisible to every candidate. None of it is fitted to a trace: the 128
+# replaced a second density model on coarser features, measured on the synthetic families
+# and the first half of the conversation trace (README, "Policies and replay").
+DEFAULT_CANDIDATES: tuple[Candidate, ...] = (
+    Candidate("class_stage", 1.0), Candidate("class_stage", 2.0), Candidate("class_stage", 4.0),
+    Candidate("class_stage", 8.0), Candidate("stage_irr", 4.0), Candidate("class_stage_irr", 4.0),
+    Candidate("class_stage_irr", 32.0, density=True), Candidate("class_stage_irr", 128.0, density=True),
+)

@@ -40,7 +40,6 @@ forgotten by the age of the access it is about (counted whole, a reuse near
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -50,11 +49,22 @@ try:  # the victim search in one call (kernels/_value.c); numpy otherwise, same 
 except ImportError:  # pragma: no cover - exercised where the extension was not built
     _c_lowest = None
 
-from kvtier.predictor.cells import N_CELLS, N_IRR, PARENT, PARTITIONS, SUM_ROWS, cell_of, first_cell_of
+from kvtier.predictor.cells import (
+    DEFAULT_CANDIDATES,
+    N_CELLS,
+    N_IRR,
+    PARENT,
+    PARTITIONS,
+    SUM_ROWS,
+    Candidate,
+    cell_of,
+    first_cell_of,
+)
 from kvtier.predictor.classes import MAX_COUNT, N_FEATURE_CLASSES
 from kvtier.predictor.survival import (
     N_BUCKETS,
     distance_bucket,
+    distinct_rows,
     hit_density,
     log_survival,
     log_survival_at,
@@ -72,43 +82,6 @@ AGE_STEPS_PER_EVICTION_AGE = 8  # ... 1/8 of the eviction age wide: they cover 3
 TABLE_DTYPE = np.float32
 DECAY_RING = 4096  # refreshes whose running decay total is kept (older accesses: the current rate)
 DENSITY_CHUNK = 32  # age buckets per pass of the density computation: its float64 scratch stays small
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One model: which features it conditions on, and its horizon in eviction ages."""
-
-    partition: str
-    horizon_multiple: float
-    density: bool = False  # value = P(reused within W) / expected slot time until then (hit density)
-
-
-# The grid the shadow caches choose from: a spread of horizons on the full features,
-# coarser feature sets, and two hit-density models with long horizons (a loop longer than
-# the cache: P within a short horizon is 0 at mid ages, density keeps rising towards the
-# reuse), 32 and 128 eviction ages: a reuse 70x the cache away (a loop at 1%) is beyond
-# 32 and was invisible to every candidate. None of it is fitted to a trace: the 128
-# replaced a second density model on coarser features, measured on the synthetic families
-# and the first half of the conversation trace (README, "Policies and replay").
-DEFAULT_CANDIDATES: tuple[Candidate, ...] = (
-    Candidate("class_stage", 1.0), Candidate("class_stage", 2.0), Candidate("class_stage", 4.0),
-    Candidate("class_stage", 8.0), Candidate("stage_irr", 4.0), Candidate("class_stage_irr", 4.0),
-    Candidate("class_stage_irr", 32.0, density=True), Candidate("class_stage_irr", 128.0, density=True),
-)
-
-
-_ROW_KEY = np.random.default_rng(0x5EED).random(N_BUCKETS) + 0.5  # fixed weights: a row's key
-
-
-def distinct_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(distinct rows of ``a``, the row of them each row of ``a`` is): rows grouped by a
-    weighted sum (no sort of whole rows: ``np.unique(axis=0)`` cost a refresh 5 ms), then
-    checked equal; keys shared by unequal rows (or NaN) keep every row as it is."""
-    key = (a * _ROW_KEY).sum(axis=1)
-    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    if not np.array_equal(a[first][inverse], a):
-        return a, np.arange(a.shape[0])
-    return a[first], inverse
 
 
 class ReuseModel:

@@ -8,7 +8,7 @@ import pytest
 from kvtier.predictor import reuse_model
 from kvtier.predictor.cells import N_IRR
 from kvtier.predictor.classes import N_STAGES, STAGE_OF_COUNT
-from kvtier.predictor.reuse_model import PENDING_SAMPLE, Candidate, ReuseModel, distance_bucket
+from kvtier.predictor.reuse_model import Candidate, ReuseModel, distance_bucket
 
 
 def _cell(cls: int, count: int, irr: int = 0) -> int:
@@ -177,16 +177,6 @@ def test_tables_from_distinct_hazard_rows_equal_every_cell_computed(monkeypatch)
     assert t1.tobytes() == t2.tobytes()
     assert p1.keys() == p2.keys() and all(p1[k].tobytes() == p2[k].tobytes() for k in p1)
     assert np.unique(t1[0].reshape(reuse_model.N_AGES, -1), axis=1).shape[1] < t1.shape[2] // 2  # rows were shared
-
-
-def test_distinct_rows_groups_equal_rows_and_keeps_rows_whose_keys_collide(monkeypatch):
-    a = np.array([[0.1, 0.2], [0.3, 0.4], [0.1, 0.2], [0.3, 0.4], [0.5, 0.0]])
-    a = np.pad(a, ((0, 0), (0, reuse_model.N_BUCKETS - 2)))
-    distinct, inverse = reuse_model.distinct_rows(a)
-    assert distinct.shape[0] == 3 and np.array_equal(distinct[inverse], a)
-    monkeypatch.setattr(reuse_model, "_ROW_KEY", np.zeros(reuse_model.N_BUCKETS))  # every key collides
-    distinct, inverse = reuse_model.distinct_rows(a)
-    assert np.array_equal(distinct, a) and inverse.tolist() == [0, 1, 2, 3, 4]
 
 
 def test_one_gather_over_all_candidates_equals_each_candidates_lookup():
@@ -361,43 +351,3 @@ def test_reuses_in_the_open_last_bucket_still_count():
     expected = 1.0 - (1.0 - h) ** ((2.0 ** 24 - (age + 1.0)) / (2.0 ** 24 - 2.0 ** 23.5))
     assert float(m.tables[0][0, 24]) == pytest.approx(expected, rel=1e-4)
     assert w == 2.0 ** 22
-
-
-def test_the_censored_count_per_cell_is_exact_and_only_its_ages_are_sampled():
-    """Every access is reused or is its block's latest: a cell's pending mass is its accesses
-    less its reuses, whatever the sample of blocks saw. Scaled from a sample instead, a cell
-    whose sample read short kept accesses at risk at distances none had reached."""
-    n = 4 * PENDING_SAMPLE
-    m = ReuseModel(n, candidates=(Candidate("all", 1.0),), refresh_every=10**9, initial_age=100.0)
-    rng = np.random.default_rng(3)
-    for b in rng.integers(0, n, size=30_000).tolist():
-        m.access(b, cls=b % 3)
-    rare = _cell(5, 1)
-    m.accesses[rare] += 7.0  # pending accesses of blocks the sample cannot have seen
-    pending = m._pending()
-    want = np.maximum(m.accesses - m.reuses.sum(axis=1), 0.0)
-    assert np.allclose(pending.sum(axis=1), want, rtol=1e-9, atol=1e-9)
-    assert pending[rare, 0] == 7.0 and pending[rare, 1:].sum() == 0.0  # censored at entry
-    seen = pending.sum(axis=1) > 0
-    assert seen.sum() >= 6  # classes 0-2 at stages 1 and 2, at least
-
-
-def test_a_freed_blocks_latest_access_is_never_reused_not_pending():
-    """A block freed before its latest access was reused takes that access out of the
-    pending mass (no block carries it: spread over the live blocks' ages, it had made their
-    hazards read high) and leaves it at risk at every distance: it will not come back."""
-    m = ReuseModel(64, candidates=(Candidate("all", 1.0),), refresh_every=10**6, initial_age=10.0,
-                   memory_horizons=1e12)
-    for b in range(10):
-        m.access(b, cls=0)
-    for b in range(3):
-        m.access(b, cls=0)  # 3 reused at distance 8-10
-    for b in range(3, 10):
-        m.reset(b)  # 7 freed, never reused
-    first, second = _cell(0, 1), int(m.cell[0])  # blocks 0-2: stage 2, reuse distance 8-10
-    assert m.cell[1] == m.cell[2] == second and m.freed[first] == 7.0
-    pending = m._pending()
-    assert pending[first].sum() == 0.0 and pending[second].sum() == 3.0
-    m.refresh()
-    at_far_bucket = m._hazard("class_stage_irr", pending, {})[first, 20]
-    assert at_far_bucket == pytest.approx(2.0 * m._hazard("class_stage", pending, {})[first // N_IRR, 20] / (2.0 + 7.0))
