@@ -66,11 +66,16 @@ def _params(path: str | None, policies: list[str]) -> dict[str, Any]:
                                   "calibration_bins": cfg.predictor.calibration_bins,
                                   "calibration_sample": cfg.predictor.calibration_sample,
                                   "recalibrate": cfg.predictor.recalibrate}
-    return {name: {} if getattr(POLICIES[name], "replay_only", False) else dict(base) for name in policies}
+    def takes_config(name: str) -> bool:  # a reference built on kvtier (``config_params``) takes them too
+        cls = POLICIES[name]
+        return bool(getattr(cls, "config_params", not getattr(cls, "replay_only", False)))
+
+    return {name: dict(base) if takes_config(name) else {} for name in policies}
 
 
 def _tiered(args: argparse.Namespace, trace: Any, policies: list[str], params: dict[str, Any],
             console: Any) -> list[dict]:
+    from rich.markup import escape
     from rich.table import Table
 
     from kvtier.replay.report import parse_fractions
@@ -88,7 +93,7 @@ def _tiered(args: argparse.Namespace, trace: Any, policies: list[str], params: d
     rows = [simulate_tiers(p, spec, trace, params.get(p, {})) for p in policies]
     fleet = f"{spec.nodes} nodes: " if spec.nodes > 1 else ""
     shared = f", remote {remote:,} shared" if remote else ""
-    t = Table(title=f"{trace.name}: {fleet}tiers HBM {spec.hbm_blocks:,} + DRAM {spec.dram_blocks:,} blocks "
+    t = Table(title=f"{escape(trace.name)}: {fleet}tiers HBM {spec.hbm_blocks:,} + DRAM {spec.dram_blocks:,} blocks "
                     f"over NVMe{' per node' if fleet else ''}{shared}")
     cols = ["policy", "hbm hit", "dram hit", "nvme hit", *(["remote hit"] if remote else []), "miss",
             *(["fleet hit"] if "fleet_hit" in rows[0] else []), "stall s (no prefetch)"]
@@ -104,6 +109,7 @@ def _tiered(args: argparse.Namespace, trace: Any, policies: list[str], params: d
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
     from rich.table import Table
 
@@ -115,19 +121,20 @@ def run(args: argparse.Namespace) -> int:
     fractions = parse_fractions(args.capacity)
     policies = expand_policies(args.policy, POLICIES)
     params = _params(args.config, policies)
-    console = Console()
+    # no emoji codes: a title "synthetic:loop: ..." rendered ":loop:" as a picture
+    console = Console(emoji=False)
     if not console.is_terminal:  # piped: rich would wrap at 80 columns and cut the table
-        console = Console(width=132)
+        console = Console(width=132, emoji=False)
     reports = []
     for path in args.traces:
         trace = split_trace(synthetic_trace(path) if path.startswith(PREFIX) else load_trace(path), args.part)
-        total = trace.n_accesses * len(fractions) * len(policies)
+        total = trace.n_accesses * len(fractions) * sum(getattr(POLICIES[p], "passes", 1) for p in policies)
         with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
                       TimeRemainingColumn(), console=Console(stderr=True), transient=True) as prog:
             task = prog.add_task(f"replay {trace.name}", total=total)
             rep = replay(trace, fractions, policies, params, lambda n, task=task: prog.advance(task, n))
         reports.append(rep)
-        table = Table(title=f"{trace.name}: block hit ratio ({trace.n_accesses:,} accesses, "
+        table = Table(title=f"{escape(trace.name)}: block hit ratio ({trace.n_accesses:,} accesses, "
                             f"{trace.n_unique:,} unique, max {rep['max_hit_ratio']:.4f})")
         table.add_column("policy")
         for row in rep["rows"]:  # one column per capacity, one row per policy: fits any number of policies

@@ -34,5 +34,6 @@ def make_policy(name: str, capacity: int, max_blocks: int, **params: Any) -> Pol
 
 
 from kvtier.policy import arc, belady, gdsf, lhd, lirs, lru, s3fifo, sieve, tinylfu, twoq, value  # noqa: E402,F401,I001
+from kvtier.policy import prefit  # noqa: E402,F401  (after value: it subclasses it)
 
 __all__ = ["POLICIES", "Policy", "make_policy", "register_policy"]

@@ -52,6 +52,8 @@ _HOOKS = ("observe", "on_hit", "admit", "evict", "insert", "_record_eviction", "
 
 @register_policy("kvtier")
 class ValuePolicy(Policy):
+    hooks_as_kernel = True  # per class: a subclass the kernel may run sets it again (none of _HOOKS changed)
+
     def __init__(self, capacity: int, max_blocks: int, samples: int = 16, admission: bool = True,
                  prior_strength: float = 2.0, refresh_every: int = 2000, memory_horizons: float = 32.0,
                  shadow_blocks: int = 128, default_candidate: int = 2, seed: int = 0,
@@ -220,8 +222,9 @@ class ValuePolicy(Policy):
     def compiled_replay(self, blocks: np.ndarray, classes: np.ndarray, resident: np.ndarray) -> Optional[Runner]:
         """Replay's loop over this policy in compiled code, with the same decisions
         (``kvtier.policy.value_compiled``); None where it cannot serve, and where a hook
-        is overridden (a subclass or an instance: the kernel would not call it)."""
-        if type(self) is not ValuePolicy or any(h in vars(self) for h in _HOOKS):
+        may be overridden (a subclass that does not set ``hooks_as_kernel`` itself, or an
+        instance: the kernel would not call it)."""
+        if not type(self).__dict__.get("hooks_as_kernel", False) or any(h in vars(self) for h in _HOOKS):
             return None
         return replay_runner(self, blocks, classes, resident)
 

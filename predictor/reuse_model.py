@@ -109,6 +109,7 @@ class ReuseModel:
         # latest accesses of blocks freed before a reuse: never reused (the id is gone), so at
         # risk at every distance, not censored; weighed and decayed as ``accesses``
         self.freed = np.zeros(N_CELLS)
+        self._known: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None  # ``preload``'s evidence
         self.eviction_age = float(initial_age)  # this cache's mean eviction age, in accesses
         self._ev_sum, self._ev_n = 0.0, 0.0
         self._log_decay = -self.refresh_every / (self.memory_horizons * self.eviction_age)  # the last refresh's
@@ -251,6 +252,23 @@ class ReuseModel:
         if self.clock % self.refresh_every == 0:  # (a refresh called off the grid only decays)
             self._period_start[(self.clock // self.refresh_every) % DECAY_RING] = self._decayed
 
+    def evidence(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """What a refresh reads now, in ``preload``'s terms: reuses per (cell, distance bucket),
+        accesses per cell (a freed block's latest among them: at risk throughout) and the
+        accesses pending per (cell, bucket of their age)."""
+        return self.reuses.copy(), self.accesses + self.freed, self._pending()
+
+    def preload(self, reuses: np.ndarray, accesses: np.ndarray, censored: np.ndarray) -> None:
+        """Evidence known before the first access (per cell: reuses per distance bucket,
+        accesses, accesses censored per bucket), added to the counts at every refresh and
+        never forgotten. Replay's hindsight reference (``kvtier-prefit``) only: an online
+        cache has no such evidence."""
+        shapes = ((N_CELLS, N_BUCKETS), (N_CELLS,), (N_CELLS, N_BUCKETS))
+        if tuple(np.shape(a) for a in (reuses, accesses, censored)) != shapes:
+            raise ValueError(f"preload: shapes {shapes} expected")
+        self._known = (np.array(reuses, dtype=np.float64), np.array(accesses, dtype=np.float64),
+                       np.array(censored, dtype=np.float64))
+
     @property
     def refresh_decay(self) -> float:
         """The weight the counts kept at the latest refresh (their forgetting per refresh period)."""
@@ -304,7 +322,10 @@ class ReuseModel:
         cmap = PARTITIONS[partition]
         n_cells = int(cmap.max()) + 1
         agg = SUM_ROWS[partition]
-        reuses, censored, total = agg(self.reuses), agg(pending), agg(self.accesses)
+        reuses, censored, total = self.reuses, pending, self.accesses
+        if self._known is not None:
+            reuses, total, censored = reuses + self._known[0], total + self._known[1], censored + self._known[2]
+        reuses, censored, total = agg(reuses), agg(censored), agg(total)
         gone = np.cumsum(reuses + censored, axis=1)  # reused or censored at or before bucket j
         # at risk in bucket j: not yet reused or censored before it, less half of those censored
         # in it (the actuarial life table: a censored access was, on average, exposed to half

@@ -50,7 +50,7 @@ def simulate(policy: Policy, trace: Trace, next_use: Optional[np.ndarray] = None
         if held is None:
             raise ValueError(f"policy {policy.name} holds {policy.size} blocks it cannot list: replay it from empty")
         resident[held] = True
-    make_runner = getattr(policy, "compiled_replay", None) if compiled and not policy.offline else None
+    make_runner = getattr(policy, "compiled_replay", None) if compiled else None
     runner = make_runner(trace.block, trace.cls, resident) if make_runner is not None else None
     blocks = trace.block.tolist()
     times = trace.time_s.tolist()
@@ -97,6 +97,9 @@ def simulate(policy: Policy, trace: Trace, next_use: Optional[np.ndarray] = None
 def run_one(name: str, capacity: int, trace: Trace, next_use: Optional[np.ndarray],
             params: dict[str, Any], progress: Optional[Callable[[int], None]] = None) -> RunResult:
     policy = make_policy(name, capacity, trace.n_unique, **params.get(name, {}))
+    prepare = getattr(policy, "prepare", None)  # a hindsight reference's first pass over the trace
+    if prepare is not None:
+        prepare(trace, progress)
     t0 = time.perf_counter()
     hits = simulate(policy, trace, next_use, progress)
     seconds = time.perf_counter() - t0
