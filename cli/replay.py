@@ -130,8 +130,8 @@ def run(args: argparse.Namespace) -> int:
         trace = split_trace(synthetic_trace(path) if path.startswith(PREFIX) else load_trace(path), args.part)
         total = trace.n_accesses * len(fractions) * sum(getattr(POLICIES[p], "passes", 1) for p in policies)
         with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-                      TimeRemainingColumn(), console=Console(stderr=True), transient=True) as prog:
-            task = prog.add_task(f"replay {trace.name}", total=total)
+                      TimeRemainingColumn(), console=Console(stderr=True, emoji=False), transient=True) as prog:
+            task = prog.add_task(f"replay {escape(trace.name)}", total=total)
             rep = replay(trace, fractions, policies, params, lambda n, task=task: prog.advance(task, n))
         reports.append(rep)
         table = Table(title=f"{escape(trace.name)}: block hit ratio ({trace.n_accesses:,} accesses, "

@@ -7,10 +7,14 @@ ordinary ``kvtier`` cache of the same capacity with no forgetting and keeps
 its final evidence: every reuse distance per cell, every access, and the
 accesses still pending at the end (censored at their age). The second pass is
 the shipped policy (same candidates, shadow caches, admission and victims)
-whose every table is built from that evidence plus its own counts, so from
-the first access it knows each cell's reuse-distance law over the whole trace,
-though not which block comes back when. Neither pass forgets: the statistics
-are the trace's, not a window's.
+whose tables are built from that evidence before its first access and at every
+refresh, its own counts added as it goes (by the end of the replay it has
+counted the trace twice), so from the first access it knows each cell's
+reuse-distance law over the whole trace, and the run's mean eviction age,
+though not which block comes back when. Neither pass forgets (the statistics
+are the trace's, not a window's), so ``memory_horizons`` is the one
+``[policy]`` parameter it does not take. Its replay runs through the compiled
+loop: no hook is overridden, and refreshes run in Python.
 
 It sees the future (the trace's statistics), so it is ``offline``: the
 multi-tier replay and the daemon refuse it.
@@ -37,7 +41,6 @@ class PrefitValuePolicy(ValuePolicy):
     replay_only = True
     passes = 2  # replay runs the trace twice for it (its progress counts both)
     config_params = True  # replay gives it kvtier's [policy] parameters
-    hooks_as_kernel = True  # no hook is overridden; the kernel's refreshes run in Python, preload included
 
     def __init__(self, capacity: int, max_blocks: int, **params: Any) -> None:
         self._params = {**params, "memory_horizons": NO_FORGETTING, "track_calibration": False}
@@ -51,6 +54,8 @@ class PrefitValuePolicy(ValuePolicy):
         first = ValuePolicy(self.capacity, self.max_blocks, **self._params)
         simulate(first, trace, progress=progress)
         self.model.preload(*first.model.evidence())
+        self.model.eviction_age = first.model.eviction_age  # the run's mean: the horizons from the start
+        self.model.refresh()  # the tables from the evidence now, not at the first refresh of the replay
         self.prepared = True
 
     def compiled_replay(self, blocks: np.ndarray, classes: np.ndarray, resident: np.ndarray) -> Optional[Runner]:

@@ -47,13 +47,14 @@ from kvtier.predictor.cells import DEFAULT_CANDIDATES, N_IRR, cell_of
 from kvtier.predictor.reuse_model import ReuseModel
 
 _HASH = 0x9E3779B1
-_HOOKS = ("observe", "on_hit", "admit", "evict", "insert", "_record_eviction", "_find_victim", "_sample")
+# every method whose work the replay kernel does itself: overridden (by a subclass or an instance), the kernel
+# would not call it, so replay takes the hooks instead
+_HOOKS = ("observe", "on_hit", "admit", "evict", "insert", "_record_eviction", "_find_victim", "_sample", "_unlink",
+          "_scored", "_predict", "_values")
 
 
 @register_policy("kvtier")
 class ValuePolicy(Policy):
-    hooks_as_kernel = True  # per class: a subclass the kernel may run sets it again (none of _HOOKS changed)
-
     def __init__(self, capacity: int, max_blocks: int, samples: int = 16, admission: bool = True,
                  prior_strength: float = 2.0, refresh_every: int = 2000, memory_horizons: float = 32.0,
                  shadow_blocks: int = 128, default_candidate: int = 2, seed: int = 0,
@@ -221,10 +222,12 @@ class ValuePolicy(Policy):
 
     def compiled_replay(self, blocks: np.ndarray, classes: np.ndarray, resident: np.ndarray) -> Optional[Runner]:
         """Replay's loop over this policy in compiled code, with the same decisions
-        (``kvtier.policy.value_compiled``); None where it cannot serve, and where a hook
-        may be overridden (a subclass that does not set ``hooks_as_kernel`` itself, or an
-        instance: the kernel would not call it)."""
-        if not type(self).__dict__.get("hooks_as_kernel", False) or any(h in vars(self) for h in _HOOKS):
+        (``kvtier.policy.value_compiled``); None where it cannot serve, and where a method the
+        kernel does itself is overridden (``_HOOKS``: by a subclass or an instance) or the model
+        is not a ``ReuseModel``: the kernel would not call them."""
+        cls = type(self)
+        if (any(getattr(cls, h) is not getattr(ValuePolicy, h) for h in _HOOKS) or any(h in vars(self) for h in _HOOKS)
+                or type(self.model) is not ReuseModel):
             return None
         return replay_runner(self, blocks, classes, resident)
 

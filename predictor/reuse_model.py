@@ -254,9 +254,9 @@ class ReuseModel:
 
     def evidence(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """What a refresh reads now, in ``preload``'s terms: reuses per (cell, distance bucket),
-        accesses per cell (a freed block's latest among them: at risk throughout) and the
-        accesses pending per (cell, bucket of their age)."""
-        return self.reuses.copy(), self.accesses + self.freed, self._pending()
+        accesses per cell (a freed block's latest among them: neither reused nor pending, so at
+        risk throughout) and the accesses pending per (cell, bucket of their age)."""
+        return self.reuses.copy(), self.accesses.copy(), self._pending()
 
     def preload(self, reuses: np.ndarray, accesses: np.ndarray, censored: np.ndarray) -> None:
         """Evidence known before the first access (per cell: reuses per distance bucket,

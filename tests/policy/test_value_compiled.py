@@ -209,9 +209,23 @@ def test_a_pending_victim_is_cleared_as_the_hooks_clear_it():
 
 
 def test_overridden_hooks_keep_the_replay_on_the_hooks():
+    from kvtier.policy.value import ValuePolicy
+
+    args = (np.zeros(3, np.int64), np.zeros(3, np.int64), np.zeros(8, bool))
     p = make_policy("kvtier", 4, 8)
     p.admit = lambda *a: True  # type: ignore[method-assign]
-    assert p.compiled_replay(np.zeros(3, np.int64), np.zeros(3, np.int64), np.zeros(8, bool)) is None
+    assert p.compiled_replay(*args) is None  # on the instance
+
+    class Unlinks(ValuePolicy):  # in a subclass, a method the kernel does itself
+        def _unlink(self, b: int) -> None:
+            super()._unlink(b)
+
+    class Plain(ValuePolicy):
+        pass
+
+    assert Unlinks(4, 8).compiled_replay(*args) is None
+    if value_compiled.available():
+        assert Plain(4, 8).compiled_replay(*args) is not None
 
 
 def test_registers_out_of_range_are_refused():

@@ -6,7 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import kvtier.policy.value_compiled as value_compiled
 from kvtier.policy import make_policy
+from kvtier.policy.prefit import NO_FORGETTING
+from kvtier.policy.value import ValuePolicy
 from kvtier.predictor.cells import N_CELLS, PARTITIONS
 from kvtier.predictor.reuse_model import ReuseModel
 from kvtier.predictor.survival import N_BUCKETS
@@ -48,10 +51,29 @@ def test_prefit_knows_the_whole_trace_and_the_kernel_agrees():
         # every access is in the evidence: reused, or pending at the end (the first pass frees none)
         assert accesses.sum() == pytest.approx(trace.n_accesses)
         assert reuses.sum() + censored.sum() == pytest.approx(trace.n_accesses, rel=0.05)
+        # the tables are built from it before the first access
+        assert pol.model.refreshes == 1 and pol.model.clock == 0
+        if compiled and value_compiled.available():
+            assert pol.compiled_replay(trace.block, trace.cls, np.zeros(trace.n_unique, bool)) is not None
         hits[compiled] = simulate(pol, trace, trace.next_use(), compiled=compiled)
     assert hits[True] == hits[False] == r.hits
-    online = simulate(make_policy("kvtier", cap, trace.n_unique), trace)
-    assert hits[True] != online  # the preloaded evidence changed decisions
+    # the same policy without the evidence (no forgetting either) decides otherwise, and so
+    # does one that had the evidence for its first tables only: every refresh reads it
+    bare = ValuePolicy(cap, trace.n_unique, memory_horizons=NO_FORGETTING, track_calibration=False)
+    assert hits[True] != simulate(bare, trace)
+    once = make_policy("kvtier-prefit", cap, trace.n_unique)
+    once.prepare(trace)
+    once.model._known = None
+    assert hits[True] != simulate(once, trace, trace.next_use())
+
+
+def test_evidence_counts_a_freed_access_once():
+    m = ReuseModel(8, refresh_every=1000)
+    for b in (1, 2, 1):
+        m.access(b, 0)
+    m.reset(2)  # freed before a reuse: never reused, not pending
+    reuses, accesses, censored = m.evidence()
+    assert accesses.sum() == 3 and reuses.sum() == 1 and censored.sum() == pytest.approx(1.0)
 
 
 def test_prefit_runs_only_prepared_and_only_in_replay():
