@@ -101,7 +101,7 @@ def run_one(name: str, capacity: int, trace: Trace, next_use: Optional[np.ndarra
     t0 = time.perf_counter()  # a hindsight reference's first pass over the trace is part of its cost
     prepare = getattr(policy, "prepare", None)
     if prepare is not None:
-        prepare(trace, progress)
+        prepare(trace.block, trace.cls, progress)
     hits = simulate(policy, trace, next_use, progress)
     seconds = time.perf_counter() - t0
     return RunResult(name, capacity, hits, trace.n_accesses, seconds, policy.stats(), policy.calibration())

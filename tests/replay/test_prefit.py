@@ -46,11 +46,17 @@ def test_prefit_knows_the_whole_trace_and_the_kernel_agrees():
     hits = {}
     for compiled in (True, False):
         pol = make_policy("kvtier-prefit", cap, trace.n_unique)
-        pol.prepare(trace)
+        pol.prepare(trace.block, trace.cls)
         reuses, accesses, censored = pol.model._known
         # every access is in the evidence: reused, or pending at the end (the first pass frees none)
         assert accesses.sum() == pytest.approx(trace.n_accesses)
         assert reuses.sum() + censored.sum() == pytest.approx(trace.n_accesses, rel=0.05)
+        # the evidence is the access stream's, whatever a cache kept: a replay's model gathers the same
+        if compiled:
+            replayed = ValuePolicy(cap, trace.n_unique, memory_horizons=NO_FORGETTING, track_calibration=False)
+            simulate(replayed, trace)
+            for mine, theirs in zip(pol.model._known, replayed.model.evidence()):
+                assert np.allclose(mine, theirs, rtol=1e-6)
         # the tables are built from it before the first access
         assert pol.model.refreshes == 1 and pol.model.clock == 0
         if compiled and value_compiled.available():
@@ -62,7 +68,7 @@ def test_prefit_knows_the_whole_trace_and_the_kernel_agrees():
     bare = ValuePolicy(cap, trace.n_unique, memory_horizons=NO_FORGETTING, track_calibration=False)
     assert hits[True] != simulate(bare, trace)
     once = make_policy("kvtier-prefit", cap, trace.n_unique)
-    once.prepare(trace)
+    once.prepare(trace.block, trace.cls)
     once.model._known = None
     assert hits[True] != simulate(once, trace, trace.next_use())
 
