@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from kvtier.policy import register_policy
-from kvtier.policy.value import Runner, ValuePolicy
+from kvtier.policy.value import ValuePolicy
 from kvtier.predictor.reuse_model import ReuseModel
 
 NO_FORGETTING = 1e12  # memory in eviction ages: the counts keep every access
@@ -45,7 +45,7 @@ class PrefitValuePolicy(ValuePolicy):
     def __init__(self, capacity: int, max_blocks: int, **params: Any) -> None:
         super().__init__(capacity, max_blocks, **{**params, "memory_horizons": NO_FORGETTING,
                                                   "track_calibration": False})
-        self.prepared = False
+        self.prepared = False  # replay refuses it until ``prepare``
 
     def prepare(self, blocks: np.ndarray, classes: np.ndarray,
                 progress: Optional[Callable[[int], None]] = None) -> None:
@@ -63,11 +63,6 @@ class PrefitValuePolicy(ValuePolicy):
         m.preload(*first.evidence())
         m.refresh()  # the tables from the evidence now, not at the replay's first refresh
         self.prepared = True
-
-    def compiled_replay(self, blocks: np.ndarray, classes: np.ndarray, resident: np.ndarray) -> Optional[Runner]:
-        if not self.prepared:
-            raise RuntimeError("kvtier-prefit: prepare(blocks, classes) must run before the replay")
-        return super().compiled_replay(blocks, classes, resident)
 
     def calibration(self) -> None:
         return None  # a reference for hit ratios: its probabilities are fitted on what they predict

@@ -44,6 +44,8 @@ def simulate(policy: Policy, trace: Trace, next_use: Optional[np.ndarray] = None
     the same decisions either way."""
     if policy.offline and next_use is None:
         raise ValueError(f"policy {policy.name} is offline: it needs next_use")
+    if not getattr(policy, "prepared", True):  # a hindsight reference before its first pass
+        raise ValueError(f"policy {policy.name} replays only after prepare(blocks, classes) (run_one calls it)")
     resident = np.zeros(trace.n_unique, dtype=bool)
     if policy.size:  # a policy that already holds blocks: they are resident here too
         held = policy.residents()

@@ -86,8 +86,9 @@ def test_prefit_runs_only_prepared_and_only_in_replay():
     from kvtier.daemon.config import load_config
 
     trace = synthetic_trace("loop", requests=200)
-    with pytest.raises(RuntimeError, match="prepare"):
-        simulate(make_policy("kvtier-prefit", 8, trace.n_unique), trace, trace.next_use())
+    for compiled in (True, False):  # refused on either path, before anything is replayed
+        with pytest.raises(ValueError, match="prepare"):
+            simulate(make_policy("kvtier-prefit", 8, trace.n_unique), trace, trace.next_use(), compiled=compiled)
     with pytest.raises(Exception, match="replay"):
         load_config(environ={}, overrides=['policy.name="kvtier-prefit"'])
 
