@@ -50,7 +50,7 @@ _HASH = 0x9E3779B1
 # every method whose work the replay kernel does itself: overridden (by a subclass or an instance), the kernel
 # would not call it, so replay takes the hooks instead
 _HOOKS = ("observe", "on_hit", "admit", "evict", "insert", "_record_eviction", "_find_victim", "_sample", "_unlink",
-          "_scored", "_predict", "_values")
+          "_scored", "_predict")
 
 
 @register_policy("kvtier")
