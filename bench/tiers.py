@@ -4,7 +4,8 @@ Every figure is measured in the same run, on the same bytes and block size:
 the raw baselines (``baselines.py``) are memory copies between two POSIX
 shared-memory buffers, the memory both pools are made of (one numpy copy,
 torch's multi-threaded copy, a pool of threads, the mover's chunked copy), and O_DIRECT I/O at queue
-depth 1 and from as many threads as the I/O backend has; each ratio divides
+depth 1 and from as many threads as the I/O backend has (a Python call a block,
+and each thread's share in one call of the backend's compiled loop); each ratio divides
 by the best of its baselines. The kvtier figures go through ``TierManager``
 and its mover. Raw and kvtier steps
 alternate within every repetition, so drift on a noisy machine hits both
@@ -27,7 +28,7 @@ import numpy as np
 from kvtier.tiers.manager import TierManager
 from kvtier.tiers.types import Tier
 
-from .baselines import COPY_BASELINES, READ_BASELINES, WRITE_BASELINES, RawODirect, ShmCopy, best
+from .baselines import COMPILED_IO, COPY_BASELINES, READ_BASELINES, WRITE_BASELINES, RawODirect, ShmCopy, best
 from .gpu_baselines import GPU_RATIOS, GpuBaselines, gpu_reasons
 
 MiB = 1 << 20
@@ -108,7 +109,8 @@ def interleaved_figures(directory: str, block: int, n: int, reps: int, args: arg
         def pair(rep: int, raw_step: tuple, ours: tuple) -> list:
             return [raw_step, ours] if rep % 2 == 0 else [ours, raw_step]
 
-        raw_reads = [("raw_odirect_read_tier", raw_tier.read), ("raw_odirect_read_tier_qd", raw_tier.read_qd)]
+        raw_reads = [("raw_odirect_read_tier", raw_tier.read), ("raw_odirect_read_tier_qd", raw_tier.read_qd),
+                     *([("raw_odirect_read_tier_qd_c", raw_tier.read_qd_c)] if COMPILED_IO else [])]
         nvme_read = ("nvme_to_dram", lambda: run(lambda b: m.promote(b, Tier.DRAM)))  # -> DRAM + NVMe
 
         def copy_round(i: int) -> list[tuple[str, Callable[[], object]]]:  # HBM only -> HBM only
@@ -142,6 +144,7 @@ def interleaved_figures(directory: str, block: int, n: int, reps: int, args: arg
                 *pair(rep, ("raw_odirect_write_tier", raw_tier.write),
                       ("dram_to_nvme", lambda: run(lambda b: m.demote(b, Tier.DRAM, Tier.NVME)))),  # -> NVMe only
                 ("raw_odirect_write_tier_qd", raw_tier.write_qd),
+                *([("raw_odirect_write_tier_qd_c", raw_tier.write_qd_c)] if COMPILED_IO else []),
                 *reads,
                 ("memcpy", lambda: np.copyto(dst, src)),  # anonymous-memory baselines: reported, not in ratios
                 ("raw_odirect_write", raw.write),
@@ -286,14 +289,16 @@ def run(args: argparse.Namespace) -> dict:
             ("hbm→dram (kvtier)", "hbm_to_dram_gbps"), ("dram→hbm (kvtier)", "dram_to_hbm_gbps"),
             ("O_DIRECT write (raw, QD1)", "raw_odirect_write_tier_gbps"),
             (f"O_DIRECT write (raw, {it} threads)", "raw_odirect_write_tier_qd_gbps"),
+            (f"O_DIRECT write (raw, {it} threads, compiled loop)", "raw_odirect_write_tier_qd_c_gbps"),
             ("dram→nvme (kvtier)", "dram_to_nvme_gbps"),
             ("O_DIRECT read (raw, QD1)", "raw_odirect_read_tier_gbps"),
             (f"O_DIRECT read (raw, {it} threads)", "raw_odirect_read_tier_qd_gbps"),
+            (f"O_DIRECT read (raw, {it} threads, compiled loop)", "raw_odirect_read_tier_qd_c_gbps"),
             ("nvme→dram (kvtier)", "nvme_to_dram_gbps"))
     gpu_rows = (("pinned H2D (raw)", "raw_h2d_gbps"), ("pinned D2H (raw)", "raw_d2h_gbps"),
                 ("kvikio write (raw)", "raw_kvikio_write_gbps"), ("hbm→nvme (kvtier)", "hbm_to_nvme_gbps"),
                 ("kvikio read (raw)", "raw_kvikio_read_gbps"), ("nvme→hbm (kvtier)", "nvme_to_hbm_gbps"))
-    for label, key in rows + tuple(r for r in gpu_rows if all(r[1] in s for s in sizes.values())):
+    for label, key in tuple(r for r in rows + gpu_rows if all(r[1] in s for s in sizes.values())):
         table.add_row(label, *(f"{s[key]:.2f}" for s in sizes.values()))
     for k in heads:
         table.add_row(f"ratio {k} vs best (target ≥ {targets[k]})",

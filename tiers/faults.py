@@ -78,9 +78,11 @@ class FaultyBackend:
         return gather([self.pread(handle, [buf], off) for buf, off in reads])  # faults hit single reads
 
     def pread_checked(self, reads: Sequence[tuple[Any, Sequence[Any], int]],
-                      check: Callable[[int], None]) -> "Future[list[Any]]":
+                      check: Callable[[int], None],
+                      sums: Any = None) -> "Future[list[Any]]":
         """Faults hit single reads; each check runs after the read and after any
-        corruption injected into it (on the I/O thread, or here once it is done)."""
+        corruption injected into it (on the I/O thread, or here once it is done);
+        ``sums`` is not used: ``check`` sees every injected corruption."""
         return gather([then_check(self.pread(h, bufs, off), partial(check, i))
                        for i, (h, bufs, off) in enumerate(reads)])
 

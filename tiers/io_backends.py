@@ -30,7 +30,13 @@ import numpy as np
 from .futures import Failures, gather, then_check
 from .types import TierError
 
+try:  # a share of block I/O in one call without the GIL (kernels/_blockio.c)
+    import kvtier.kernels._blockio as _blockio
+except ImportError:  # pragma: no cover - where the extension was not built: one Python call a block
+    _blockio = None
+
 Buffer = Any  # numpy uint8 array (host) or torch CUDA tensor (kvikio only)
+Sums = Sequence[Optional[tuple[int, int]]]  # per read: (length, block checksum) its first buffer must have, or None
 log = logging.getLogger("kvtier.io")
 
 
@@ -43,7 +49,7 @@ class IOBackend(Protocol):
     def pread_many(self, handle: Any, reads: Sequence[tuple[Buffer, int]]) -> "Future[Failures]": ...
     def pwrite_many(self, writes: Sequence[tuple[Any, Sequence[Buffer], int]]) -> "Future[Failures]": ...
     def pread_checked(self, reads: Sequence[tuple[Any, Sequence[Buffer], int]],
-                      check: Callable[[int], None]) -> "Future[Failures]": ...
+                      check: Callable[[int], None], sums: Optional[Sums] = None) -> "Future[Failures]": ...
     def fsync(self, handle: Any) -> None: ...
     def close(self, handle: Any) -> None: ...
     def shutdown(self) -> None: ...
@@ -101,9 +107,10 @@ class PosixBackend:
 
     name = "posix"
 
-    def __init__(self, threads: int = 8, use_direct: bool = True) -> None:
+    def __init__(self, threads: int = 8, use_direct: bool = True, compiled: bool = True) -> None:
         self.threads = max(1, int(threads))
         self.use_direct = use_direct
+        self.compiled = compiled and _blockio is not None  # False: every block through ``_loop`` (tests compare)
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kvtier-io")
 
     def open(self, path: str, size: int) -> PosixHandle:
@@ -190,31 +197,61 @@ class PosixBackend:
         return self._each(os.pwritev, [(h, self._views(bufs), off) for h, bufs, off in writes], "write")
 
     def pread_checked(self, reads: Sequence[tuple[PosixHandle, Sequence[Buffer], int]],
-                      check: Callable[[int], None]) -> "Future[Failures]":
+                      check: Callable[[int], None], sums: Optional[Sums] = None) -> "Future[Failures]":
         """Reads (handle, buffers, offset) as one pool task, like ``pwrite_many``, each
-        followed on the same I/O thread by ``check(i)`` (a checksum): verification
-        overlaps the other threads' reads instead of waiting for the caller's thread.
-        A read that fails, or whose check raises, fails alone."""
-        return self._each(os.preadv, [(h, self._views(bufs), off) for h, bufs, off in reads], "read", check)
+        verified on the same I/O thread: verification overlaps the other threads' reads
+        instead of waiting for the caller's thread. ``sums[i]`` (length, checksum) is
+        checked in the compiled loop where it exists; ``check(i)`` runs otherwise, and
+        on a mismatch, to raise the caller's own error. A read that fails, or whose
+        check fails, fails alone."""
+        return self._each(os.preadv, [(h, self._views(bufs), off) for h, bufs, off in reads], "read", check, sums)
 
     def _each(self, op: Callable[..., int], jobs: list[tuple[PosixHandle, list[memoryview], int]],
-              kind: str, check: Optional[Callable[[int], None]] = None) -> "Future[Failures]":
+              kind: str, check: Optional[Callable[[int], None]] = None,
+              sums: Optional[Sums] = None) -> "Future[Failures]":
         """Jobs (handle, views, offset) as one pool task, one after the other, each failing
-        alone; ``check(i)``, if given, runs after job i moved its bytes."""
+        alone; ``check(i)``, if given, runs after job i moved its bytes (unless the
+        compiled loop verified ``sums[i]`` already)."""
+        if sums is not None and len(sums) != len(jobs):
+            raise ValueError(f"{len(sums)} checksums for {len(jobs)} reads")
+        if self.compiled and all(len(v) <= _blockio.MAX_IOV for _, v, _ in jobs):
+            return self._pool.submit(self._run_compiled, op, jobs, kind, check, sums)
+        return self._pool.submit(self._run_python, op, jobs, kind, check)
 
-        def run() -> Failures:
-            out: Failures = []
-            for i, (h, views, off) in enumerate(jobs):
-                try:
+    def _run_python(self, op: Callable[..., int], jobs: list[tuple[PosixHandle, list[memoryview], int]],
+                    kind: str, check: Optional[Callable[[int], None]]) -> Failures:
+        out: Failures = []
+        for i, (h, views, off) in enumerate(jobs):
+            try:
+                self._loop(op, h, views, off, kind)
+                if check is not None:
+                    check(i)
+                out.append(None)
+            except Exception as e:  # OSError, TierError, or the check's: this job's failure
+                out.append(e)
+        return out
+
+    def _run_compiled(self, op: Callable[..., int], jobs: list[tuple[PosixHandle, list[memoryview], int]],
+                      kind: str, check: Optional[Callable[[int], None]], sums: Optional[Sums]) -> Failures:
+        """The share in one C call without the GIL (the GIL taken back per block kept the
+        disk short of requests behind the mover's planning). A block the loop could not
+        move goes through ``_loop``, which owns the short-transfer message and the
+        fall-back from a refused O_DIRECT; an I/O error is raised as the call would."""
+        status = _blockio.transfer(op is os.pwritev, [h._io[0] for h, _, _ in jobs], [off for _, _, off in jobs],
+                                   [views for _, views, _ in jobs], None if check is None else sums)
+        out: Failures = []
+        for i, (st, (h, views, off)) in enumerate(zip(status, jobs)):
+            try:
+                if st > 0 and st != errno.EINVAL:
+                    raise OSError(st, os.strerror(st))
+                if st > 0 or st == _blockio.SHORT:
                     self._loop(op, h, views, off, kind)
-                    if check is not None:
-                        check(i)
-                    out.append(None)
-                except Exception as e:  # OSError, TierError, or the check's: this job's failure
-                    out.append(e)
-            return out
-
-        return self._pool.submit(run)
+                if check is not None and (st != 0 or sums is None or sums[i] is None):
+                    check(i)  # not verified in C, or failed there: the caller's check names the failure
+                out.append(None)
+            except Exception as e:  # OSError, TierError, or the check's: this job's failure
+                out.append(e)
+        return out
 
     def fsync(self, handle: PosixHandle) -> None:
         os.fsync(handle.fd)
@@ -327,9 +364,10 @@ class KvikioBackend:
         return gather([self.pwrite(h, bufs, off) for h, bufs, off in writes])  # kvikio queues each
 
     def pread_checked(self, reads: Sequence[tuple[KvikioHandle, Sequence[Buffer], int]],
-                      check: Callable[[int], None]) -> "Future[Failures]":
+                      check: Callable[[int], None],
+                      sums: Optional[Sums] = None) -> "Future[Failures]":
         """Each read queued on kvikio; ``check(i)`` runs on the waiter thread that saw
-        read i complete (a device buffer is checked on the device)."""
+        read i complete (a device buffer is checked on the device; ``sums`` is not used)."""
         return gather([then_check(self.pread(h, bufs, off), partial(check, i))
                        for i, (h, bufs, off) in enumerate(reads)])
 

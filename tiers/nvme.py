@@ -266,7 +266,8 @@ class NvmeStore:
             if checksum is not None and block_checksum(out, length) != checksum:
                 raise CorruptBlockError(f"NVMe slot {slot} failed its checksum")
 
-        return self.backend.pread_checked(jobs, check)
+        sums = [None if checksum is None else (length, checksum) for _, _, length, checksum in items]
+        return self.backend.pread_checked(jobs, check, sums)
 
     def read_header(self, slot: int) -> Optional[SlotHeader]:
         handle, off = self._locate(slot)

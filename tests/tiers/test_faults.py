@@ -8,6 +8,7 @@ import threading
 import numpy as np
 import pytest
 
+from kvtier.tiers import io_backends
 from kvtier.tiers.faults import FaultyBackend
 from kvtier.tiers.io_backends import PosixBackend
 from kvtier.tiers.manager import TierManager
@@ -183,13 +184,44 @@ def _refuse_direct_io(monkeypatch, at: str) -> list[str]:
     if at == "io":
         monkeypatch.setattr(os, "pwritev", refusing(real_pwritev))
         monkeypatch.setattr(os, "preadv", refusing(real_preadv))
+
+        def c_refusal(fd: int) -> int:
+            if is_direct(fd):
+                refused.append("io")
+                return errno.EINVAL
+            return 0
+        _fail_compiled_io(monkeypatch, c_refusal)
     return refused
 
 
+def _fail_compiled_io(monkeypatch, fail) -> None:
+    """The same fault for the compiled share loop (kernels/_blockio.c), which calls
+    the kernel directly: a job on fd gets status ``fail(fd)`` (an errno) without
+    moving a byte where that is not 0; the others move for real."""
+    real = io_backends._blockio
+    if real is None:
+        return
+
+    class Shim:
+        SHORT, MISMATCH, MAX_IOV = real.SHORT, real.MISMATCH, real.MAX_IOV
+
+        @staticmethod
+        def transfer(write, fds, offsets, buffers, checks):
+            out = []
+            for j, fd in enumerate(fds):
+                st = fail(fd)
+                out.append(st or real.transfer(write, [fd], [offsets[j]], [buffers[j]],
+                                               None if checks is None else [checks[j]])[0])
+            return out
+
+    monkeypatch.setattr(io_backends, "_blockio", Shim)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
 @pytest.mark.parametrize("at", ["open", "io"])
-def test_refused_o_direct_falls_back_to_buffered_io(nvme_dir, monkeypatch, caplog, at):
+def test_refused_o_direct_falls_back_to_buffered_io(nvme_dir, monkeypatch, caplog, at, compiled):
     refused = _refuse_direct_io(monkeypatch, at)
-    m = TierManager(BB, 8, 8, 8, nvme_dir=nvme_dir, io_backend=PosixBackend(threads=4))
+    m = TierManager(BB, 8, 8, 8, nvme_dir=nvme_dir, io_backend=PosixBackend(threads=4, compiled=compiled))
     try:
         blocks = m.alloc(6)
         for i, b in enumerate(blocks.tolist()):
@@ -214,7 +246,6 @@ def test_refused_o_direct_falls_back_to_buffered_io(nvme_dir, monkeypatch, caplo
 def test_einval_on_a_buffered_file_is_an_error_not_a_retry(nvme_dir, monkeypatch):
     """Only O_DIRECT refusals fall back; EINVAL on buffered I/O fails the transfer
     and the block stays where it was."""
-    real_pwritev = os.pwritev
 
     def always_einval(fd, *a):
         raise OSError(errno.EINVAL, "Invalid argument")
@@ -226,9 +257,10 @@ def test_einval_on_a_buffered_file_is_an_error_not_a_retry(nvme_dir, monkeypatch
         m.write(b, pattern(5, BB))
         m.seal(b, 5)
         monkeypatch.setattr(os, "pwritev", always_einval)
+        _fail_compiled_io(monkeypatch, lambda fd: errno.EINVAL)
         m.demote([b], "hbm", "nvme"); m.wait()
         assert "Invalid argument" in m.last_errors[b] and m.table.copies[b] == 1 << Tier.HBM
-        monkeypatch.setattr(os, "pwritev", real_pwritev)
+        monkeypatch.undo()
         assert m.read(b) == pattern(5, BB).tobytes()
         m.check_invariants()
     finally:

@@ -5,21 +5,28 @@ import os
 import numpy as np
 import pytest
 
+from kvtier.tiers import io_backends
 from kvtier.tiers.aligned import aligned_empty
-from kvtier.tiers.io_backends import kvikio_status, select_backend
+from kvtier.tiers.io_backends import PosixBackend, kvikio_status, select_backend
 from kvtier.tiers.nvme import HEADER_BYTES, NvmeStore
 
 from ..conftest import pattern
+from .verify_spy import spy_verifications
 
 
 def _backends():
     ok, why = kvikio_status()
-    return ["posix", pytest.param("kvikio", marks=pytest.mark.skipif(not ok, reason=why))]
+    return ["posix", pytest.param("posix-python", marks=pytest.mark.skipif(io_backends._blockio is None,
+                                                                          reason="the compiled loop is not built")),
+            pytest.param("kvikio", marks=pytest.mark.skipif(not ok, reason=why))]
 
 
 @pytest.fixture(params=_backends())
 def backend(request):
-    be = select_backend(request.param, threads=4)
+    """posix-python: the posix backend with a Python call a block (where the compiled
+    share loop is not built), held to the same behaviour."""
+    be = PosixBackend(threads=4, compiled=False) if request.param == "posix-python" else \
+        select_backend(request.param, threads=4)
     yield be
     be.shutdown()
 
@@ -89,7 +96,6 @@ def test_read_checked_verifies_on_the_io_threads(backend, nvme_dir, monkeypatch)
     checksum, or whose read fails, fails alone with its own error."""
     import threading
 
-    import kvtier.tiers.nvme as nvme
     from kvtier.kernels.checksum import block_checksum
     from kvtier.tiers.types import CorruptBlockError
 
@@ -102,13 +108,7 @@ def test_read_checked_verifies_on_the_io_threads(backend, nvme_dir, monkeypatch)
         byte = f.read(1)[0]
         f.seek(1 * st.slot_bytes + HEADER_BYTES + 4999)
         f.write(bytes([byte ^ 1]))
-    where: list[str] = []
-
-    def spy(buf, length=None):
-        where.append(threading.current_thread().name)
-        return block_checksum(buf, length)
-
-    monkeypatch.setattr(nvme, "block_checksum", spy)
+    where = spy_verifications(monkeypatch)
     order = [5, 4, 0, 2, 1]
     outs = [aligned_empty(st.data_stride) for _ in order]
     errors = st.read_checked([(s, out, 5000, sums[s]) for s, out in zip(order, outs)]).result()

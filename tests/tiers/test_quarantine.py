@@ -14,6 +14,7 @@ from kvtier.tiers.nvme import HEADER_BYTES
 from kvtier.tiers.types import BlockState, Tier
 
 from ..conftest import pattern
+from .verify_spy import spy_verifications
 
 BB = 9000
 KEY = 0xC0FFEE
@@ -158,23 +159,12 @@ def test_corrupt_slab_byte_is_refused_by_the_io_thread_that_read_it(nvme_dir, mo
     verifies every block on the I/O thread that read it (never on the mover's thread),
     refuses the corrupt one twice (the read and its retry), serves none of its bytes
     and quarantines it, while the other blocks of the same batch land bit-exact."""
-    import threading
-
-    import kvtier.tiers.nvme as nvme
-    from kvtier.kernels.checksum import block_checksum
-
     m = TierManager(BB, 4, 4, 8, nvme_dir=nvme_dir, io_backend="posix", io_threads=2)
-    where: list[str] = []
-
-    def spy(buf, length=None):
-        where.append(threading.current_thread().name)
-        return block_checksum(buf, length)
-
     try:
         blocks = [_sealed_on_nvme(m, 30 + i, KEY + i) for i in range(3)]
         bad = blocks[1]
         _flip_on_disk(m, bad)
-        monkeypatch.setattr(nvme, "block_checksum", spy)
+        where = spy_verifications(monkeypatch)
         m.promote(blocks, "hbm"); m.wait()
         monkeypatch.undo()
         assert len(where) == 4 and all(w.startswith("kvtier-io") for w in where)  # 3 reads + 1 retry

@@ -1,0 +1,40 @@
+"""Where NVMe reads are verified: the thread of every block checksum a read is checked by."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import kvtier.tiers.nvme as nvme
+from kvtier.kernels.checksum import block_checksum
+from kvtier.tiers import io_backends
+
+
+def spy_verifications(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record the thread name of every verification of a read: the store's Python
+    check (``nvme.block_checksum``) and, where the posix backend's compiled share loop
+    runs, each job it verified in C. A C mismatch is counted once, by the Python check
+    that then names the failure."""
+    where: list[str] = []
+
+    def python_check(buf, length=None):
+        where.append(threading.current_thread().name)
+        return block_checksum(buf, length)
+
+    monkeypatch.setattr(nvme, "block_checksum", python_check)
+    real = io_backends._blockio
+    if real is not None:
+
+        class CompiledSpy:
+            SHORT, MISMATCH, MAX_IOV = real.SHORT, real.MISMATCH, real.MAX_IOV
+
+            @staticmethod
+            def transfer(write, fds, offsets, buffers, checks):
+                out = real.transfer(write, fds, offsets, buffers, checks)
+                where.extend(threading.current_thread().name for c, st in zip(checks or [], out)
+                             if c is not None and st != real.MISMATCH)
+                return out
+
+        monkeypatch.setattr(io_backends, "_blockio", CompiledSpy)
+    return where
