@@ -19,6 +19,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <limits.h>
 #include <sys/uio.h>
 #include "checksum.h"
 
@@ -82,14 +83,22 @@ static int move_job(job_t *job, int write) {
 
 /* parse job j from Python objects (GIL held); -1 with an exception set */
 static int parse_job(job_t *job, PyObject *fd, PyObject *offset, PyObject *bufs, PyObject *check, int write) {
-    job->fd = PyLong_AsLong(fd);
+    long fd_value = PyLong_AsLong(fd);
+    if (fd_value == -1 && PyErr_Occurred())
+        return -1;
+    if (fd_value < INT_MIN || fd_value > INT_MAX) {
+        PyErr_Format(PyExc_OverflowError, "fd %ld is out of range", fd_value);
+        return -1;
+    }
+    job->fd = (int)fd_value;
     job->offset = PyLong_AsLongLong(offset);
-    if (PyErr_Occurred())
+    if (job->offset == -1 && PyErr_Occurred())
         return -1;
     if (job->offset < 0) {
         PyErr_SetString(PyExc_ValueError, "negative offset");
         return -1;
     }
+    long long total = 0;
     PyObject *seq = PySequence_Fast(bufs, "buffers[j] must be a sequence of buffers");
     if (seq == NULL)
         return -1;
@@ -106,6 +115,12 @@ static int parse_job(job_t *job, PyObject *fd, PyObject *offset, PyObject *bufs,
             return -1;
         }
         job->n_iov++;
+        if (job->views[k].len > LLONG_MAX - job->offset - total) {
+            Py_DECREF(seq);
+            PyErr_SetString(PyExc_OverflowError, "offset + bytes exceed the largest file offset");
+            return -1;
+        }
+        total += job->views[k].len;
     }
     Py_DECREF(seq);
     if (check != Py_None) {
@@ -113,6 +128,10 @@ static int parse_job(job_t *job, PyObject *fd, PyObject *offset, PyObject *bufs,
         Py_ssize_t length;
         if (write) {
             PyErr_SetString(PyExc_ValueError, "checks apply to reads only");
+            return -1;
+        }
+        if (!PyTuple_Check(check)) {
+            PyErr_SetString(PyExc_TypeError, "checks[j] must be None or a (length, checksum) tuple");
             return -1;
         }
         if (!PyArg_ParseTuple(check, "nK", &length, &expected))

@@ -235,14 +235,21 @@ class PosixBackend:
                       kind: str, check: Optional[Callable[[int], None]], sums: Optional[Sums]) -> Failures:
         """The share in one C call without the GIL (the GIL taken back per block kept the
         disk short of requests behind the mover's planning). A block the loop could not
-        move goes through ``_loop``, which owns the short-transfer message and the
-        fall-back from a refused O_DIRECT; an I/O error is raised as the call would."""
-        status = _blockio.transfer(op is os.pwritev, [h._io[0] for h, _, _ in jobs], [off for _, _, off in jobs],
-                                   [views for _, views, _ in jobs], None if check is None else sums)
+        move goes through ``_loop`` only where it owns the outcome: the "short" message
+        at end of file, and the fall-back from an O_DIRECT descriptor's EINVAL; any other
+        I/O error is raised as the call would raise it. Arguments the loop refuses (a
+        read-only buffer, an offset out of range) send the share down the Python path,
+        where each job fails alone, as before."""
+        ios = [h._io for h, _, _ in jobs]  # (fd, direct) as the loop uses them
+        try:
+            status = _blockio.transfer(kind == "write", [fd for fd, _ in ios], [off for _, _, off in jobs],
+                                       [views for _, views, _ in jobs], None if check is None else sums)
+        except (BufferError, TypeError, ValueError, OverflowError):
+            return self._run_python(op, jobs, kind, check)
         out: Failures = []
         for i, (st, (h, views, off)) in enumerate(zip(status, jobs)):
             try:
-                if st > 0 and st != errno.EINVAL:
+                if st > 0 and not (st == errno.EINVAL and ios[i][1]):
                     raise OSError(st, os.strerror(st))
                 if st > 0 or st == _blockio.SHORT:
                     self._loop(op, h, views, off, kind)

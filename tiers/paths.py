@@ -181,8 +181,8 @@ def _read_nvme(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict, target:
     checksum (about as fast as the disk on a small host) then overlaps the other
     threads' reads instead of running after all of them on the mover's thread."""
     todo = list(range(t.blocks.size) if which is None else which)
-    bufs: dict[int, Buf] = {}  # filled share by share: the first share's reads start before the last is planned
-    _read_verified(m, t, todo, bufs, ok, errors, "", target)
+    bufs = {i: target(int(t.dst_slots[i])) for i in todo}
+    _read_verified(m, t, todo, bufs, ok, errors, "")
     if finish is not None:
         for i in todo:
             if ok[i]:
@@ -200,15 +200,12 @@ def _read_nvme(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict, target:
 
 
 def _read_verified(m: CopyEngine, t: Transfer, idx: Sequence[int], bufs: dict[int, Buf], ok: np.ndarray,
-                   errors: dict, again: str, target: Optional[Callable[[int], Buf]] = None) -> None:
-    """One verified read of blocks ``idx`` into ``bufs`` (a block not there yet gets
-    ``target(dst slot)``): ``ok[i]`` only if the bytes read match the block's
-    checksum; otherwise its error (``again``: said of a retry)."""
+                   errors: dict, again: str) -> None:
+    """One verified read of blocks ``idx`` into ``bufs``: ``ok[i]`` only if the bytes
+    read match the block's checksum; otherwise its error (``again``: said of a retry)."""
     assert m.nvme is not None
     calls = []
     for share in _split(idx, _io_threads(m)):
-        if target is not None:
-            bufs.update((i, target(int(t.dst_slots[i]))) for i in share if i not in bufs)
         items = [(int(t.src_slots[i]), bufs[i], int(t.lengths[i]), int(t.checksums[i])) for i in share]
         try:
             calls.append((share, m.nvme.read_checked(items)))

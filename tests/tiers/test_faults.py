@@ -157,10 +157,10 @@ def test_queued_copies_merge_and_each_descriptor_completes(nvme_dir):
         m.close()
 
 
-def _refuse_direct_io(monkeypatch, at: str) -> list[str]:
+def _refuse_direct_io(monkeypatch, at: str) -> "_Refusals":
     """Fault: a filesystem that refuses O_DIRECT, at open or at the first transfer
     (EINVAL either way, as tmpfs on older kernels and some FUSE mounts do)."""
-    refused: list[str] = []
+    refused = _Refusals()
     real_open, real_pwritev, real_preadv = os.open, os.pwritev, os.preadv
 
     def is_direct(fd: int) -> bool:
@@ -190,17 +190,26 @@ def _refuse_direct_io(monkeypatch, at: str) -> list[str]:
                 refused.append("io")
                 return errno.EINVAL
             return 0
-        _fail_compiled_io(monkeypatch, c_refusal)
+        refused_in_c = _fail_compiled_io(monkeypatch, c_refusal)
+        refused.c = refused_in_c  # type: ignore[attr-defined]
     return refused
 
 
-def _fail_compiled_io(monkeypatch, fail) -> None:
+class _Refusals(list):
+    """Where a fault was injected; ``c``: the compiled loop's share of them."""
+
+    c: list[int] = []
+
+
+def _fail_compiled_io(monkeypatch, fail) -> list[int]:
     """The same fault for the compiled share loop (kernels/_blockio.c), which calls
     the kernel directly: a job on fd gets status ``fail(fd)`` (an errno) without
-    moving a byte where that is not 0; the others move for real."""
+    moving a byte where that is not 0; the others move for real. Returns the fds
+    it failed, as it fails them."""
     real = io_backends._blockio
+    failed: list[int] = []
     if real is None:
-        return
+        return failed
 
     class Shim:
         SHORT, MISMATCH, MAX_IOV = real.SHORT, real.MISMATCH, real.MAX_IOV
@@ -210,11 +219,14 @@ def _fail_compiled_io(monkeypatch, fail) -> None:
             out = []
             for j, fd in enumerate(fds):
                 st = fail(fd)
+                if st:
+                    failed.append(fd)
                 out.append(st or real.transfer(write, [fd], [offsets[j]], [buffers[j]],
                                                None if checks is None else [checks[j]])[0])
             return out
 
     monkeypatch.setattr(io_backends, "_blockio", Shim)
+    return failed
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
@@ -230,6 +242,8 @@ def test_refused_o_direct_falls_back_to_buffered_io(nvme_dir, monkeypatch, caplo
         with caplog.at_level(logging.WARNING, logger="kvtier.io"):
             m.demote(blocks, "hbm", "nvme"); m.wait()
         assert not m.last_errors and refused and set(refused) == {at}
+        # the compiled loop met the refusal itself, or (python) never ran
+        assert bool(refused.c) == (at == "io" and compiled and io_backends._blockio is not None)
         assert m.nvme is not None and not m.nvme.direct
         warned = [r for r in caplog.records if "O_DIRECT" in r.getMessage()]
         assert len(warned) == len(os.listdir(nvme_dir))  # once per slab file, not per transfer
@@ -243,22 +257,33 @@ def test_refused_o_direct_falls_back_to_buffered_io(nvme_dir, monkeypatch, caplo
         m.close()
 
 
-def test_einval_on_a_buffered_file_is_an_error_not_a_retry(nvme_dir, monkeypatch):
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_einval_on_a_buffered_file_is_an_error_not_a_retry(nvme_dir, monkeypatch, compiled):
     """Only O_DIRECT refusals fall back; EINVAL on buffered I/O fails the transfer
-    and the block stays where it was."""
+    and the block stays where it was. One EINVAL is enough: the write is not tried
+    again (on the compiled path the Python call after it would succeed)."""
+    if compiled and io_backends._blockio is None:
+        pytest.skip("the compiled loop is not built")
+    calls = []
 
-    def always_einval(fd, *a):
-        raise OSError(errno.EINVAL, "Invalid argument")
+    def einval_once(fd, *a):
+        calls.append(fd)
+        if len(calls) == 1:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwritev(fd, *a)
 
+    real_pwritev = os.pwritev
     _refuse_direct_io(monkeypatch, "open")
-    m = TierManager(BB, 4, 4, 4, nvme_dir=nvme_dir, io_backend=PosixBackend(threads=2))
+    m = TierManager(BB, 4, 4, 4, nvme_dir=nvme_dir, io_backend=PosixBackend(threads=2, compiled=compiled))
     try:
         b = int(m.alloc(1)[0])
         m.write(b, pattern(5, BB))
         m.seal(b, 5)
-        monkeypatch.setattr(os, "pwritev", always_einval)
-        _fail_compiled_io(monkeypatch, lambda fd: errno.EINVAL)
+        if compiled:
+            _fail_compiled_io(monkeypatch, lambda fd: 0 if calls.append(fd) or len(calls) > 1 else errno.EINVAL)
+        monkeypatch.setattr(os, "pwritev", einval_once)
         m.demote([b], "hbm", "nvme"); m.wait()
+        assert len(calls) == 1  # not retried, in C or in Python
         assert "Invalid argument" in m.last_errors[b] and m.table.copies[b] == 1 << Tier.HBM
         monkeypatch.undo()
         assert m.read(b) == pattern(5, BB).tobytes()

@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 
+from kvtier.tiers import io_backends
 from kvtier.tiers.faults import FaultyBackend
 from kvtier.tiers.io_backends import PosixBackend
 from kvtier.tiers.manager import TierManager
@@ -168,6 +169,7 @@ def test_corrupt_slab_byte_is_refused_by_the_io_thread_that_read_it(nvme_dir, mo
         m.promote(blocks, "hbm"); m.wait()
         monkeypatch.undo()
         assert len(where) == 4 and all(w.startswith("kvtier-io") for w in where)  # 3 reads + 1 retry
+        assert where.in_c == (2 if io_backends._blockio is not None else 0)  # the good two, in the compiled loop
         assert not m.table.has_copy(bad, Tier.HBM) and "failed its checksum" in m.last_errors[bad]
         assert m.corrupt[bad] and m.lookup(KEY + 1) == -1 and m.counters["nvme_read_retries"] == 1
         for i, b in enumerate(blocks):

@@ -11,12 +11,19 @@ from kvtier.kernels.checksum import block_checksum
 from kvtier.tiers import io_backends
 
 
-def spy_verifications(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+class Verifications(list):
+    """Thread names of every verification; ``in_c``: how many the compiled loop did."""
+
+    in_c = 0
+
+
+def spy_verifications(monkeypatch: pytest.MonkeyPatch) -> Verifications:
     """Record the thread name of every verification of a read: the store's Python
     check (``nvme.block_checksum``) and, where the posix backend's compiled share loop
-    runs, each job it verified in C. A C mismatch is counted once, by the Python check
-    that then names the failure."""
-    where: list[str] = []
+    runs, each job it verified in C (status 0 with a check). A job the loop did not
+    verify (a mismatch, an error, end of file) is counted by the Python check that
+    then runs, once."""
+    where = Verifications()
 
     def python_check(buf, length=None):
         where.append(threading.current_thread().name)
@@ -32,8 +39,10 @@ def spy_verifications(monkeypatch: pytest.MonkeyPatch) -> list[str]:
             @staticmethod
             def transfer(write, fds, offsets, buffers, checks):
                 out = real.transfer(write, fds, offsets, buffers, checks)
-                where.extend(threading.current_thread().name for c, st in zip(checks or [], out)
-                             if c is not None and st != real.MISMATCH)
+                verified = [threading.current_thread().name for c, st in zip(checks or [], out)
+                            if c is not None and st == 0]
+                where.extend(verified)
+                where.in_c += len(verified)
                 return out
 
         monkeypatch.setattr(io_backends, "_blockio", CompiledSpy)
