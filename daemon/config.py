@@ -122,6 +122,9 @@ class PolicyConfig(_Section):
     """kvtier: residents of each shadow cache that chooses the value model online (larger: surer, costlier)."""
     default_candidate: int = Field(default=2, ge=0)
     """kvtier: the candidate model used until the shadow caches have evidence (index in the grid)."""
+    evidence_floor: float = Field(default=0.01, ge=0, le=1)
+    """kvtier: a missed block does not displace a resident while both are reused within the horizon
+    with probability below this (no evidence either way: the resident stays; 0: off)."""
     prefetch_budget_bytes_per_s: float = Field(default=8e9, gt=0)
     """Bandwidth the prefetcher may spend on hinted and predicted promotions."""
     speculate: bool = False

@@ -39,7 +39,7 @@ enum { I_CLOCK, I_SIZE, I_POOL_AT, I_SHADOW_AT, I_BYPASSED, I_STAGED,
        /* ints: read/write again */
        I_RECAL_UNTRACKED, N_INTS };
 /* floats: read only, then read/write */
-enum { F_DECAYED, F_LOG_DECAY, F_INV_G, F_HORIZON, F_EV_SUM, F_EV_N, N_FLOATS };
+enum { F_DECAYED, F_LOG_DECAY, F_INV_G, F_HORIZON, F_EV_SUM, F_EV_N, F_EVIDENCE_FLOOR, N_FLOATS };
 /* arrays, in this order */
 enum { A_BLOCKS, A_CLASSES, A_RESIDENT, A_LAST, A_COUNT, A_CELL, A_REUSES, A_ACCESSES, A_PERIOD_START,
        A_TABLES, A_PROB, A_STAGE_OF_COUNT, A_SLOTS, A_WHERE, A_POOL, A_MEMBER, A_SHADOW_SLOTS,
@@ -396,7 +396,10 @@ static void run(State *s, int64_t *I, double *F, Py_ssize_t *i, Py_ssize_t stop,
         float mine = mine_table[s->cell[b]];
         if (scored(I, b))
             calib_predict(s, I, b, (double)s->prob[s->cell[b]], (double)clock, F[F_HORIZON]);
-        if (I[I_ADMISSION] && !(mine > best_v)) {
+        /* ... and ValuePolicy._neither_reused: below the evidence floor, the resident stays */
+        if (I[I_ADMISSION] && (!(mine > best_v) ||
+                               (F[F_EVIDENCE_FLOOR] > 0.0 && (double)s->prob[s->cell[b]] < F[F_EVIDENCE_FLOOR] &&
+                                (double)s->prob[age_index(s, I, inv_g, clock, victim)] < F[F_EVIDENCE_FLOOR]))) {
             I[I_BYPASSED]++;
             continue;
         }

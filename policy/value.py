@@ -50,19 +50,21 @@ _HASH = 0x9E3779B1
 # every method whose work the replay kernel does itself: overridden (by a subclass or an instance), the kernel
 # would not call it, so replay takes the hooks instead
 _HOOKS = ("observe", "on_hit", "admit", "evict", "insert", "_record_eviction", "_find_victim", "_sample", "_unlink",
-          "_scored", "_predict")
+          "_scored", "_predict", "_neither_reused")
 
 
 @register_policy("kvtier")
 class ValuePolicy(Policy):
     def __init__(self, capacity: int, max_blocks: int, samples: int = 16, admission: bool = True,
                  prior_strength: float = 2.0, refresh_every: int = 2000, memory_horizons: float = 32.0,
-                 shadow_blocks: int = 128, default_candidate: int = 2, seed: int = 0,
+                 shadow_blocks: int = 128, default_candidate: int = 2, evidence_floor: float = 0.01, seed: int = 0,
                  track_calibration: bool = True, calibration_bins: int = 10, calibration_sample: int = 8,
                  calibration_window: Optional[int] = None, recalibrate: bool = True, **_: object) -> None:
         super().__init__(capacity, max_blocks)
-        if samples < 1 or not 0 <= default_candidate < len(DEFAULT_CANDIDATES) or calibration_sample < 1:
-            raise ValueError("samples >= 1, calibration_sample >= 1, default_candidate indexes the candidate grid")
+        if samples < 1 or not 0 <= default_candidate < len(DEFAULT_CANDIDATES) or calibration_sample < 1 \
+                or not 0.0 <= evidence_floor <= 1.0:
+            raise ValueError("samples >= 1, calibration_sample >= 1, default_candidate indexes the candidate grid, "
+                             "0 <= evidence_floor <= 1")
         self.model = ReuseModel(max_blocks, DEFAULT_CANDIDATES, prior_strength, refresh_every, memory_horizons,
                                 initial_age=float(capacity))
         self.shadows = ShadowCaches(capacity, max_blocks, len(DEFAULT_CANDIDATES), shadow_blocks, seed=seed + 1)
@@ -70,6 +72,7 @@ class ValuePolicy(Policy):
         self.active = self.default_candidate
         self.samples = int(samples)
         self.admission = admission
+        self.evidence_floor = float(evidence_floor)
         self.weight = np.ones(max_blocks, dtype=np.float32)  # importance (the daemon's)
         self._weighted = False
         self.slots = np.zeros(capacity, dtype=np.int64)  # dense resident list
@@ -143,11 +146,25 @@ class ValuePolicy(Policy):
         mine = float(np.float32(p) * self.weight[b]) if self._weighted else p
         if self._scored(b):
             self._predict(b, self.model.probability_just_accessed(self.active, b))
-        if not self.admission or mine > v_value:
+        if not self.admission or (mine > v_value and not self._neither_reused(b, victim)):
             return True
         self._victim = -1
         self.bypassed += 1
         return False
+
+    def _neither_reused(self, b: int, victim: int) -> bool:
+        """Neither the newcomer nor the victim is reused within the horizon with probability
+        ``evidence_floor`` or more: their values then differ only by the prior's shape, and
+        the resident stays. Why: before any block of a workload has come back (the first
+        pass of a loop), values near zero favour young blocks, so the cache cycled like LRU
+        and held nothing of the first pass when the second began; keeping the incumbents
+        holds a fixed share of it, as LIRS does."""
+        floor = self.evidence_floor
+        if floor <= 0.0:
+            return False
+        m = self.model
+        return bool(m.probability_just_accessed(self.active, b) < floor
+                    and m.probabilities(self.active, np.array([victim]))[0] < floor)
 
     def evict(self, now: float) -> int:
         v = self._victim if self._victim >= 0 else self._find_victim()[0]

@@ -17,6 +17,7 @@ from typing import Callable
 import numpy as np
 
 from kvtier.predictor.classes import N_CLASSES, N_STAGES, STAGE_OF_COUNT, STAGE_OF_COUNT_ARRAY
+from kvtier.predictor.survival import N_BUCKETS
 
 N_IRR = 8  # last reuse distance in 2-octave buckets (0: never reused), a per-block feature (LIRS's IRR)
 N_CELLS = N_CLASSES * N_IRR  # cell = (class * N_STAGES + stage) * N_IRR + irr
@@ -44,6 +45,27 @@ SUM_ROWS: dict[str, Callable[[np.ndarray], np.ndarray]] = {  # fine-cell rows ->
 }
 PARENT = {"class_stage_irr": "class_stage", "class_stage": "stage", "stage_irr": "stage", "stage": "all",
           "all": None}
+
+# partitions whose cells at access stage s > 0 are shrunk towards the same class's stage
+# s - 1 (its posterior), not towards the parent partition. Why: the parent pools every
+# class and stage by accesses, so its hazard is mostly the hottest blocks' (a shared
+# system block read by every request, reused within a few accesses). A block on its second
+# access, in a stage with no evidence yet, took that hazard: at the start of a loop's second
+# pass it looked more valuable than the first-pass blocks about to come back, and
+# displaced them. The previous stage of the same class is the nearest thing known about
+# it. Stage 0 keeps the parent prior.
+ORDINAL = frozenset({"class_stage"})
+
+
+def shrink_by_stage(hazard: np.ndarray, reuses: np.ndarray, at_risk: np.ndarray, strength: float) -> None:
+    """Re-estimate the (class x stage) rows of ``hazard`` in place, stage by stage, each
+    with the same class's previous stage as its prior (``strength`` pseudo-observations)."""
+    h = hazard.reshape(-1, N_STAGES, N_BUCKETS)
+    r = reuses.reshape(h.shape)
+    a = at_risk.reshape(h.shape)
+    for stage in range(1, N_STAGES):
+        h[:, stage] = np.minimum((strength * h[:, stage - 1] + r[:, stage]) / (strength + a[:, stage]), 1.0)
+
 
 EXPAND: dict[str, "np.ndarray | None"] = {  # partition cell of each fine cell; None: the same
     name: None if np.array_equal(cmap, _FINE) else cmap for name, cmap in PARTITIONS.items()}

@@ -15,8 +15,9 @@ at each refresh), not counted as never reused. The hazard, P(reused in bucket
 actuarial life table: one censored inside the bucket counts half), a Beta
 posterior whose prior is its parent cell's hazard with ``prior_strength``
 pseudo-observations (hierarchical shrinkage: class x stage x distance -> class
-x stage -> stage -> all), so a cell with little evidence answers with its
-parent's. Survival ``S(x)`` = P(next reuse distance > ``x``) is log-linear
+x stage -> stage -> all; a class x stage cell past the first stage shrinks
+towards the same class's previous stage instead, ``cells.ORDINAL``), so a cell
+with little evidence answers with its parent's. Survival ``S(x)`` = P(next reuse distance > ``x``) is log-linear
 inside a bucket (a constant hazard per access), and a block at age ``a`` is
 reused within the next ``W`` accesses with probability ``1 - S(a + W) / S(a)``:
 the window asked. Read at bucket edges, each end of the window had moved out to
@@ -53,12 +54,14 @@ from kvtier.predictor.cells import (
     DEFAULT_CANDIDATES,
     N_CELLS,
     N_IRR,
+    ORDINAL,
     PARENT,
     PARTITIONS,
     SUM_ROWS,
     Candidate,
     cell_of,
     first_cell_of,
+    shrink_by_stage,
 )
 from kvtier.predictor.classes import MAX_COUNT, N_FEATURE_CLASSES
 from kvtier.predictor.survival import (
@@ -340,6 +343,8 @@ class ReuseModel:
             to_parent = PARTITIONS[parent][first_cell_of(cmap, n_cells)]
             prior, strength = self._hazard(parent, pending, memo)[to_parent], self.m
         hazard = np.minimum((strength * prior + reuses) / (strength + at_risk), 1.0)
+        if partition in ORDINAL:
+            shrink_by_stage(hazard, reuses, at_risk, strength)
         memo[partition] = hazard
         return hazard
 

@@ -74,6 +74,8 @@ def test_compiled_replay_leaves_the_state_of_the_python_hooks(family, fraction):
 
 @pytest.mark.parametrize("params", [
     {"samples": 64},  # a cache smaller than the sample: every resident is a candidate, no pool draws
+    {"evidence_floor": 0.0},
+    {"evidence_floor": 0.5},  # the floor decides many admissions
     {"admission": False},
     {"track_calibration": False},
     {"recalibrate": False},
@@ -237,7 +239,7 @@ def test_registers_out_of_range_are_refused():
         with pytest.raises(ValueError, match="registers out of range"):
             run(0, 10)
     with pytest.raises(TypeError, match="format"):
-        value_compiled._run((tr.block,) * 31, np.zeros(31, np.int64), np.zeros(6), 0, 1)
+        value_compiled._run((tr.block,) * 31, np.zeros(31, np.int64), np.zeros(7), 0, 1)
     assert p.model.clock == 0
 
 

@@ -124,7 +124,8 @@ def test_partition_sums_match_their_cell_maps():
 def _fine_cell_hazard(m: ReuseModel, partition: str, pending: np.ndarray) -> np.ndarray:
     """The hazard computed the plain way: one row per fine cell, each from its partition
     group's summed counts, shrunk towards the parent hazard of the same fine cell."""
-    from kvtier.predictor.cells import PARENT, PARTITIONS
+    from kvtier.predictor.cells import N_IRR, ORDINAL, PARENT, PARTITIONS
+    from kvtier.predictor.classes import N_STAGES
 
     cmap = PARTITIONS[partition]
 
@@ -139,7 +140,14 @@ def _fine_cell_hazard(m: ReuseModel, partition: str, pending: np.ndarray) -> np.
     at_risk = np.maximum(total[:, None] - before - 0.5 * censored, 0.0)  # censored: half exposed
     parent = PARENT[partition]
     prior, strength = (0.0, 1.0) if parent is None else (_fine_cell_hazard(m, parent, pending), m.m)
-    return np.minimum((strength * prior + reuses) / (strength + at_risk), 1.0)
+    hazard = np.minimum((strength * prior + reuses) / (strength + at_risk), 1.0)
+    if partition in ORDINAL:  # past the first stage: the same class's previous stage is the prior
+        stage = np.arange(cmap.size) // N_IRR % N_STAGES
+        for s in range(1, N_STAGES):
+            rows = np.flatnonzero(stage == s)
+            hazard[rows] = np.minimum((strength * hazard[rows - N_IRR] + reuses[rows]) / (strength + at_risk[rows]),
+                                      1.0)
+    return hazard
 
 
 def test_hazards_per_partition_cell_expand_to_the_fine_cell_computation():
@@ -351,3 +359,25 @@ def test_reuses_in_the_open_last_bucket_still_count():
     expected = 1.0 - (1.0 - h) ** ((2.0 ** 24 - (age + 1.0)) / (2.0 ** 24 - 2.0 ** 23.5))
     assert float(m.tables[0][0, 24]) == pytest.approx(expected, rel=1e-4)
     assert w == 2.0 ** 22
+
+
+def test_a_stage_without_evidence_takes_the_previous_stage_not_the_hottest_block():
+    """Class x stage cells past the first stage shrink towards the same class's previous
+    stage: a block on its second access, in a stage nothing has reached yet, is expected
+    to behave as it did on its first (reused at the loop's distance), not as the shared
+    block that dominates the pooled parent (reused within a few accesses)."""
+    from kvtier.predictor.cells import PARTITIONS
+
+    m = ReuseModel(64, refresh_every=10_000)
+    first = (0 * N_STAGES + STAGE_OF_COUNT[1]) * N_IRR  # class 0, first access, never reused before
+    hot = (0 * N_STAGES + STAGE_OF_COUNT[200]) * N_IRR + 1  # class 0, the shared block's stage
+    far, near = distance_bucket(np.array([7000]))[0], distance_bucket(np.array([5]))[0]
+    m.accesses[first], m.reuses[first, far] = 1000.0, 700.0
+    m.accesses[hot], m.reuses[hot, near] = 5000.0, 5000.0
+    hazard = m._hazard("class_stage", np.zeros_like(m.reuses), {})
+    rows = PARTITIONS["class_stage"]
+    second = rows[(0 * N_STAGES + STAGE_OF_COUNT[2]) * N_IRR]  # class 0, second access: no evidence
+    assert np.array_equal(hazard[second], hazard[rows[first]])
+    assert hazard[second, far] > 0.5 and hazard[second, near] < 1e-3
+    pooled = m._hazard("stage", np.zeros_like(m.reuses), {})[STAGE_OF_COUNT[2]]
+    assert pooled[near] > 0.5  # what the parent partition would have lent it
