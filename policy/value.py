@@ -50,7 +50,7 @@ _HASH = 0x9E3779B1
 # every method whose work the replay kernel does itself: overridden (by a subclass or an instance), the kernel
 # would not call it, so replay takes the hooks instead
 _HOOKS = ("observe", "on_hit", "admit", "evict", "insert", "_record_eviction", "_find_victim", "_sample", "_unlink",
-          "_scored", "_predict", "_neither_reused")
+          "_scored", "_predict", "_neither_reused", "_floor_applies")
 
 
 @register_policy("kvtier")
@@ -159,12 +159,17 @@ class ValuePolicy(Policy):
         pass of a loop), values near zero favour young blocks, so the cache cycled like LRU
         and held nothing of the first pass when the second began; keeping the incumbents
         holds a fixed share of it, as LIRS does."""
-        floor = self.evidence_floor
-        if floor <= 0.0:
+        if not self._floor_applies():
             return False
-        m = self.model
-        return bool(m.probability_just_accessed(self.active, b) < floor
-                    and m.probabilities(self.active, np.array([victim]))[0] < floor)
+        floor, m = self.evidence_floor, self.model
+        # in float64 both, as the replay kernel compares
+        return (m.probability_just_accessed(self.active, b) < floor
+                and float(m.probabilities(self.active, np.array([victim]))[0]) < floor)
+
+    def _floor_applies(self) -> bool:
+        """The evidence floor is on and the tables hold probabilities: before the first refresh
+        they are the recency ranking (a density model's probabilities are all 0 then)."""
+        return self.evidence_floor > 0.0 and self.model.refreshes > 0
 
     def evict(self, now: float) -> int:
         v = self._victim if self._victim >= 0 else self._find_victim()[0]
@@ -219,15 +224,22 @@ class ValuePolicy(Policy):
         ok = np.ones(blocks.size, dtype=bool)
         if not self.admission or self.size < self.samples or blocks.size == 0:
             return ok
-        floor = float(self._values(self.slots[np.random.default_rng(self.model.clock).integers(
-            0, self.size, size=self.samples)]).min())
-        model = self.model
+        sample = self.slots[np.random.default_rng(self.model.clock).integers(0, self.size, size=self.samples)]
+        values = self._values(sample)
+        lowest = int(np.argmin(values))
+        model, k = self.model, self.active
         # an offered block was accessed (count >= 1); its reuse distance bucket is its cell's
         cells = cell_of(classes.astype(np.int64), np.maximum(model.count[blocks], 1), model.cell[blocks] % N_IRR)
-        mine = model.tables[self.active][cells, model.age_buckets(blocks)]
+        ages = model.age_buckets(blocks)
+        mine = model.tables[k][cells, ages]
         if self._weighted:
             mine = mine * self.weight[blocks]
-        return np.asarray(mine > floor)  # a tie keeps the residents, as ``admit``
+        out = np.asarray(mine > float(values[lowest]))  # a tie keeps the residents, as ``admit``
+        if self._floor_applies() and float(model.probabilities(k, sample[lowest: lowest + 1])[0]) < self.evidence_floor:
+            prob = model.prob.get(k)
+            p_mine = model.tables[k][cells, ages] if prob is None else prob.T[cells, ages]
+            out &= p_mine >= self.evidence_floor  # neither reused: the resident stays, as ``admit``
+        return out
 
     def best(self, k: int) -> np.ndarray:
         """Up to ``k`` of ``4k`` sampled residents with the highest value (speculative promotion)."""
@@ -265,11 +277,15 @@ class ValuePolicy(Policy):
             self.calib.on_freed(b)
 
     def configure(self, params: dict) -> None:
-        """Reloaded ``[policy]`` parameters that apply to a running model: admission, the victim
-        sample, the shrinkage and the memory (read at each refresh). The grid's refresh period,
+        """Reloaded ``[policy]`` parameters that apply to a running model: admission and its
+        evidence floor, the victim sample, the shrinkage and the memory (read at each refresh). The grid's refresh period,
         shadow size and first candidate are built in; the daemon reports those as restart-only."""
         if "samples" in params and int(params["samples"]) < 1:
             raise ValueError("samples >= 1")
+        floor = float(params.get("evidence_floor", self.evidence_floor))
+        if not 0.0 <= floor <= 1.0:
+            raise ValueError("0 <= evidence_floor <= 1")
+        self.evidence_floor = floor
         self.admission = bool(params.get("admission", self.admission))
         self.samples = int(params.get("samples", self.samples))
         self.model.m = float(params.get("prior_strength", self.model.m))

@@ -83,7 +83,8 @@ def replay_runner(policy: "ValuePolicy", blocks: np.ndarray, classes: np.ndarray
             BINS, RING, recal.period if recal else 1, recal.folded if recal else 0,
             recal.untracked if recal else 0], dtype=np.int64)
         floats = np.array([model._decayed, model._log_decay, model._inv_g, float(model.horizons[k]),
-                           model._ev_sum, model._ev_n, policy.evidence_floor])
+                           model._ev_sum, model._ev_n,
+                           policy.evidence_floor if policy._floor_applies() else 0.0])  # fixed between refreshes
         arrays = (blocks, classes, resident, model.last, model.count, model.cell, model.reuses, model.accesses,
                   model._period_start, model.table3, model.table3[k] if prob is None else prob, _STAGE_OF_COUNT,
                   policy.slots, policy.where, policy._pool, shadows.member, shadows.slots, shadow_size,

@@ -287,7 +287,7 @@ def test_a_reloaded_predictor_section_reaches_the_policies(tmp_path):
 
 def test_reloaded_policy_parameters_reach_the_running_model(tmp_path):
     """Each hot [policy] key a reload reports as applied is in effect: the dedup window, the
-    victim sample, admission and the model's shrinkage and memory."""
+    victim sample, admission and its evidence floor, and the model's shrinkage and memory."""
     base = ["tiers.hbm_bytes=16384", "tiers.dram_bytes=16384", "tiers.nvme_bytes=0",
             f'server.runtime_dir="{tmp_path}/run"', "metrics.enabled=false"]
     svc = Service(load_config(environ={}, overrides=base))
@@ -295,13 +295,13 @@ def test_reloaded_policy_parameters_reach_the_running_model(tmp_path):
         call(svc, "register", pid=0, block_bytes=4096)
         new = load_config(environ={}, overrides=base + [
             "policy.epoch_s=0.25", "policy.samples=4", "policy.admission=false", "policy.prior_strength=5.0",
-            "policy.memory_horizons=8.0"])
+            "policy.memory_horizons=8.0", "policy.evidence_floor=0.2"])
         svc.apply_hot(new, ["policy"])
         pl = svc.node.placement
         assert pl.epoch_s == 0.25
         pols = [p for p in pl.policies.values() if hasattr(p, "model")]
         assert pols and all(p.samples == 4 and p.admission is False and p.model.m == 5.0
-                            and p.model.memory_horizons == 8.0 for p in pols)
+                            and p.model.memory_horizons == 8.0 and p.evidence_floor == 0.2 for p in pols)
         call(svc, "alloc", n=2, seq=1)
     finally:
         svc.close()

@@ -143,12 +143,14 @@ def test_a_weighted_newcomer_that_ties_its_victim_keeps_the_incumbent():
     assert pol.admit(21, 21.0, 0, -1) and pol.bypassed == 1
 
 
-def _first_pass(floor: float, n: int = 6000, cap: int = 50) -> list[set[int]]:
+def _first_pass(floor: float, n: int = 6000, cap: int = 50, policy: list | None = None) -> list[set[int]]:
     """Residents of a kvtier cache after 3,000 and 6,000 accesses of a loop's first pass:
     every fifth access reads a shared block (block 0, the only one that comes back),
     the rest are blocks seen once, through the policy's hooks."""
-    p = make_policy("kvtier", cap, n, refresh_every=500, evidence_floor=floor)
-    resident = np.zeros(n, dtype=bool)
+    p = make_policy("kvtier", cap, n + 1, refresh_every=500, evidence_floor=floor)
+    if policy is not None:
+        policy.append(p)
+    resident = np.zeros(n + 1, dtype=bool)
     out = []
     for i in range(n):
         b = 0 if i % 5 == 0 else i
@@ -172,3 +174,30 @@ def test_without_evidence_of_reuse_the_residents_stay():
     assert held == still and min(held) < 1000  # frozen since the first refreshes
     cycled, later = _first_pass(0.0)
     assert not cycled & later and min(later) > 5000
+
+
+def test_the_daemons_admission_verdict_applies_the_evidence_floor():
+    """``admit_many`` (the daemon's admission, and what it publishes) declines as ``admit``
+    does: a block seen once, against residents with no evidence of reuse either."""
+    verdicts = []
+    for floor in (0.01, 0.0):
+        pol: list = []
+        _first_pass(floor, policy=pol)
+        p = pol[0]
+        new = 6000  # seen once, now
+        p.observe(new, 6000.0, 0)
+        verdicts.append(bool(p.admit_many(np.array([new]), np.array([0]))[0]))
+    assert verdicts == [False, True]
+
+
+def test_the_floor_waits_for_the_first_refresh():
+    """Before the first refresh the tables are the recency ranking, not probabilities (a
+    density model's are all 0): the floor must not turn every miss away then."""
+    p = make_policy("kvtier", 10, 100, default_candidate=6, evidence_floor=0.5)
+    for b in range(60):
+        p.observe(b, float(b), 0)
+        if p.admit(b, float(b), 0, -1):
+            if p.size >= 10:
+                p.evict(float(b))
+            p.insert(b, float(b), 0, -1)
+    assert p.model.refreshes == 0 and p.bypassed == 0

@@ -76,6 +76,7 @@ def test_compiled_replay_leaves_the_state_of_the_python_hooks(family, fraction):
     {"samples": 64},  # a cache smaller than the sample: every resident is a candidate, no pool draws
     {"evidence_floor": 0.0},
     {"evidence_floor": 0.5},  # the floor decides many admissions
+    {"default_candidate": 6, "evidence_floor": 0.5, "refresh_every": 500},  # a density model: P is not the value
     {"admission": False},
     {"track_calibration": False},
     {"recalibrate": False},
