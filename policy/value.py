@@ -29,7 +29,10 @@ reused before the cache forgets them never push out ones that will. A tie keeps
 the resident: displacing an equal costs a copy and gains nothing, and where the
 model cannot tell blocks apart (a loop longer than the cache: every block is
 reused at the same distance) admitting on ties cycled the cache like LRU, with
-no hits; keeping the incumbents holds a fixed share of the loop, as LIRS does.
+no hits; keeping the incumbents holds a fixed share of the loop, as LIRS does. The same
+holds where neither block has evidence of reuse (both below ``evidence_floor``): values
+near zero differ only by the prior's shape, which favours the young, and the cache would
+cycle through a loop's first pass holding nothing of it when the second began.
 """
 
 from __future__ import annotations
