@@ -5,9 +5,11 @@
   Where the filesystem refuses O_DIRECT, at open (tmpfs on older kernels,
   some overlay mounts) or at the first transfer (some FUSE and network
   filesystems), it falls back to buffered I/O, logs a warning once per file
-  and says so in ``direct``.
+  and says so in ``direct``. Each pool thread moves its share of a batch in one
+  call of a compiled loop without the GIL (``kernels/_blockio.c``) where it was built.
 * ``kvikio``: NVIDIA kvikio ``CuFile`` (GPUDirect Storage, or kvikio's compat
-  mode); reads and writes host or device buffers. Needs ``libcuda.so.1``.
+  mode); reads and writes host or device buffers. Needs ``libcuda.so.1``
+  (``io_kvikio``).
 
 Backends are looked up by name in ``BACKENDS``; ``select_backend("auto")``
 takes kvikio where a CUDA driver exists and posix elsewhere. Every backend
@@ -16,18 +18,17 @@ passes the same conformance suite (tests/tiers/test_io_conformance.py).
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import partial
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
-from .futures import Failures, gather, then_check
+from .futures import Failures
+from .io_kvikio import KvikioBackend, kvikio_status
 from .types import TierError
 
 try:  # a share of block I/O in one call without the GIL (kernels/_blockio.c)
@@ -53,12 +54,6 @@ class IOBackend(Protocol):
     def fsync(self, handle: Any) -> None: ...
     def close(self, handle: Any) -> None: ...
     def shutdown(self) -> None: ...
-
-
-def _nbytes(buf: Buffer) -> int:
-    if isinstance(buf, np.ndarray):
-        return int(buf.nbytes)
-    return int(buf.numel() * buf.element_size())
 
 
 class PosixHandle:
@@ -268,124 +263,6 @@ class PosixBackend:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
-
-
-def cuda_driver_present() -> bool:
-    try:
-        ctypes.CDLL("libcuda.so.1")
-        return True
-    except OSError:
-        return False
-
-
-def kvikio_status() -> tuple[bool, str]:
-    """(usable, reason) for the kvikio backend on this machine."""
-    try:
-        import kvikio  # noqa: F401
-    except Exception as e:  # ImportError, or a broken CUDA runtime import
-        return False, (f"kvikio is not installed ({e.__class__.__name__}: {e}); "
-                       "pip install 'kvtier[gpu]' (CUDA 12) or 'kvtier[gpu-cu13]' (CUDA 13)")
-    if not cuda_driver_present():
-        return False, "kvikio needs libcuda.so.1 (no CUDA driver on this machine)"
-    return True, "ok"
-
-
-class KvikioHandle:
-    __slots__ = ("file", "path")
-
-    def __init__(self, file: Any, path: str) -> None:
-        self.file = file
-        self.path = path
-
-
-class _Joined(Future):
-    """One future over several kvikio IOFutures (header + payload); fewer bytes
-    than asked (end of file) is an error, as in the posix backend."""
-
-    def __init__(self, parts: list[Any], pool: ThreadPoolExecutor, expected: int) -> None:
-        super().__init__()
-        self._expected = expected
-        self._inner = pool.submit(lambda: sum(int(p.get()) for p in parts))
-        self._inner.add_done_callback(self._copy)
-
-    def _copy(self, f: "Future[int]") -> None:
-        exc = f.exception()
-        if exc is not None:
-            self.set_exception(TierError(f"kvikio I/O failed: {exc}"))
-        elif f.result() < self._expected:
-            self.set_exception(TierError(f"short kvikio I/O: {f.result()} of {self._expected} bytes"))
-        else:
-            self.set_result(f.result())
-
-
-class KvikioBackend:
-    """kvikio CuFile backend (GDS where available, compat mode otherwise)."""
-
-    name = "kvikio"
-
-    def __init__(self, threads: int = 8) -> None:
-        ok, why = kvikio_status()
-        if not ok:
-            raise RuntimeError(why)
-        import kvikio
-        import kvikio.defaults
-
-        self._kvikio = kvikio
-        try:
-            kvikio.defaults.set({"num_threads": int(threads)})
-        except Exception:
-            pass
-        self._waiters = ThreadPoolExecutor(max(1, threads), thread_name_prefix="kvtier-kvikio")
-
-    def open(self, path: str, size: int) -> KvikioHandle:
-        if not os.path.exists(path):
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, size)
-            finally:
-                os.close(fd)
-        elif os.path.getsize(path) < size:
-            with open(path, "r+b") as f:
-                os.posix_fallocate(f.fileno(), 0, size)
-        return KvikioHandle(self._kvikio.CuFile(path, "r+"), path)
-
-    def _submit(self, method: str, handle: KvikioHandle, buffers: Sequence[Buffer], offset: int) -> "Future[int]":
-        parts = []
-        off = offset
-        for b in buffers:
-            n = _nbytes(b)
-            parts.append(getattr(handle.file, method)(b, n, off))
-            off += n
-        return _Joined(parts, self._waiters, off - offset)
-
-    def pwrite(self, handle: KvikioHandle, buffers: Sequence[Buffer], offset: int) -> "Future[int]":
-        return self._submit("pwrite", handle, buffers, offset)
-
-    def pread(self, handle: KvikioHandle, buffers: Sequence[Buffer], offset: int) -> "Future[int]":
-        return self._submit("pread", handle, buffers, offset)
-
-    def pread_many(self, handle: KvikioHandle, reads: Sequence[tuple[Buffer, int]]) -> "Future[Failures]":
-        return gather([self.pread(handle, [buf], off) for buf, off in reads])  # kvikio splits and queues them
-
-    def pwrite_many(self, writes: Sequence[tuple[KvikioHandle, Sequence[Buffer], int]]) -> "Future[Failures]":
-        return gather([self.pwrite(h, bufs, off) for h, bufs, off in writes])  # kvikio queues each
-
-    def pread_checked(self, reads: Sequence[tuple[KvikioHandle, Sequence[Buffer], int]],
-                      check: Callable[[int], None],
-                      sums: Optional[Sums] = None) -> "Future[Failures]":
-        """Each read queued on kvikio; ``check(i)`` runs on the waiter thread that saw
-        read i complete (a device buffer is checked on the device; ``sums`` is not used)."""
-        return gather([then_check(self.pread(h, bufs, off), partial(check, i))
-                       for i, (h, bufs, off) in enumerate(reads)])
-
-    def fsync(self, handle: KvikioHandle) -> None:
-        os.fsync(handle.file.fileno())
-
-    def close(self, handle: KvikioHandle) -> None:
-        handle.file.close()
-
-    def shutdown(self) -> None:
-        self._waiters.shutdown(wait=True)
 
 
 def _faulty(threads: int = 8) -> IOBackend:
