@@ -239,9 +239,7 @@ class ValuePolicy(Policy):
             mine = mine * self.weight[blocks]
         out = np.asarray(mine > float(values[lowest]))  # a tie keeps the residents, as ``admit``
         if self._floor_applies() and float(model.probabilities(k, sample[lowest: lowest + 1])[0]) < self.evidence_floor:
-            prob = model.prob.get(k)
-            p_mine = model.tables[k][cells, ages] if prob is None else prob.T[cells, ages]
-            out &= p_mine >= self.evidence_floor  # neither reused: the resident stays, as ``admit``
+            out &= model.probability_table(k)[ages, cells] >= self.evidence_floor  # neither reused, as ``admit``
         return out
 
     def best(self, k: int) -> np.ndarray:

@@ -15,9 +15,9 @@ at each refresh), not counted as never reused. The hazard, P(reused in bucket
 actuarial life table: one censored inside the bucket counts half), a Beta
 posterior whose prior is its parent cell's hazard with ``prior_strength``
 pseudo-observations (hierarchical shrinkage: class x stage x distance -> class
-x stage -> stage -> all; a class x stage cell past the first stage shrinks
-towards the same class's previous stage instead, ``cells.ORDINAL``), so a cell
-with little evidence answers with its parent's. Survival ``S(x)`` = P(next reuse distance > ``x``) is log-linear
+x stage -> stage -> all; past the first stage, class x stage shrinks towards the
+class's previous stage, ``cells.ORDINAL``), so a cell with little evidence
+answers with its parent's. Survival ``S(x)`` = P(next reuse distance > ``x``) is log-linear
 inside a bucket (a constant hazard per access), and a block at age ``a`` is
 reused within the next ``W`` accesses with probability ``1 - S(a + W) / S(a)``:
 the window asked. Read at bucket edges, each end of the window had moved out to
@@ -28,14 +28,13 @@ A candidate model is a partition of the cells (which features it conditions
 on) and a horizon multiple (W = multiple x this cache's mean eviction age: "reused
 before this cache would forget it"); a density candidate ranks by P over the
 expected accesses the block holds its slot until the reuse or W (hit density).
-Tables for all candidates are rebuilt
-every ``refresh_every`` accesses from the same counts; counts decay with a time
-constant of ``memory_horizons`` eviction ages, so the model's memory scales with
-the cache instead of being a constant chosen on one trace. A reuse enters with
-the weight its access has in the counts by then (every refresh's decay since the
-access, from a ring of the running total at each refresh): the evidence is
-forgotten by the age of the access it is about (counted whole, a reuse near
-``tau`` weighed e^(d / tau) times its access, and hazards read high).
+Tables for all candidates are rebuilt every ``refresh_every`` accesses from the
+same counts; counts decay with a time constant of ``memory_horizons`` eviction
+ages, so the model's memory scales with the cache instead of being a constant
+chosen on one trace. A reuse enters with the weight its access has in the counts
+by then (every refresh's decay since the access, from a ring of the running total
+at each refresh): counted whole, a reuse near ``tau`` weighed e^(d / tau) times
+its access, and hazards read high.
 """
 
 from __future__ import annotations
@@ -348,16 +347,15 @@ class ReuseModel:
         memo[partition] = hazard
         return hazard
 
+    def probability_table(self, k: int) -> np.ndarray:
+        """Candidate ``k``'s P(reused within W) by [age, cell] (a density model's is kept apart)."""
+        return self.prob.get(k, self.table3[k])
+
     def probability_just_accessed(self, k: int, b: int) -> float:
-        """Candidate ``k``'s P(reused within its horizon) of block ``b`` at age 0."""
-        table = self.prob.get(k)
-        return float((self.table3[k] if table is None else table)[0, int(self.cell[b])])
+        return float(self.probability_table(k)[0, int(self.cell[b])])
 
     def probabilities(self, k: int, blocks: np.ndarray) -> np.ndarray:
-        table = self.prob.get(k)
-        if table is None:
-            return self.values(k, blocks)
-        return table.reshape(-1).take(self.table_index(blocks))
+        return self.probability_table(k).reshape(-1).take(self.table_index(blocks))
 
     # -- queries -------------------------------------------------------------
     def values(self, k: int, blocks: np.ndarray) -> np.ndarray:

@@ -16,17 +16,16 @@ from .verify_spy import spy_verifications
 
 def _backends():
     ok, why = kvikio_status()
-    return ["posix", pytest.param("posix-python", marks=pytest.mark.skipif(io_backends._blockio is None,
-                                                                          reason="the compiled loop is not built")),
+    no_c = pytest.mark.skipif(io_backends._blockio is None, reason="the compiled loop is not built")
+    return ["posix", pytest.param("posix-python", marks=no_c),
             pytest.param("kvikio", marks=pytest.mark.skipif(not ok, reason=why))]
 
 
 @pytest.fixture(params=_backends())
 def backend(request):
-    """posix-python: the posix backend with a Python call a block (where the compiled
-    share loop is not built), held to the same behaviour."""
-    be = PosixBackend(threads=4, compiled=False) if request.param == "posix-python" else \
-        select_backend(request.param, threads=4)
+    """posix-python: the posix backend as where its compiled share loop is not built."""
+    python = request.param == "posix-python"
+    be = PosixBackend(threads=4, compiled=False) if python else select_backend(request.param, threads=4)
     yield be
     be.shutdown()
 
@@ -398,8 +397,8 @@ def test_a_read_into_read_only_memory_fails_alone(backend, nvme_dir):
     outs = [aligned_empty(st.data_stride) for _ in range(3)]
     outs[1].flags.writeable = False
     handle, off = st._locate(0)
-    errors = backend.pread_many(handle, [(out, off + s * st.slot_bytes + HEADER_BYTES)
-                                         for s, out in enumerate(outs)]).result()
+    reads = [(out, off + s * st.slot_bytes + HEADER_BYTES) for s, out in enumerate(outs)]
+    errors = backend.pread_many(handle, reads).result()
     assert errors[0] is None and errors[2] is None and errors[1] is not None
     assert np.array_equal(outs[0], pattern(0, 4096)) and np.array_equal(outs[2], pattern(2, 4096))
     st.close()
