@@ -63,15 +63,17 @@ def prepare_slabs(nvme_dir: Path, n_slots: int, n: int, real: int) -> float:
     from kvtier.kernels.checksum import block_checksum
     from kvtier.tiers.io_backends import PosixBackend
     from kvtier.tiers.nvme import NvmeStore
+    from kvtier.tiers.pools import round_up
+    from kvtier.tiers.slab_layout import SlabLayout
     from kvtier.tiers.slot_index import sealed_entries, write_index
 
     t0 = time.perf_counter()
     nvme_dir.mkdir(mode=0o700, parents=True)
-    per_file, slot_bytes = 65536, 4096 + BLOCK  # the geometry the daemon's store uses (header page + payload)
-    for i in range(-(-n_slots // per_file)):  # sized, not allocated: the store opens them without preallocating
-        count = min(per_file, n_slots - i * per_file)
+    per_file = 65536  # the geometry the daemon's store uses
+    layout = SlabLayout(n_slots, round_up(BLOCK), per_file)
+    for i in range(layout.n_files):  # sized, not allocated: the store opens them without preallocating
         with open(nvme_dir / f"slab-{i:04d}.kvt", "wb") as f:
-            f.truncate(count * slot_bytes)
+            f.truncate(layout.file_bytes(i))
     backend = PosixBackend(threads=8)
     store = NvmeStore(str(nvme_dir), n_slots, BLOCK, backend, slots_per_file=per_file)
     try:

@@ -63,21 +63,24 @@ def workload(sessions: int, turns: int, system_tokens: int, user_tokens: int, se
 def corrupt_nvme(nvme_dir: str, block_bytes: int) -> int:
     """Flip one payload byte of every sealed slot in the daemon's slabs (a fault drill):
     every NVMe copy then fails its checksum. Returns how many slots were hit."""
-    from kvtier.tiers.nvme import HEADER_BYTES, MAGIC
+    from kvtier.tiers.nvme import MAGIC
     from kvtier.tiers.pools import round_up
+    from kvtier.tiers.slab_layout import SlabLayout, slots_in_slab
 
-    slot = HEADER_BYTES + round_up(block_bytes)
+    stride = round_up(block_bytes)
     hit = 0
     for f in sorted(Path(nvme_dir).glob("slab-*.kvt")):
+        count = slots_in_slab(f.stat().st_size, stride)
+        layout = SlabLayout(count, stride, max(1, count))
         with open(f, "r+b") as fh:
-            size = f.stat().st_size
-            for off in range(0, size - slot + 1, slot):
-                fh.seek(off)
+            for slot in range(count):
+                fh.seek(layout.header_offset(slot)[1])
                 if fh.read(len(MAGIC)) != MAGIC:
                     continue
-                fh.seek(off + HEADER_BYTES + 1000)
+                off = layout.payload_offset(slot)[1] + 1000
+                fh.seek(off)
                 b = fh.read(1)
-                fh.seek(off + HEADER_BYTES + 1000)
+                fh.seek(off)
                 fh.write(bytes([b[0] ^ 0x5A]))
                 hit += 1
         os.sync()

@@ -13,11 +13,11 @@ import os
 import time
 from concurrent.futures import Future
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from .futures import gather, then_check
+from .futures import Then, followed, gather, then_check
 
 
 class FaultyBackend:
@@ -86,8 +86,10 @@ class FaultyBackend:
         return gather([then_check(self.pread(h, bufs, off), partial(check, i))
                        for i, (h, bufs, off) in enumerate(reads)])
 
-    def pwrite_many(self, writes: Sequence[tuple[Any, Sequence[Any], int]]) -> "Future[list[Any]]":
-        return gather([self.pwrite(h, bufs, off) for h, bufs, off in writes])  # faults hit single writes
+    def pwrite_many(self, writes: Sequence[tuple[Any, Sequence[Any], int]],
+                    then: Optional[Then] = None) -> "Future[list[Any]]":
+        first = gather([self.pwrite(h, bufs, off) for h, bufs, off in writes])  # faults hit single writes
+        return first if then is None else followed(first, then, self.pwrite_many)
 
     def fsync(self, handle: Any) -> None:
         self.inner.fsync(handle)

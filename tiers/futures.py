@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
+
+A = TypeVar("A")
+B = TypeVar("B")
 
 Failures = list[Optional[BaseException]]  # per read of a pread_many: its error, or None
+Write = tuple[Any, Sequence[Any], int]  # (handle, buffers, offset)
+# writes that depend on how a batch went (a slot's header goes only where its payload landed):
+# called with the batch's failures once it is done, it returns the writes to issue next
+Then = Callable[[Failures], Sequence[Write]]
 
 
 def gather(futs: Sequence["Future[Any]"]) -> "Future[Failures]":
@@ -59,4 +66,46 @@ def then_check(fut: "Future[Any]", check: Callable[[], None]) -> "Future[None]":
     return out
 
 
-__all__ = ["Failures", "gather", "then_check"]
+def mapped(fut: "Future[A]", fn: Callable[[A], B]) -> "Future[B]":
+    """A future of ``fn(fut.result())``, computed where ``fut`` completes (no thread of
+    its own); ``fut``'s exception, or ``fn``'s, fails it."""
+    out: "Future[B]" = Future()
+
+    def done(f: "Future[A]") -> None:
+        try:
+            out.set_result(fn(f.result()))
+        except BaseException as e:  # the I/O's error or fn's: the caller's to see
+            out.set_exception(e)
+
+    fut.add_done_callback(done)
+    return out
+
+
+def followed(first: "Future[Failures]", then: Then,
+             issue: Callable[[Sequence[Write]], "Future[Failures]"]) -> "Future[Failures]":
+    """``first``'s failures, then those of the writes ``then`` names once it is done,
+    issued with ``issue`` (a backend's ``pwrite_many``) from where ``first`` completes:
+    it submits and returns, so no I/O thread waits on another's queue."""
+    out: "Future[Failures]" = Future()
+
+    def second_done(failures: Failures, g: "Future[Failures]") -> None:
+        exc = g.exception()
+        if exc is None:
+            out.set_result(failures + g.result())
+        else:
+            out.set_exception(exc)
+
+    def first_done(f: "Future[Failures]") -> None:
+        try:
+            failures = f.result()
+            second = issue(then(failures))
+        except BaseException as e:  # the batch failed as a whole, or ``then`` did
+            out.set_exception(e)
+            return
+        second.add_done_callback(lambda g: second_done(failures, g))
+
+    first.add_done_callback(first_done)
+    return out
+
+
+__all__ = ["Failures", "Then", "Write", "followed", "gather", "mapped", "then_check"]

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
-from .futures import Failures
+from .futures import Failures, Then, Write
 from .io_kvikio import KvikioBackend, kvikio_status
 from .types import TierError
 
@@ -48,7 +48,8 @@ class IOBackend(Protocol):
     def pwrite(self, handle: Any, buffers: Sequence[Buffer], offset: int) -> "Future[int]": ...
     def pread(self, handle: Any, buffers: Sequence[Buffer], offset: int) -> "Future[int]": ...
     def pread_many(self, handle: Any, reads: Sequence[tuple[Buffer, int]]) -> "Future[Failures]": ...
-    def pwrite_many(self, writes: Sequence[tuple[Any, Sequence[Buffer], int]]) -> "Future[Failures]": ...
+    def pwrite_many(self, writes: Sequence[tuple[Any, Sequence[Buffer], int]],
+                    then: Optional[Then] = None) -> "Future[Failures]": ...
     def pread_checked(self, reads: Sequence[tuple[Any, Sequence[Buffer], int]],
                       check: Callable[[int], None], sums: Optional[Sums] = None) -> "Future[Failures]": ...
     def fsync(self, handle: Any) -> None: ...
@@ -184,12 +185,15 @@ class PosixBackend:
         4 KiB read costs as much Python as the read itself. Each read fails alone."""
         return self._each(os.preadv, [(handle, self._views([buf]), off) for buf, off in reads], "read")
 
-    def pwrite_many(self, writes: Sequence[tuple[PosixHandle, Sequence[Buffer], int]]) -> "Future[Failures]":
+    def pwrite_many(self, writes: Sequence[Write], then: Optional[Then] = None) -> "Future[Failures]":
         """Many block writes (handle, buffers, offset) as one pool task, one after the other,
         each failing alone. The mover gives each pool thread one such share of a batch: a
         future and a hand-off per block cost as much Python as a 256 KiB write, and on a
-        small host that Python competes with the I/O threads for the cores."""
-        return self._each(os.pwritev, [(h, self._views(bufs), off) for h, bufs, off in writes], "write")
+        small host that Python competes with the I/O threads for the cores. ``then``'s
+        writes run in the same task after these (not queued behind other tasks); the
+        result lists the failures of both, these first."""
+        return self._each(os.pwritev, [(h, self._views(bufs), off) for h, bufs, off in writes], "write",
+                          then=then)
 
     def pread_checked(self, reads: Sequence[tuple[PosixHandle, Sequence[Buffer], int]],
                       check: Callable[[int], None], sums: Optional[Sums] = None) -> "Future[Failures]":
@@ -203,15 +207,27 @@ class PosixBackend:
 
     def _each(self, op: Callable[..., int], jobs: list[tuple[PosixHandle, list[memoryview], int]],
               kind: str, check: Optional[Callable[[int], None]] = None,
-              sums: Optional[Sums] = None) -> "Future[Failures]":
+              sums: Optional[Sums] = None, then: Optional[Then] = None) -> "Future[Failures]":
         """Jobs (handle, views, offset) as one pool task, one after the other, each failing
         alone; ``check(i)``, if given, runs after job i moved its bytes (unless the
-        compiled loop verified ``sums[i]`` already)."""
+        compiled loop verified ``sums[i]`` already); ``then``'s writes after them."""
         if sums is not None and len(sums) != len(jobs):
             raise ValueError(f"{len(sums)} checksums for {len(jobs)} reads")
+        if then is None:
+            return self._pool.submit(self._run, op, jobs, kind, check, sums)
+
+        def both() -> Failures:
+            out = self._run(op, jobs, kind, check, sums)
+            more = [(h, self._views(bufs), off) for h, bufs, off in then(out)]
+            return out + self._run(op, more, kind, None, None)
+
+        return self._pool.submit(both)
+
+    def _run(self, op: Callable[..., int], jobs: list[tuple[PosixHandle, list[memoryview], int]],
+             kind: str, check: Optional[Callable[[int], None]], sums: Optional[Sums]) -> Failures:
         if self.compiled and all(len(v) <= _blockio.MAX_IOV for _, v, _ in jobs):
-            return self._pool.submit(self._run_compiled, op, jobs, kind, check, sums)
-        return self._pool.submit(self._run_python, op, jobs, kind, check)
+            return self._run_compiled(op, jobs, kind, check, sums)
+        return self._run_python(op, jobs, kind, check)
 
     def _run_python(self, op: Callable[..., int], jobs: list[tuple[PosixHandle, list[memoryview], int]],
                     kind: str, check: Optional[Callable[[int], None]]) -> Failures:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from .futures import Failures, gather, then_check
+from .futures import Failures, Then, Write, followed, gather, then_check
 from .types import TierError
 
 Buffer = Any  # numpy uint8 array (host) or torch CUDA tensor
@@ -122,8 +122,9 @@ class KvikioBackend:
     def pread_many(self, handle: KvikioHandle, reads: Sequence[tuple[Buffer, int]]) -> "Future[Failures]":
         return gather([self.pread(handle, [buf], off) for buf, off in reads])  # kvikio splits and queues them
 
-    def pwrite_many(self, writes: Sequence[tuple[KvikioHandle, Sequence[Buffer], int]]) -> "Future[Failures]":
-        return gather([self.pwrite(h, bufs, off) for h, bufs, off in writes])  # kvikio queues each
+    def pwrite_many(self, writes: Sequence[Write], then: Optional[Then] = None) -> "Future[Failures]":
+        first = gather([self.pwrite(h, bufs, off) for h, bufs, off in writes])  # kvikio queues each
+        return first if then is None else followed(first, then, self.pwrite_many)
 
     def pread_checked(self, reads: Sequence[tuple[KvikioHandle, Sequence[Buffer], int]],
                       check: Callable[[int], None],

@@ -25,7 +25,7 @@ from .nvme import NvmeStore
 
 INDEX_FILE = "slots.kvx"
 MAGIC = b"KVTIDX01"
-VERSION = 1
+VERSION = 2  # 2: for slabs of layout version 3 (headers packed in front; nvme.VERSION)
 ENTRY = np.dtype([("slot", "<i8"), ("key", "<u8"), ("length", "<u8"), ("checksum", "<u8")])
 # magic, version, block_bytes, n_slots, slots_per_file, seq, entries, checksum of the entries
 _HEAD = struct.Struct("<8sIQQQQQQ")
@@ -88,8 +88,10 @@ def _invalid(store: NvmeStore, raw: bytes) -> str:
     if len(raw) < _HEAD.size:
         return "truncated"
     magic, version, block_bytes, n_slots, per_file, _, count, crc = _HEAD.unpack_from(raw)
-    if magic != MAGIC or version != VERSION:
+    if magic != MAGIC:
         return "not a kvtier slot index"
+    if version != VERSION:
+        return f"index version {version}, this kvtier reads {VERSION}"
     if (block_bytes, n_slots, per_file) != (store.block_bytes, store.n_slots, store.slots_per_file):
         return "written for other slab geometry"
     body = raw[_HEAD.size:]

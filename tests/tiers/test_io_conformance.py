@@ -78,10 +78,10 @@ def test_pread_many_fails_reads_one_by_one(backend, nvme_dir):
     st = NvmeStore(nvme_dir, 4, 4096, backend, slots_per_file=4)
     for s in range(4):
         st.write(s, pattern(s, 4096), key=s + 1, length=4096, checksum=0, sealed=True).result()
-    handle, _ = st._locate(0)
+    handle, _ = st.payload_at(0)
     bufs = [aligned_empty(4096) for _ in range(5)]
-    offsets = [3 * st.slot_bytes + HEADER_BYTES, HEADER_BYTES, 10 * st.slot_bytes,
-               2 * st.slot_bytes + HEADER_BYTES, st.slot_bytes + HEADER_BYTES]
+    end = os.path.getsize(os.path.join(nvme_dir, "slab-0000.kvt"))
+    offsets = [st.payload_at(3)[1], st.payload_at(0)[1], end + 4096, st.payload_at(2)[1], st.payload_at(1)[1]]
     errors = backend.pread_many(handle, list(zip(bufs, offsets))).result()
     assert [e is None for e in errors] == [True, True, False, True, True]
     for buf, slot in zip([bufs[0], bufs[1], bufs[3], bufs[4]], [3, 0, 2, 1]):
@@ -103,9 +103,9 @@ def test_read_checked_verifies_on_the_io_threads(backend, nvme_dir, monkeypatch)
     for s in range(6):
         st.write(s, pattern(s, 5000), key=s + 1, length=5000, checksum=sums[s], sealed=True).result()
     with open(os.path.join(nvme_dir, "slab-0001.kvt"), "r+b") as f:  # slot 4: one byte changed on disk
-        f.seek(1 * st.slot_bytes + HEADER_BYTES + 4999)
+        f.seek(st.payload_at(4)[1] + 4999)
         byte = f.read(1)[0]
-        f.seek(1 * st.slot_bytes + HEADER_BYTES + 4999)
+        f.seek(st.payload_at(4)[1] + 4999)
         f.write(bytes([byte ^ 1]))
     where = spy_verifications(monkeypatch)
     order = [5, 4, 0, 2, 1]
@@ -122,7 +122,7 @@ def test_read_checked_verifies_on_the_io_threads(backend, nvme_dir, monkeypatch)
     # the posix backend's good reads are verified in its compiled loop; the mismatch, by the store's check
     assert where.in_c == (4 if getattr(backend, "compiled", False) else 0)
     assert threading.current_thread().name not in where and all(w.startswith("kvtier-") for w in where)
-    os.truncate(os.path.join(nvme_dir, "slab-0000.kvt"), 2 * st.slot_bytes)  # slot 2 now past the end
+    os.truncate(os.path.join(nvme_dir, "slab-0000.kvt"), st.payload_at(2)[1])  # slot 2 now past the end
     outs = [aligned_empty(st.data_stride) for _ in range(2)]
     errors = st.read_checked([(2, outs[0], 5000, sums[2]), (1, outs[1], 5000, sums[1])]).result()
     assert errors[0] is not None and not isinstance(errors[0], CorruptBlockError) and errors[1] is None
@@ -140,12 +140,15 @@ def test_batched_headers_are_whole_pages_of_one_header_each(backend, nvme_dir):
     assert st.write_many(items).result() == [None] * 3
     st.close()
     with open(os.path.join(nvme_dir, "slab-0000.kvt"), "rb") as f:
-        raw = np.frombuffer(f.read(), dtype=np.uint8).reshape(4, -1)
+        raw = np.frombuffer(f.read(), dtype=np.uint8)
+    headers = raw[: 4 * HEADER_BYTES].reshape(4, HEADER_BYTES)  # packed at the front, in slot order
     for s in (2, 0, 3):
-        h = decode_header(raw[s, :HEADER_BYTES])
+        h = decode_header(headers[s])
         assert h is not None and (h.key, h.length, h.checksum, h.seq, h.sealed) == (500 + s, 4096 - s, 9 * s, 40 + s,
                                                                                   s % 2 == 0)
-        assert not raw[s, 56:HEADER_BYTES].any() and np.array_equal(raw[s, HEADER_BYTES:], pattern(s, 4096))
+        off = st.layout.payload_offset(s)[1]
+        assert not headers[s, 56:].any() and np.array_equal(raw[off: off + 4096], pattern(s, 4096))
+    assert not headers[1].any()  # slot 1 was not written: its header page is untouched
 
 
 def test_write_many_lands_each_slot_and_fails_alone(backend, nvme_dir):
@@ -192,7 +195,7 @@ def test_recovery_discards_torn_and_open(backend, nvme_dir):
     st.close()
     path = os.path.join(nvme_dir, "slab-0000.kvt")
     with open(path, "r+b") as f:  # tear slot 1's payload
-        f.seek(1 * (HEADER_BYTES + 8192) + HEADER_BYTES + 100)
+        f.seek(st.layout.payload_offset(1)[1] + 100)
         f.write(b"\x00\xff\x00")
     st = NvmeStore(nvme_dir, 4, 8192, backend, slots_per_file=4)
     found, discarded = st.recover()
@@ -219,10 +222,9 @@ def test_header_only_recovery_never_serves_a_torn_payload(backend, nvme_dir):
     m.close()
     assert block_checksum(pattern(0, 8192)) != block_checksum(pattern(1, 8192))
     st = NvmeStore(nvme_dir, 4, 8192, backend)
-    slot_bytes = st.slot_bytes
     st.close()
     with open(os.path.join(nvme_dir, "slab-0000.kvt"), "r+b") as f:  # tear key 70's payload
-        f.seek(slots[70] * slot_bytes + HEADER_BYTES + 100)
+        f.seek(st.layout.payload_offset(slots[70])[1] + 100)
         f.write(b"\x00\xff\x00")
     m = TierManager(8192, 2, 2, 4, nvme_dir=nvme_dir, io_backend=backend.name, recover_payloads=False)
     try:
@@ -346,9 +348,9 @@ def test_bounced_promotion_through_few_buffers(nvme_dir, monkeypatch):
         bad = int(blocks[4])
         store = m.nvme
         assert store is not None
-        handle, off = store._locate(int(m.table.slot[2, bad]))
+        handle, off = store.payload_at(int(m.table.slot[2, bad]))
         with open(handle.path, "r+b") as f:
-            f.seek(off + HEADER_BYTES + 17)
+            f.seek(off + 17)
             f.write(b"\xff\x00\xff")
         m.promote(blocks, "hbm")
         m.wait()
@@ -396,8 +398,8 @@ def test_a_read_into_read_only_memory_fails_alone(backend, nvme_dir):
         st.write(s, pattern(s, 4096), key=s + 1, length=4096, checksum=0, sealed=True).result()
     outs = [aligned_empty(st.data_stride) for _ in range(3)]
     outs[1].flags.writeable = False
-    handle, off = st._locate(0)
-    reads = [(out, off + s * st.slot_bytes + HEADER_BYTES) for s, out in enumerate(outs)]
+    handle, _ = st.payload_at(0)
+    reads = [(out, st.payload_at(s)[1]) for s, out in enumerate(outs)]
     errors = backend.pread_many(handle, reads).result()
     assert errors[0] is None and errors[2] is None and errors[1] is not None
     assert np.array_equal(outs[0], pattern(0, 4096)) and np.array_equal(outs[2], pattern(2, 4096))

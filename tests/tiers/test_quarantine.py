@@ -11,7 +11,6 @@ from kvtier.tiers import io_backends
 from kvtier.tiers.faults import FaultyBackend
 from kvtier.tiers.io_backends import PosixBackend
 from kvtier.tiers.manager import TierManager
-from kvtier.tiers.nvme import HEADER_BYTES
 from kvtier.tiers.types import BlockState, Tier
 
 from ..conftest import pattern
@@ -41,7 +40,7 @@ def _flip_on_disk(m: TierManager, b: int) -> None:
     slot = int(m.table.slot[Tier.NVME, b])
     path = os.path.join(m.nvme.directory, "slab-0000.kvt")
     with open(path, "r+b") as f:
-        off = slot * m.nvme.slot_bytes + HEADER_BYTES + 17
+        off = m.nvme.layout.payload_offset(slot)[1] + 17
         f.seek(off)
         byte = f.read(1)[0]
         f.seek(off)

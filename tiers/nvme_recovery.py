@@ -1,0 +1,105 @@
+"""A restart's scan of the NVMe tier: which sealed blocks the slabs still hold.
+
+Headers lie packed at the front of each slab (``slab_layout``), so the scan reads
+them in runs of up to ``HEADERS_PER_READ`` (one 4 MiB read instead of 1024 small
+ones); a run whose read fails is read again header by header, so a bad sector
+costs the slots under it and no others. A slot is discarded if its header is
+torn, it is open, or (``verify_payload``) its payload fails the checksum; older
+copies of a key are discarded too. With ``verify_payload=False`` only headers are
+read; a payload torn under a good header is then caught by the checksum every NVMe
+read verifies, and never served.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Optional
+
+import numpy as np
+
+from kvtier.kernels.checksum import block_checksum
+
+from .aligned import aligned_empty
+from .slab_layout import HEADER_BYTES
+
+if TYPE_CHECKING:
+    from .nvme import NvmeStore, RecoveredSlot, SlotHeader
+
+HEADERS_PER_READ = 1024
+
+
+def _read_headers(store: "NvmeStore", first: int, n: int) -> tuple[np.ndarray, list[bool]]:
+    """Headers of slots ``first .. first + n - 1`` (one slab file) and which could not be read."""
+    pages = aligned_empty(n * HEADER_BYTES).reshape(n, HEADER_BYTES)
+    handle, off = store.header_at(first)
+    if store.backend.pread_many(handle, [(pages.reshape(-1), off)]).result()[0] is None:
+        return pages, [False] * n
+    reads = [(pages[j], off + j * HEADER_BYTES) for j in range(n)]  # the run failed: each alone
+    return pages, [err is not None for err in store.backend.pread_many(handle, reads).result()]
+
+
+def _verified(store: "NvmeStore", found: list[tuple[int, "SlotHeader"]], batch: int
+              ) -> tuple[list[tuple[int, "SlotHeader"]], int, int]:
+    """The slots of ``found`` (one slab file) whose payload reads back with its checksum;
+    (kept, discarded, unreadable)."""
+    kept: list[tuple[int, "SlotHeader"]] = []
+    discarded = unreadable = 0
+    for lo in range(0, len(found), max(1, batch)):
+        part = found[lo: lo + max(1, batch)]
+        bufs = aligned_empty(len(part) * store.data_stride).reshape(len(part), store.data_stride)
+        handle = store.payload_at(part[0][0])[0]
+        failures = store.backend.pread_many(handle, [(buf, store.payload_at(s)[1])
+                                                     for buf, (s, _) in zip(bufs, part)]).result()
+        for buf, (s, h), err in zip(bufs, part, failures):
+            if err is not None:
+                discarded += 1
+                unreadable += 1
+            elif block_checksum(buf[: h.length]) != h.checksum:
+                discarded += 1
+            else:
+                kept.append((s, h))
+    return kept, discarded, unreadable
+
+
+def scan(store: "NvmeStore", progress: Optional[Callable[[int], None]], batch: int,
+         verify_payload: bool) -> tuple[list["RecoveredSlot"], int, int]:
+    """(newest sealed copy per key in slot order, slots discarded, highest sequence seen);
+    counts unreadable slots in ``store.unreadable``."""
+    from .nvme import RecoveredSlot, decode_header
+
+    best: dict[int, RecoveredSlot] = {}
+    discarded = max_seq = 0
+    layout = store.layout
+    for f in range(layout.n_files):
+        base, count = f * layout.slots_per_file, layout.count(f)
+        for lo in range(0, count, HEADERS_PER_READ):
+            n = min(HEADERS_PER_READ, count - lo)
+            pages, failed = _read_headers(store, base + lo, n)
+            found: list[tuple[int, SlotHeader]] = []
+            for j in range(n):
+                if failed[j]:
+                    discarded += 1  # an unreadable slot is never served; the slot is reused
+                    store.unreadable += 1
+                    continue
+                h = decode_header(pages[j])
+                if h is None:
+                    discarded += bool(pages[j, :8].any())  # written once, now torn (or another version's)
+                    continue
+                max_seq = max(max_seq, h.seq)
+                if not h.sealed or h.length > store.block_bytes:
+                    discarded += 1
+                    continue
+                found.append((base + lo + j, h))
+            if verify_payload:
+                found, bad, unreadable = _verified(store, found, batch)
+                discarded += bad
+                store.unreadable += unreadable
+            for s, h in found:
+                prev = best.get(h.key)
+                if prev is None or prev.header.seq < h.seq:
+                    discarded += prev is not None
+                    best[h.key] = RecoveredSlot(s, h)
+                else:
+                    discarded += 1
+            if progress is not None:
+                progress(n)
+    return sorted(best.values(), key=lambda r: r.slot), discarded, max_seq
