@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from .futures import Then, followed, gather, then_check
+from .pools import ALIGN
 
 
 class FaultyBackend:
@@ -46,7 +47,7 @@ class FaultyBackend:
             f.set_exception(OSError(errno.EIO, "Input/output error"))
         else:
             from kvtier.tiers.types import TierError
-            f.set_exception(TierError("short write: 4096 of 16384 bytes"))
+            f.set_exception(TierError("short write: a part of the bytes, then no more"))
         return f
 
     def pwrite(self, handle: Any, buffers: Sequence[Any], offset: int) -> "Future[int]":
@@ -54,10 +55,20 @@ class FaultyBackend:
             time.sleep(self.delay_s)
         if self.fail_writes > 0:
             self.fail_writes -= 1
-            if self.mode == "short":  # a real partial write, then the error
-                self.inner.pwrite(handle, [buffers[0]], offset).result()
+            if self.mode == "short":  # a real partial write (the first half of the first buffer), then the error
+                return self._torn(handle, buffers[0], offset)
             return self._fail()
         return self.inner.pwrite(handle, buffers, offset)
+
+    def _torn(self, handle: Any, first: Any, offset: int) -> "Future[int]":
+        """Half of ``first`` really written, then the short-write error; not waited for here:
+        the header writes that follow a batch's payloads are issued from an I/O thread,
+        which must not block on its own pool."""
+        half = first.reshape(-1).view(np.uint8)[: max(ALIGN, first.nbytes // 2 // ALIGN * ALIGN)]
+        out: "Future[int]" = Future()
+        self.inner.pwrite(handle, [half], offset).add_done_callback(
+            lambda _: out.set_exception(self._fail().exception() or RuntimeError("no fault")))
+        return out
 
     def pread(self, handle: Any, buffers: Sequence[Any], offset: int) -> "Future[int]":
         if self.delay_s:

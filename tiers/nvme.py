@@ -2,16 +2,18 @@
 
 Each slot has a 4 KiB header and the block padded to 4 KiB. The header holds magic,
 version, flags (sealed/open), key, payload length, payload checksum, a write
-sequence number and a checksum of the header itself. A slab keeps its headers
-packed at the front and its payloads after them at aligned offsets
-(``slab_layout``: aligned payload writes ran 13-22% faster here). A batch writes its
-payloads first and then its headers, one write per run of consecutive slots, so a
-header on disk never precedes its payload within a batch; after a crash a slot is
-whole (both checksums match) or detectably torn, and a payload torn or stale under
-a good header fails the checksum every NVMe read verifies. ``recover()`` scans the
-headers, verifies both checksums (or, for a fast start, the header's only) and
-returns the newest good copy of each sealed key; open (written-back, unsealed)
-blocks belong to sequences of the dead process and are not recovered.
+sequence number and a checksum of the header itself. A slab keeps its headers packed
+in groups of 512 with their payloads after them at aligned offsets (``slab_layout``:
+aligned payload writes ran 13-22% faster here). A batch writes its payloads first and
+then the headers of those that landed, one write per run of consecutive slots: a
+header is issued only once its payload's write completed. Nothing is flushed between
+them, so crash safety rests, as before, on the checksums: after a crash a slot's
+header is whole or detectably torn, and a payload torn or stale under a good header
+fails the checksum every NVMe read verifies, and is never served. ``recover()``
+(``nvme_recovery``) scans the headers, verifies both checksums (or, for a fast start,
+the header's only) and returns the newest good copy of each sealed key; open
+(written-back, unsealed) blocks belong to sequences of the dead process and are not
+recovered.
 """
 
 from __future__ import annotations
@@ -237,6 +239,8 @@ class NvmeStore:
         keeps its old header. A bad slot or buffer raises before any I/O."""
         n = len(items)
         order = sorted(range(n), key=lambda i: int(items[i][0]))
+        if any(items[a][0] == items[b][0] for a, b in zip(order, order[1:])):
+            raise ValueError("write_many: a slot is named twice")  # whose header would describe which payload?
         pages = _header_pages(n)  # in slot order: consecutive slots' headers are one buffer
         jobs: list[tuple[Any, list[Any], int]] = []
         for page, i in zip(pages, order):
@@ -249,10 +253,10 @@ class NvmeStore:
         slots = [int(items[i][0]) for i in order]
 
         def headers(failures: Failures) -> list[tuple[Any, list[Any], int]]:
-            """One write per run of consecutive slots (one slab) whose payloads landed."""
+            """One write per run of consecutive slots (one slab, one group) whose payloads landed."""
             out, start = [], 0
             for r in range(1, n + 1):
-                if r < n and slots[r] == slots[r - 1] + 1 and slots[r] % self.slots_per_file \
+                if r < n and slots[r] == slots[r - 1] + 1 and not self.layout.starts_header_run(slots[r]) \
                         and failures[r] is None and failures[r - 1] is None:
                     continue
                 if failures[start] is None:

@@ -1,11 +1,13 @@
 """A restart's scan of the NVMe tier: which sealed blocks the slabs still hold.
 
-Headers lie packed at the front of each slab (``slab_layout``), so the scan reads
-them in runs of up to ``HEADERS_PER_READ`` (one 4 MiB read instead of 1024 small
-ones); a run whose read fails is read again header by header, so a bad sector
-costs the slots under it and no others. A slot is discarded if its header is
-torn, it is open, or (``verify_payload``) its payload fails the checksum; older
-copies of a key are discarded too. With ``verify_payload=False`` only headers are
+Headers lie packed, 512 to a group (``slab_layout``), so the scan reads a group's
+headers in one 2 MiB read instead of 512 small ones; a read that fails is read
+again header by header, so a bad sector costs the slots under it and no others. A
+slot is discarded if its header is torn, it is open, or (``verify_payload``) its
+payload fails the checksum; older copies of a key are discarded too. A header page
+that holds bytes but no header of this version (torn, or left by an older layout,
+whose payload bytes now lie where headers go) is zeroed once found, so the next
+start does not count it again. With ``verify_payload=False`` only headers are
 read; a payload torn under a good header is then caught by the checksum every NVMe
 read verifies, and never served.
 """
@@ -19,12 +21,12 @@ import numpy as np
 from kvtier.kernels.checksum import block_checksum
 
 from .aligned import aligned_empty
-from .slab_layout import HEADER_BYTES
+from .slab_layout import GROUP, HEADER_BYTES
 
 if TYPE_CHECKING:
     from .nvme import NvmeStore, RecoveredSlot, SlotHeader
 
-HEADERS_PER_READ = 1024
+HEADERS_PER_READ = GROUP  # a group's headers are contiguous; the next group's lie past its payloads
 
 
 def _read_headers(store: "NvmeStore", first: int, n: int) -> tuple[np.ndarray, list[bool]]:
@@ -37,18 +39,35 @@ def _read_headers(store: "NvmeStore", first: int, n: int) -> tuple[np.ndarray, l
     return pages, [err is not None for err in store.backend.pread_many(handle, reads).result()]
 
 
+def _zero_headers(store: "NvmeStore", slots: list[int]) -> None:
+    """Zero the header pages of ``slots`` (one file): each is discarded, and counted, once.
+    A page that cannot be written stays as it was: it is discarded again next time."""
+    if not slots:
+        return
+    zero = aligned_empty(HEADER_BYTES)
+    zero[:] = 0
+    jobs = []
+    for s in slots:
+        handle, off = store.header_at(s)
+        jobs.append((handle, [zero], off))
+    store.backend.pwrite_many(jobs).result()
+
+
 def _verified(store: "NvmeStore", found: list[tuple[int, "SlotHeader"]], batch: int
               ) -> tuple[list[tuple[int, "SlotHeader"]], int, int]:
     """The slots of ``found`` (one slab file) whose payload reads back with its checksum;
     (kept, discarded, unreadable)."""
     kept: list[tuple[int, "SlotHeader"]] = []
     discarded = unreadable = 0
+    threads = max(1, int(getattr(store.backend, "threads", 1)))
     for lo in range(0, len(found), max(1, batch)):
         part = found[lo: lo + max(1, batch)]
         bufs = aligned_empty(len(part) * store.data_stride).reshape(len(part), store.data_stride)
         handle = store.payload_at(part[0][0])[0]
-        failures = store.backend.pread_many(handle, [(buf, store.payload_at(s)[1])
-                                                     for buf, (s, _) in zip(bufs, part)]).result()
+        reads = [(buf, store.payload_at(s)[1]) for buf, (s, _) in zip(bufs, part)]
+        share = -(-len(reads) // threads)  # one call per I/O thread: all of them read at once
+        calls = [store.backend.pread_many(handle, reads[i: i + share]) for i in range(0, len(reads), share)]
+        failures = [err for call in calls for err in call.result()]
         for buf, (s, h), err in zip(bufs, part, failures):
             if err is not None:
                 discarded += 1
@@ -75,6 +94,7 @@ def scan(store: "NvmeStore", progress: Optional[Callable[[int], None]], batch: i
             n = min(HEADERS_PER_READ, count - lo)
             pages, failed = _read_headers(store, base + lo, n)
             found: list[tuple[int, SlotHeader]] = []
+            junk: list[int] = []
             for j in range(n):
                 if failed[j]:
                     discarded += 1  # an unreadable slot is never served; the slot is reused
@@ -82,13 +102,16 @@ def scan(store: "NvmeStore", progress: Optional[Callable[[int], None]], batch: i
                     continue
                 h = decode_header(pages[j])
                 if h is None:
-                    discarded += bool(pages[j, :8].any())  # written once, now torn (or another version's)
+                    if pages[j].any():  # written once, now torn (or another version's)
+                        discarded += 1
+                        junk.append(base + lo + j)
                     continue
                 max_seq = max(max_seq, h.seq)
                 if not h.sealed or h.length > store.block_bytes:
                     discarded += 1
                     continue
                 found.append((base + lo + j, h))
+            _zero_headers(store, junk)
             if verify_payload:
                 found, bad, unreadable = _verified(store, found, batch)
                 discarded += bad

@@ -12,7 +12,7 @@ from kvtier.tiers.aligned import aligned_empty
 from kvtier.tiers.faults import FaultyBackend
 from kvtier.tiers.io_backends import PosixBackend
 from kvtier.tiers.nvme import MAGIC, NvmeStore, decode_header
-from kvtier.tiers.slab_layout import HEADER_BYTES, SlabLayout, payload_align, slots_in_slab
+from kvtier.tiers.slab_layout import GROUP, HEADER_BYTES, HEADER_SPAN, SlabLayout, payload_align, slots_in_slab
 
 from ..conftest import pattern
 
@@ -26,22 +26,65 @@ def posix():
 
 @pytest.mark.parametrize("stride, align", [(256 << 10, 256 << 10), (20480, 4096), (8 << 20, 2 << 20),
                                            (12288, 4096), (2 << 20, 2 << 20)])
-def test_payloads_are_aligned_to_their_stride_after_packed_headers(stride, align):
-    layout = SlabLayout(10, stride, 4)  # files of 4, 4 and 2 slots
+def test_payloads_are_aligned_after_their_groups_packed_headers(stride, align):
+    per_file = GROUP + 3  # a full group and a partial one per file
+    layout = SlabLayout(2 * per_file + 5, stride, per_file)  # files of 515, 515 and 5 slots
     assert payload_align(stride) == layout.align == align
-    for slot in range(10):
+    spans = []
+    for slot in range(layout.n_slots):
         f, hdr = layout.header_offset(slot)
         g, pay = layout.payload_offset(slot)
-        local = slot % 4
-        assert f == g == slot // 4 and hdr == local * HEADER_BYTES
-        assert pay % align == 0 and pay >= layout.count(f) * HEADER_BYTES  # after every header of its file
+        group, j = divmod(slot % per_file, GROUP)
+        assert f == g == slot // per_file
+        assert hdr == group * layout.group_bytes + j * HEADER_BYTES  # packed, slot after slot
+        assert pay % align == 0 and pay >= group * layout.group_bytes + HEADER_SPAN  # after its group's headers
         assert pay + stride <= layout.file_bytes(f)
-    assert [layout.file_bytes(f) for f in range(3)] == [layout.payload_base(c) + c * stride for c in (4, 4, 2)]
-    assert [slots_in_slab(layout.file_bytes(f), stride) for f in range(3)] == [4, 4, 2]
+        spans.append((f, hdr, HEADER_BYTES))
+        spans.append((f, pay, stride))
+    for f in range(3):  # no two slots' bytes overlap, in any file
+        mine = sorted((o, o + n) for ff, o, n in spans if ff == f)
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(mine, mine[1:]))
+    assert [slots_in_slab(layout.file_bytes(f), stride) for f in range(3)] == [515, 515, 5]
+    assert layout.starts_header_run(GROUP) and layout.starts_header_run(per_file) and not layout.starts_header_run(7)
     with pytest.raises(ValueError):
-        layout.payload_offset(10)
+        layout.payload_offset(layout.n_slots)
     with pytest.raises(ValueError):
         slots_in_slab(layout.file_bytes(0) + 4096, stride)
+
+
+def test_a_slots_offsets_do_not_depend_on_the_tier_size():
+    """A restart with more or fewer NVMe slots must find every kept slot where it was."""
+    small, large = SlabLayout(40, 8192, 1000), SlabLayout(5000, 8192, 1000)
+    for slot in range(40):
+        assert small.header_offset(slot) == large.header_offset(slot)
+        assert small.payload_offset(slot) == large.payload_offset(slot)
+
+
+def test_recovered_blocks_read_back_after_the_nvme_tier_grows_or_shrinks(nvme_dir):
+    """Blocks sealed on NVMe, then restarts with a larger and a smaller NVMe tier: every
+    block that still has its slot is recovered and reads back with its bytes."""
+    from kvtier.tiers.manager import TierManager
+    from kvtier.tiers.types import Tier
+
+    bb = 8192
+    m = TierManager(bb, 4, 4, 8, nvme_dir=nvme_dir, io_backend="posix")
+    blocks = m.alloc(4)
+    for i, b in enumerate(blocks.tolist()):
+        m.write(b, pattern(i, bb))
+        m.seal(b, 100 + i)
+    m.demote(blocks, "hbm", "nvme"); m.wait()
+    m.close()
+    for nvme_slots in (64, 8):  # the clean stop's index names other geometry: each start scans the headers
+        m = TierManager(bb, 4, 4, nvme_slots, nvme_dir=nvme_dir, io_backend="posix", recover_payloads=False)
+        try:
+            assert m.recovered == 4 and m.discarded == 0
+            back = [b for b in range(m.table.max_blocks) if m.table.has_copy(b, Tier.NVME)]
+            m.promote(back, "hbm"); m.wait()
+            assert not m.last_errors
+            assert sorted((int(m.table.key[b]), m.read(b)) for b in back) == [
+                (100 + i, pattern(i, bb).tobytes()) for i in range(4)]
+        finally:
+            m.close()
 
 
 def test_slab_bytes_lie_where_the_layout_says(posix, nvme_dir):
@@ -107,7 +150,8 @@ def test_a_failed_payload_keeps_its_old_header_and_splits_the_header_run(posix, 
 
 def test_slabs_of_the_previous_layout_are_discarded_cleanly(posix, nvme_dir):
     """A slab of layout version 2 (a header page in front of each payload) recovers as
-    empty, raises nothing, and its slots take new blocks that recover."""
+    empty, raises nothing, is counted as discarded once (not at every start), and its
+    slots take new blocks that recover."""
     stride, n = 8192, 4
     raw = np.zeros(n * (HEADER_BYTES + stride), dtype=np.uint8)
     head = struct.Struct("<8sIIQQQQ")
@@ -119,9 +163,10 @@ def test_slabs_of_the_previous_layout_are_discarded_cleanly(posix, nvme_dir):
         f.write(raw.tobytes())
     st = NvmeStore(nvme_dir, n, stride, posix, slots_per_file=n)
     try:
-        for verify in (True, False):
-            found, _ = st.recover(verify_payload=verify)
-            assert found == [] and st.unreadable == 0
+        found, discarded = st.recover()
+        assert found == [] and st.unreadable == 0 and discarded > 0
+        for verify in (True, False):  # the old bytes where headers go were zeroed: not counted again
+            assert st.recover(verify_payload=verify) == ([], 0)
         data = pattern(7, stride)
         st.write(2, data, key=99, length=stride, checksum=block_checksum(data), sealed=True).result()
         found, _ = st.recover()
@@ -131,3 +176,50 @@ def test_slabs_of_the_previous_layout_are_discarded_cleanly(posix, nvme_dir):
         assert np.array_equal(out, data)
     finally:
         st.close()
+
+
+def test_a_header_run_ends_at_a_group_boundary(posix, nvme_dir):
+    """Consecutive slots across a group boundary: their headers are not contiguous on
+    disk, so they go as two writes, and each lands in its own group."""
+    be = _CountingFaults(posix)
+    st = NvmeStore(nvme_dir, GROUP + 2, 4096, be, slots_per_file=GROUP + 2)
+    slots = [GROUP - 2, GROUP - 1, GROUP, GROUP + 1]
+    items = [(s, pattern(s, 4096), 10 + s, 4096, 0, True, 1 + s) for s in slots]
+    assert st.write_many(items).result() == [None] * 4
+    hdrs = be.writes[4:]
+    assert hdrs == [(st.layout.header_offset(GROUP - 2)[1], 2 * HEADER_BYTES),
+                    (st.layout.header_offset(GROUP)[1], 2 * HEADER_BYTES)]
+    assert [st.read_header(s).key for s in slots] == [10 + s for s in slots]
+    found, _ = st.recover(verify_payload=False)
+    assert [r.slot for r in found] == slots
+    st.close()
+
+
+def test_a_slot_named_twice_in_a_batch_is_refused_before_any_io(posix, nvme_dir):
+    be = _CountingFaults(posix)
+    st = NvmeStore(nvme_dir, 4, 4096, be, slots_per_file=4)
+    with pytest.raises(ValueError, match="named twice"):
+        st.write_many([(1, pattern(1, 4096), 1, 4096, 0, True, 1), (1, pattern(2, 4096), 2, 4096, 0, True, 2)])
+    assert be.writes == []
+    st.close()
+
+
+def test_a_short_write_tears_a_payload_and_never_blocks_an_io_thread(nvme_dir):
+    """The fault injector's short write lands half the payload for real and fails the
+    write without waiting on its pool: with one I/O thread the batch still completes,
+    the torn slot keeps its old header, and the other slot lands whole."""
+    inner = PosixBackend(threads=1)
+    try:
+        st = NvmeStore(nvme_dir, 2, 8192, inner, slots_per_file=2)
+        st.backend = FaultyBackend(inner, fail_writes=1, mode="short")
+        errors = st.write_many([(0, pattern(0, 8192), 5, 8192, 0, True, 1),
+                                (1, pattern(1, 8192), 6, 8192, 0, True, 2)]).result(timeout=10)
+        assert errors[0] is not None and "short write" in str(errors[0]) and errors[1] is None
+        st.backend = inner
+        out = aligned_empty(8192)
+        st.read(0, out).result()
+        assert np.array_equal(out[:4096], pattern(0, 8192)[:4096]) and not out[4096:].any()  # half landed
+        assert st.read_header(0) is None and st.read_header(1).key == 6
+        st.close()
+    finally:
+        inner.shutdown()
