@@ -61,7 +61,8 @@ class FaultyBackend:
         return self.inner.pwrite(handle, buffers, offset)
 
     def _torn(self, handle: Any, first: Any, offset: int) -> "Future[int]":
-        """Half of ``first`` really written, then the short-write error; not waited for here:
+        """The first half of ``first`` really written (its first page, where it has only
+        one: O_DIRECT moves whole pages), then the short-write error; not waited for here:
         the header writes that follow a batch's payloads are issued from an I/O thread,
         which must not block on its own pool."""
         half = first.reshape(-1).view(np.uint8)[: max(ALIGN, first.nbytes // 2 // ALIGN * ALIGN)]

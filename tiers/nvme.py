@@ -38,10 +38,11 @@ from .slab_layout import HEADER_BYTES, SlabLayout
 from .types import CorruptBlockError
 
 MAGIC = b"KVTSLOT1"
-# 3: headers packed at the front of a slab, payloads aligned after them (2: a header page
-# in front of each payload; 1: xxh3 payload checksums). A slot of another version decodes
+# 4: slabs in groups of 512 slots, headers packed, payloads aligned after them (3: every
+# header of a file packed at its front, so payloads moved when the slot count did; 2: a
+# header page in front of each payload; 1: xxh3 payload checksums). A slot of another version decodes
 # as no header: recovery discards it and the slot is reused.
-VERSION = 3
+VERSION = 4
 FLAG_SEALED = 1
 _HDR = struct.Struct("<8sIIQQQQ")  # magic, version, flags, key, length, checksum, seq
 _HDR_CRC = struct.Struct("<Q")

@@ -39,18 +39,29 @@ def _read_headers(store: "NvmeStore", first: int, n: int) -> tuple[np.ndarray, l
     return pages, [err is not None for err in store.backend.pread_many(handle, reads).result()]
 
 
-def _zero_headers(store: "NvmeStore", slots: list[int]) -> None:
-    """Zero the header pages of ``slots`` (one file): each is discarded, and counted, once.
-    A page that cannot be written stays as it was: it is discarded again next time."""
+def _zero_headers(store: "NvmeStore", slots: list[int], seen: list[np.ndarray]) -> None:
+    """Zero the header pages of ``slots`` (one file), whose bytes ``seen`` held no header of
+    this version, so each is discarded, and counted, once. Each page is read again first and
+    zeroed only if it reads back the same: a page garbled in flight is not the disk's, and a
+    good header must not be erased for it. A newer version's header is left alone (it is
+    skipped, not ours to erase). A page that cannot be written stays: it is discarded again."""
+    from .nvme import MAGIC, VERSION
+
     if not slots:
         return
+    handle = store.header_at(slots[0])[0]
+    again = aligned_empty(len(slots) * HEADER_BYTES).reshape(len(slots), HEADER_BYTES)
+    failures = store.backend.pread_many(handle, [(page, store.header_at(s)[1]) for page, s in zip(again, slots)]
+                                        ).result()
     zero = aligned_empty(HEADER_BYTES)
     zero[:] = 0
     jobs = []
-    for s in slots:
-        handle, off = store.header_at(s)
-        jobs.append((handle, [zero], off))
-    store.backend.pwrite_many(jobs).result()
+    for s, page, first, err in zip(slots, again, seen, failures):
+        newer = bytes(page[:8]) == MAGIC and int(page[8:12].view("<u4")[0]) > VERSION
+        if err is None and np.array_equal(page, first) and not newer:
+            jobs.append((handle, [zero], store.header_at(s)[1]))
+    if jobs:
+        store.backend.pwrite_many(jobs).result()
 
 
 def _verified(store: "NvmeStore", found: list[tuple[int, "SlotHeader"]], batch: int
@@ -95,6 +106,7 @@ def scan(store: "NvmeStore", progress: Optional[Callable[[int], None]], batch: i
             pages, failed = _read_headers(store, base + lo, n)
             found: list[tuple[int, SlotHeader]] = []
             junk: list[int] = []
+            junk_pages: list[np.ndarray] = []
             for j in range(n):
                 if failed[j]:
                     discarded += 1  # an unreadable slot is never served; the slot is reused
@@ -105,13 +117,14 @@ def scan(store: "NvmeStore", progress: Optional[Callable[[int], None]], batch: i
                     if pages[j].any():  # written once, now torn (or another version's)
                         discarded += 1
                         junk.append(base + lo + j)
+                        junk_pages.append(pages[j])
                     continue
                 max_seq = max(max_seq, h.seq)
                 if not h.sealed or h.length > store.block_bytes:
                     discarded += 1
                     continue
                 found.append((base + lo + j, h))
-            _zero_headers(store, junk)
+            _zero_headers(store, junk, junk_pages)
             if verify_payload:
                 found, bad, unreadable = _verified(store, found, batch)
                 discarded += bad
