@@ -63,9 +63,9 @@ def workload(sessions: int, turns: int, system_tokens: int, user_tokens: int, se
 def corrupt_nvme(nvme_dir: str, block_bytes: int) -> int:
     """Flip one payload byte of every sealed slot in the daemon's slabs (a fault drill):
     every NVMe copy then fails its checksum. Returns how many slots were hit."""
-    from kvtier.tiers.nvme import MAGIC
     from kvtier.tiers.pools import round_up
     from kvtier.tiers.slab_layout import SlabLayout, slots_in_slab
+    from kvtier.tiers.slot_header import MAGIC
 
     stride = round_up(block_bytes)
     hit = 0

@@ -19,14 +19,11 @@ recovered.
 from __future__ import annotations
 
 import os
-import struct
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
-import xxhash
 
 from kvtier.kernels.checksum import block_checksum
 
@@ -35,60 +32,8 @@ from .futures import Failures, mapped
 from .io_backends import IOBackend
 from .pools import round_up
 from .slab_layout import HEADER_BYTES, SlabLayout
+from .slot_header import FLAG_SEALED, RecoveredSlot, SlotHeader, decode_header, pack_header
 from .types import CorruptBlockError
-
-MAGIC = b"KVTSLOT1"
-# 4: slabs in groups of 512 slots, headers packed, payloads aligned after them (3: every
-# header of a file packed at its front, so payloads moved when the slot count did; 2: a
-# header page in front of each payload; 1: xxh3 payload checksums). A slot of another version decodes
-# as no header: recovery discards it and the slot is reused.
-VERSION = 4
-FLAG_SEALED = 1
-_HDR = struct.Struct("<8sIIQQQQ")  # magic, version, flags, key, length, checksum, seq
-_HDR_CRC = struct.Struct("<Q")
-
-
-@dataclass(frozen=True)
-class SlotHeader:
-    key: int
-    length: int
-    checksum: int
-    seq: int
-    flags: int
-
-    @property
-    def sealed(self) -> bool:
-        return bool(self.flags & FLAG_SEALED)
-
-
-def _header_crc(body: "bytes | memoryview") -> int:
-    """The header's own checksum: host bytes only, so xxh3 (a recovery scan checks
-    one per slot, and a numpy call per 48 bytes would cost more than the read)."""
-    return xxhash.xxh3_64_intdigest(body)
-
-
-def encode_header(h: SlotHeader, out: np.ndarray) -> None:
-    out[:] = 0
-    _pack_header(out.data, h.key, h.length, h.checksum, h.seq, h.flags)
-
-
-def _pack_header(page: memoryview, key: int, length: int, checksum: int, seq: int, flags: int) -> None:
-    """Pack a header into the start of a zeroed page: in place, about 1 µs (a
-    ``SlotHeader``, ``bytes`` and a numpy copy per block cost ~9 µs, which at 256
-    KiB blocks doubled the CPU a write batch takes and slowed it ~10%)."""
-    _HDR.pack_into(page, 0, MAGIC, VERSION, flags, key, length, checksum, seq)
-    _HDR_CRC.pack_into(page, _HDR.size, _header_crc(page[: _HDR.size]))
-
-
-def decode_header(buf: np.ndarray) -> Optional[SlotHeader]:
-    raw = buf[: _HDR.size + _HDR_CRC.size].tobytes()
-    magic, version, flags, key, length, checksum, seq = _HDR.unpack_from(raw)
-    if magic != MAGIC or version != VERSION:
-        return None
-    (crc,) = _HDR_CRC.unpack_from(raw, _HDR.size)
-    if crc != _header_crc(raw[: _HDR.size]):
-        return None
-    return SlotHeader(key, length, checksum, seq, flags)
 
 
 def _header_pages(n: int) -> np.ndarray:
@@ -96,12 +41,6 @@ def _header_pages(n: int) -> np.ndarray:
     pages = aligned_empty(n * HEADER_BYTES).reshape(n, HEADER_BYTES)
     pages[:] = 0
     return pages
-
-
-@dataclass(frozen=True)
-class RecoveredSlot:
-    slot: int
-    header: SlotHeader
 
 
 class NvmeStore:
@@ -249,7 +188,7 @@ class NvmeStore:
             handle, off = self.payload_at(int(slot))
             if seq is None:
                 seq = int(self.reserve_seqs(1)[0])
-            _pack_header(page.data, int(key), int(length), int(checksum), int(seq), FLAG_SEALED if sealed else 0)
+            pack_header(page.data, int(key), int(length), int(checksum), int(seq), FLAG_SEALED if sealed else 0)
             jobs.append((handle, [self._payload(data)], off))
         slots = [int(items[i][0]) for i in order]
 

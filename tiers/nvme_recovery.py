@@ -14,22 +14,34 @@ read verifies, and never served.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
 
 from kvtier.kernels.checksum import block_checksum
 
 from .aligned import aligned_empty
-from .slab_layout import GROUP, HEADER_BYTES
+from .slab_layout import GROUP, HEADER_BYTES, SlabLayout
+from .slot_header import RecoveredSlot, SlotHeader, decode_header, newer_version
 
-if TYPE_CHECKING:
-    from .nvme import NvmeStore, RecoveredSlot, SlotHeader
+
+class Store(Protocol):
+    """What the scan needs of a store (``NvmeStore``), without importing it: the store calls the scan."""
+
+    layout: SlabLayout
+    backend: Any
+    data_stride: int
+    block_bytes: int
+    unreadable: int
+
+    def header_at(self, slot: int) -> tuple[Any, int]: ...
+
+    def payload_at(self, slot: int) -> tuple[Any, int]: ...
 
 HEADERS_PER_READ = GROUP  # a group's headers are contiguous; the next group's lie past its payloads
 
 
-def _read_headers(store: "NvmeStore", first: int, n: int) -> tuple[np.ndarray, list[bool]]:
+def _read_headers(store: Store, first: int, n: int) -> tuple[np.ndarray, list[bool]]:
     """Headers of slots ``first .. first + n - 1`` (one slab file) and which could not be read."""
     pages = aligned_empty(n * HEADER_BYTES).reshape(n, HEADER_BYTES)
     handle, off = store.header_at(first)
@@ -39,14 +51,12 @@ def _read_headers(store: "NvmeStore", first: int, n: int) -> tuple[np.ndarray, l
     return pages, [err is not None for err in store.backend.pread_many(handle, reads).result()]
 
 
-def _zero_headers(store: "NvmeStore", slots: list[int], seen: list[np.ndarray]) -> None:
+def _zero_headers(store: Store, slots: list[int], seen: list[np.ndarray]) -> None:
     """Zero the header pages of ``slots`` (one file), whose bytes ``seen`` held no header of
     this version, so each is discarded, and counted, once. Each page is read again first and
     zeroed only if it reads back the same: a page garbled in flight is not the disk's, and a
     good header must not be erased for it. A newer version's header is left alone (it is
     skipped, not ours to erase). A page that cannot be written stays: it is discarded again."""
-    from .nvme import MAGIC, VERSION
-
     if not slots:
         return
     handle = store.header_at(slots[0])[0]
@@ -57,18 +67,17 @@ def _zero_headers(store: "NvmeStore", slots: list[int], seen: list[np.ndarray]) 
     zero[:] = 0
     jobs = []
     for s, page, first, err in zip(slots, again, seen, failures):
-        newer = bytes(page[:8]) == MAGIC and int(page[8:12].view("<u4")[0]) > VERSION
-        if err is None and np.array_equal(page, first) and not newer:
+        if err is None and np.array_equal(page, first) and not newer_version(page):
             jobs.append((handle, [zero], store.header_at(s)[1]))
     if jobs:
         store.backend.pwrite_many(jobs).result()
 
 
-def _verified(store: "NvmeStore", found: list[tuple[int, "SlotHeader"]], batch: int
-              ) -> tuple[list[tuple[int, "SlotHeader"]], int, int]:
+def _verified(store: Store, found: list[tuple[int, SlotHeader]], batch: int
+              ) -> tuple[list[tuple[int, SlotHeader]], int, int]:
     """The slots of ``found`` (one slab file) whose payload reads back with its checksum;
     (kept, discarded, unreadable)."""
-    kept: list[tuple[int, "SlotHeader"]] = []
+    kept: list[tuple[int, SlotHeader]] = []
     discarded = unreadable = 0
     threads = max(1, int(getattr(store.backend, "threads", 1)))
     for lo in range(0, len(found), max(1, batch)):
@@ -90,12 +99,10 @@ def _verified(store: "NvmeStore", found: list[tuple[int, "SlotHeader"]], batch: 
     return kept, discarded, unreadable
 
 
-def scan(store: "NvmeStore", progress: Optional[Callable[[int], None]], batch: int,
-         verify_payload: bool) -> tuple[list["RecoveredSlot"], int, int]:
+def scan(store: Store, progress: Optional[Callable[[int], None]], batch: int,
+         verify_payload: bool) -> tuple[list[RecoveredSlot], int, int]:
     """(newest sealed copy per key in slot order, slots discarded, highest sequence seen);
     counts unreadable slots in ``store.unreadable``."""
-    from .nvme import RecoveredSlot, decode_header
-
     best: dict[int, RecoveredSlot] = {}
     discarded = max_seq = 0
     layout = store.layout

@@ -25,7 +25,7 @@ from .nvme import NvmeStore
 
 INDEX_FILE = "slots.kvx"
 MAGIC = b"KVTIDX01"
-VERSION = 3  # 3: for slabs of slot version 4 (headers packed in groups; nvme.VERSION); 2: version 3
+VERSION = 3  # 3: for slabs of slot version 4 (headers packed in groups; slot_header.VERSION); 2: version 3
 ENTRY = np.dtype([("slot", "<i8"), ("key", "<u8"), ("length", "<u8"), ("checksum", "<u8")])
 # magic, version, block_bytes, n_slots, slots_per_file, seq, entries, checksum of the entries
 _HEAD = struct.Struct("<8sIQQQQQQ")

@@ -101,7 +101,7 @@ def test_every_input_kind_gives_the_same_value():
 
 
 def test_frozen_values():
-    """NVMe slot headers store these: a change of algorithm must bump nvme.VERSION."""
+    """NVMe slot headers store these: a change of algorithm must bump slot_header.VERSION."""
     assert block_checksum(b"") == 0xACB65BC0832C5445
     assert block_checksum(bytes(range(256)) * 3 + b"kv") == 0x3130CBE5A002EC57
 

@@ -133,7 +133,7 @@ def test_read_checked_verifies_on_the_io_threads(backend, nvme_dir, monkeypatch)
 def test_batched_headers_are_whole_pages_of_one_header_each(backend, nvme_dir):
     """A batch's headers share one buffer: each slot's 4 KiB header page on disk holds
     its own header and zeros after it (no other slot's bytes, no stale memory)."""
-    from kvtier.tiers.nvme import decode_header
+    from kvtier.tiers.slot_header import decode_header
 
     st = NvmeStore(nvme_dir, 4, 4096, backend, slots_per_file=4)
     items = [(s, pattern(s, 4096), 500 + s, 4096 - s, 9 * s, s % 2 == 0, 40 + s) for s in (2, 0, 3)]
@@ -259,16 +259,16 @@ def test_recovery_discards_slots_of_an_older_version(backend, nvme_dir, monkeypa
     """Version-1 slots (xxh3 payload checksums) are discarded at recovery, cleanly:
     nothing recovered, nothing raised, the slots are written and found again, and a
     discarded header is zeroed, so the next start does not count it again."""
-    import kvtier.tiers.nvme as nvme
+    import kvtier.tiers.slot_header as slot_header
 
-    monkeypatch.setattr(nvme, "VERSION", 1)
+    monkeypatch.setattr(slot_header, "VERSION", 1)
     st = NvmeStore(nvme_dir, 4, 8192, backend, slots_per_file=4)
     for s in range(4):
         st.write(s, pattern(s, 8192), key=60 + s, length=8192, checksum=_xxh3_checksum(pattern(s, 8192)),
                  sealed=True).result()
     st.close()
     monkeypatch.undo()
-    assert nvme.VERSION >= 2
+    assert slot_header.VERSION >= 2
     st = NvmeStore(nvme_dir, 4, 8192, backend, slots_per_file=4)
     try:
         for verify, expect in ((True, 4), (False, 0)):
@@ -287,13 +287,15 @@ def test_manager_starts_empty_over_old_format_slabs(backend, nvme_dir, monkeypat
     empty and usable: the old index fails its checksum, the scan discards the slots."""
     import kvtier.tiers.manager as manager_mod
     import kvtier.tiers.nvme as nvme
+    import kvtier.tiers.nvme_recovery as nvme_recovery
     import kvtier.tiers.paths as paths
+    import kvtier.tiers.slot_header as slot_header
     import kvtier.tiers.slot_index as slot_index
     from kvtier.tiers.manager import TierManager
 
-    for mod in (manager_mod, paths, slot_index, nvme):
+    for mod in (manager_mod, paths, slot_index, nvme, nvme_recovery):
         monkeypatch.setattr(mod, "block_checksum", _xxh3_checksum)
-    monkeypatch.setattr(nvme, "VERSION", 1)
+    monkeypatch.setattr(slot_header, "VERSION", 1)
     m = TierManager(8192, 4, 0, 4, nvme_dir=nvme_dir, io_backend=backend.name)
     blocks = m.alloc(3)
     for i, b in enumerate(blocks.tolist()):

@@ -11,8 +11,9 @@ from kvtier.kernels.checksum import block_checksum
 from kvtier.tiers.aligned import aligned_empty
 from kvtier.tiers.faults import FaultyBackend
 from kvtier.tiers.io_backends import PosixBackend
-from kvtier.tiers.nvme import MAGIC, NvmeStore, decode_header
+from kvtier.tiers.nvme import NvmeStore
 from kvtier.tiers.slab_layout import GROUP, HEADER_BYTES, HEADER_SPAN, SlabLayout, payload_align, slots_in_slab
+from kvtier.tiers.slot_header import MAGIC, decode_header
 
 from ..conftest import pattern
 
@@ -243,10 +244,10 @@ def test_a_header_garbled_in_flight_is_skipped_not_erased(posix, nvme_dir):
 
 def test_a_newer_versions_header_is_skipped_and_left_alone(posix, nvme_dir, monkeypatch):
     """Rolling back to this version must not erase what a newer one wrote."""
-    import kvtier.tiers.nvme as nvme
+    import kvtier.tiers.slot_header as slot_header
 
     st = NvmeStore(nvme_dir, 2, 4096, posix, slots_per_file=2)
-    monkeypatch.setattr(nvme, "VERSION", nvme.VERSION + 1)
+    monkeypatch.setattr(slot_header, "VERSION", slot_header.VERSION + 1)
     st.write(0, pattern(0, 4096), key=1, length=4096, checksum=0, sealed=True).result()
     monkeypatch.undo()
     for _ in range(2):
