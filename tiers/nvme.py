@@ -30,6 +30,7 @@ from kvtier.kernels.checksum import block_checksum
 from .aligned import aligned_empty, is_aligned
 from .futures import Failures, mapped
 from .io_backends import IOBackend
+from .nvme_recovery import scan
 from .pools import round_up
 from .slab_layout import HEADER_BYTES, SlabLayout
 from .slot_header import FLAG_SEALED, RecoveredSlot, SlotHeader, decode_header, pack_header
@@ -260,8 +261,6 @@ class NvmeStore:
     def recover(self, progress: Optional[Callable[[int], None]] = None,
                 batch: int = 64, verify_payload: bool = True) -> tuple[list[RecoveredSlot], int]:
         """Scan every slot; return (newest sealed copy per key, #discarded): see ``nvme_recovery``."""
-        from .nvme_recovery import scan
-
         found, discarded, max_seq = scan(self, progress, batch, verify_payload)
         self.seq = max(self.seq, max_seq)
         return found, discarded

@@ -40,11 +40,6 @@ def _header_crc(body: "bytes | memoryview") -> int:
     return xxhash.xxh3_64_intdigest(body)
 
 
-def encode_header(h: SlotHeader, out: np.ndarray) -> None:
-    out[:] = 0
-    pack_header(out.data, h.key, h.length, h.checksum, h.seq, h.flags)
-
-
 def pack_header(page: memoryview, key: int, length: int, checksum: int, seq: int, flags: int) -> None:
     """Pack a header into the start of a zeroed page: in place, about 1 µs (a
     ``SlotHeader``, ``bytes`` and a numpy copy per block cost ~9 µs, which at 256
