@@ -30,10 +30,11 @@ def replay(trace: Trace, fractions: Sequence[float], policies: Sequence[str], pa
     rows, results = [], []
     for f in fractions:
         cap = max(1, int(round(f * trace.n_unique)))
-        row: dict[str, Any] = {"fraction": f, "capacity_blocks": cap, "hit": {}}
+        row: dict[str, Any] = {"fraction": f, "capacity_blocks": cap, "hit": {}, "hit_by_part": {}}
         for name in policies:
             r: RunResult = run_one(name, cap, trace, next_use, params, progress)
             row["hit"][name] = r.hit_ratio
+            row["hit_by_part"][name] = r.hit_ratio_by_part  # per eighth of the accesses: the learning curve
             results.append(r)
         rows.append(row)
     gap = {}

@@ -6,6 +6,7 @@ gets ``next_use = -1``; only offline policies (Belady) receive the future.
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -26,6 +27,14 @@ class RunResult:
     seconds: float
     stats: dict = field(default_factory=dict)
     calibration: Optional[dict] = None
+    hits_by_part: list[int] = field(default_factory=list)  # hits in each of PARTS equal runs of accesses
+
+    @property
+    def hit_ratio_by_part(self) -> list[float]:
+        """The hit ratio in each part of the trace, in order: how fast a policy learns (a cold
+        start shows as early parts behind a reference that is level with it later)."""
+        bounds = part_bounds(self.accesses, len(self.hits_by_part))
+        return [h / max(1, hi - lo) for h, lo, hi in zip(self.hits_by_part, bounds[:-1], bounds[1:])]
 
     @property
     def hit_ratio(self) -> float:
@@ -36,12 +45,22 @@ class RunResult:
         return self.accesses / self.seconds if self.seconds > 0 else float("inf")
 
 
+PARTS = 8  # the learning curve: hits per eighth of the trace
+
+
+def part_bounds(n: int, parts: int) -> list[int]:
+    """Access indices that cut ``n`` accesses into ``parts`` runs of (nearly) equal length."""
+    return [n * i // parts for i in range(parts + 1)]
+
+
 def simulate(policy: Policy, trace: Trace, next_use: Optional[np.ndarray] = None,
-             progress: Optional[Callable[[int], None]] = None, chunk: int = 20000, compiled: bool = True) -> int:
+             progress: Optional[Callable[[int], None]] = None, chunk: int = 20000, compiled: bool = True,
+             hits_by_part: Optional[list[int]] = None) -> int:
     """Replay ``trace`` through ``policy`` over one cache; returns hits. Where the policy
     offers a compiled loop (``compiled_replay``) and ``compiled`` is set, runs of
     accesses go through it and the accesses it declines through the hooks below:
-    the same decisions either way."""
+    the same decisions either way. ``hits_by_part``, a list of k zeros, gets the hits in
+    each of k equal runs of accesses (``part_bounds``)."""
     if policy.offline and next_use is None:
         raise ValueError(f"policy {policy.name} is offline: it needs next_use")
     if not getattr(policy, "prepared", True):  # a hindsight reference before its first pass
@@ -79,8 +98,14 @@ def simulate(policy: Policy, trace: Trace, next_use: Optional[np.ndarray] = None
         return 0
 
     n = len(blocks)
-    for start in range(0, n, chunk):
-        stop = min(n, start + chunk)
+    cuts = part_bounds(n, len(hits_by_part)) if hits_by_part else [0, n]
+    # chunks never straddle a part's end, so each chunk's hits belong to one part
+    stops = sorted({*range(chunk, n, chunk), *cuts[1:]})
+    start = 0
+    for stop in stops:
+        if stop <= start:
+            continue
+        before = hits
         if runner is None:
             for i in range(start, stop):
                 hits += step(i)
@@ -92,8 +117,11 @@ def simulate(policy: Policy, trace: Trace, next_use: Optional[np.ndarray] = None
                 if i < stop:
                     hits += step(i)
                     i += 1
+        if hits_by_part:
+            hits_by_part[bisect.bisect_left(cuts, stop) - 1] += hits - before
         if progress is not None:
             progress(stop - start)
+        start = stop
     return hits
 
 
@@ -104,6 +132,7 @@ def run_one(name: str, capacity: int, trace: Trace, next_use: Optional[np.ndarra
     prepare = getattr(policy, "prepare", None)
     if prepare is not None:
         prepare(trace.block, trace.cls, progress)
-    hits = simulate(policy, trace, next_use, progress)
+    parts = [0] * PARTS
+    hits = simulate(policy, trace, next_use, progress, hits_by_part=parts)
     seconds = time.perf_counter() - t0
-    return RunResult(name, capacity, hits, trace.n_accesses, seconds, policy.stats(), policy.calibration())
+    return RunResult(name, capacity, hits, trace.n_accesses, seconds, policy.stats(), policy.calibration(), parts)
