@@ -13,28 +13,25 @@ yet reused are right-censored at their age (estimated from a sample of blocks
 at each refresh), not counted as never reused. The hazard, P(reused in bucket
 ``j`` | not before it), is the reuses over the accesses at risk there (the
 actuarial life table: one censored inside the bucket counts half), a Beta
-posterior whose prior is its parent cell's hazard with ``prior_strength``
-pseudo-observations (hierarchical shrinkage: class x stage x distance -> class
-x stage -> stage -> all; past the first stage, class x stage shrinks towards the
-class's previous stage, ``cells.ORDINAL``), so a cell with little evidence
-answers with its parent's. Survival ``S(x)`` = P(next reuse distance > ``x``) is log-linear
-inside a bucket (a constant hazard per access), and a block at age ``a`` is
+posterior whose prior is its parent cell's hazard with ``prior_strength`` pseudo-observations
+(hierarchical shrinkage: class x stage x distance -> class x stage -> stage -> all; past the
+first stage, class x stage shrinks towards the class's previous stage, ``cells.ORDINAL``), so a
+cell with little evidence answers with its parent's. Survival ``S(x)`` = P(next reuse distance
+> ``x``) is log-linear inside a bucket (a constant hazard per access), and a block at age ``a`` is
 reused within the next ``W`` accesses with probability ``1 - S(a + W) / S(a)``:
 the window asked. Read at bucket edges, each end of the window had moved out to
 the edge of the bucket it fell in, by up to 41% of its distance: many times
 ``W`` for an old block with a short horizon, and every probability read high.
 
-A candidate model is a partition of the cells (which features it conditions
-on) and a horizon multiple (W = multiple x this cache's mean eviction age: "reused
-before this cache would forget it"); a density candidate ranks by P over the
-expected accesses the block holds its slot until the reuse or W (hit density).
-Tables for all candidates are rebuilt every ``refresh_every`` accesses from the
-same counts; counts decay with a time constant of ``memory_horizons`` eviction
-ages, so the model's memory scales with the cache instead of being a constant
-chosen on one trace. A reuse enters with the weight its access has in the counts
-by then (every refresh's decay since the access, from a ring of the running total
-at each refresh): counted whole, a reuse near ``tau`` weighed e^(d / tau) times
-its access, and hazards read high.
+A candidate model is a partition of the cells (which features it conditions on) and a horizon
+multiple (W = multiple x this cache's mean eviction age: "reused before this cache would forget
+it"); a density candidate ranks by P over the expected accesses the block holds its slot until
+the reuse or W (hit density). Tables for all candidates are rebuilt every ``refresh_every``
+accesses from the same counts; counts decay with a time constant of ``memory_horizons``
+eviction ages, so the model's memory scales with the cache instead of being a constant chosen
+on one trace. A reuse enters with the weight its access has in the counts by then (every
+refresh's decay since the access, from a ring of the running total at each refresh): counted
+whole, a reuse near ``tau`` weighed e^(d / tau) times its access, and hazards read high.
 """
 
 from __future__ import annotations

@@ -69,7 +69,8 @@ if ! "$py" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
         | tee -a "$out/summary.txt"
     echo "(they need a GPU machine; the host-side I/O conformance suite still runs)"
     step "I/O conformance (host backends)" 120 conformance.log \
-        "$py" -m pytest -q -p no:cacheprovider -m "not cuda" tests/tiers/test_io_conformance.py
+        "$py" -m pytest -q -p no:cacheprovider -m "not cuda" tests/tiers/test_io_conformance.py \
+        tests/tiers/test_io_recovery.py
     echo "GPU checks NOT run (no CUDA device)." | tee -a "$out/summary.txt"
     exit 2
 fi
@@ -81,8 +82,8 @@ step "cuda tests" 240 cuda-tests.log \
     tests/tiers/test_io_conformance.py
 # the kvikio (and posix) conformance suite, the tier fault and manager tests on a CUDA HBM pool
 step "I/O conformance and tier tests" 150 tiers-tests.log \
-    "$py" -m pytest -q -p no:cacheprovider tests/tiers/test_io_conformance.py tests/tiers/test_faults.py \
-    tests/tiers/test_manager.py
+    "$py" -m pytest -q -p no:cacheprovider tests/tiers/test_io_conformance.py tests/tiers/test_io_recovery.py \
+    tests/tiers/test_faults.py tests/tiers/test_manager.py
 # GPU baselines in the same run: pinned H2D/D2H (CUDA events), raw kvikio read/write
 step "bench tiers" 200 bench-tiers.log \
     "$py" -m kvtier.cli bench tiers --io-backend auto --total-mib 256 --reps 4 --copy-rounds 2 \

@@ -19,6 +19,16 @@ def pattern(tag: int, nbytes: int) -> np.ndarray:
     return np.random.default_rng(tag & 0xFFFFFFFF).integers(0, 256, nbytes, dtype=np.uint8)
 
 
+def sealed_blocks(m: TierManager, n: int, nbytes: int, tag0: int = 0, key0: int = 0) -> np.ndarray:
+    """``n`` new blocks in HBM, block i holding ``pattern(tag0 + i, nbytes)``, sealed under key ``key0 + i``."""
+    blocks = m.alloc(n)
+    assert blocks is not None
+    for i, b in enumerate(blocks.tolist()):
+        m.write(b, pattern(tag0 + i, nbytes))
+        m.seal(b, key0 + i)
+    return blocks
+
+
 def snapshot(m: TierManager) -> dict[str, np.ndarray]:
     t = m.table
     cols = {

@@ -13,7 +13,7 @@
 
 Backends are looked up by name in ``BACKENDS``; ``select_backend("auto")``
 takes kvikio where a CUDA driver exists and posix elsewhere. Every backend
-passes the same conformance suite (tests/tiers/test_io_conformance.py).
+passes the same conformance suite (tests/tiers/test_io_conformance.py, test_io_recovery.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The kvikio NVMe backend: NVIDIA kvikio ``CuFile`` (GPUDirect Storage, or kvikio's
 compat mode), reading and writing host or device buffers. Needs ``libcuda.so.1``; the
 posix backend (``io_backends``) serves everywhere else. Both pass the same conformance
-suite (tests/tiers/test_io_conformance.py)."""
+suite (tests/tiers/test_io_conformance.py and test_io_recovery.py)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from kvtier.tiers.manager import TierManager
 from kvtier.tiers.slot_index import INDEX_FILE
 from kvtier.tiers.types import BlockState, Tier
 
-from ..conftest import pattern
+from ..conftest import pattern, sealed_blocks
 
 BB = 9000
 
@@ -89,10 +89,7 @@ def test_promotion_does_not_wait_behind_a_slow_disk(nvme_dir):
     with the right bytes) while the disk transfers are in flight."""
     m, fb = _manager(nvme_dir, delay_s=0.5)
     try:
-        blocks = m.alloc(4)
-        for i, b in enumerate(blocks.tolist()):
-            m.write(b, pattern(i, BB))
-            m.seal(b, 100 + i)
+        blocks = sealed_blocks(m, 4, BB, key0=100)
         m.demote(blocks, "hbm", "dram"); m.wait()
         m.demote(blocks[:2], "dram", "nvme", keep_source=True)  # two stalled disk transfers
         m.demote(blocks[2:3], "dram", "nvme", keep_source=True)
@@ -128,10 +125,7 @@ def test_queued_copies_merge_and_each_descriptor_completes(nvme_dir):
         real_copy(dst, dst_idx, src, src_idx)
 
     try:
-        blocks = m.alloc(12)
-        for i, b in enumerate(blocks.tolist()):
-            m.write(b, pattern(i, BB))
-            m.seal(b, 200 + i)
+        blocks = sealed_blocks(m, 12, BB, key0=200)
         m.demote(blocks[10:], "hbm", "dram"); m.wait()  # for the layer-wise promotion
         m.mover.copy_rows = held_copy  # type: ignore[method-assign]
         held = m.demote(blocks[:2], "hbm", "dram")
@@ -235,10 +229,7 @@ def test_refused_o_direct_falls_back_to_buffered_io(nvme_dir, monkeypatch, caplo
     refused = _refuse_direct_io(monkeypatch, at)
     m = TierManager(BB, 8, 8, 8, nvme_dir=nvme_dir, io_backend=PosixBackend(threads=4, compiled=compiled))
     try:
-        blocks = m.alloc(6)
-        for i, b in enumerate(blocks.tolist()):
-            m.write(b, pattern(i, BB))
-            m.seal(b, 300 + i)
+        blocks = sealed_blocks(m, 6, BB, key0=300)
         with caplog.at_level(logging.WARNING, logger="kvtier.io"):
             m.demote(blocks, "hbm", "nvme"); m.wait()
         assert not m.last_errors and refused and set(refused) == {at}
@@ -298,10 +289,7 @@ def test_unreadable_slot_at_restart_is_skipped_and_the_rest_recovered(nvme_dir):
     Two faults: the read of the whole run of headers fails, so the scan reads each
     header alone, and the first of those fails too."""
     m, _ = _manager(nvme_dir)
-    blocks = m.alloc(4)
-    for i, b in enumerate(blocks.tolist()):
-        m.write(b, pattern(i, BB))
-        m.seal(b, 400 + i)
+    blocks = sealed_blocks(m, 4, BB, key0=400)
     m.demote(blocks, "hbm", "nvme"); m.wait()
     m.close()
     os.unlink(os.path.join(nvme_dir, INDEX_FILE))  # as after a crash: the restart scans
@@ -330,10 +318,7 @@ def test_tier_moves_leave_no_reference_cycles(nvme_dir, faulty):
     gc.collect()
     gc.disable()
     try:
-        blocks = m.alloc(4)
-        for i, b in enumerate(blocks.tolist()):
-            m.write(b, pattern(i, BB))
-            m.seal(b, 200 + i)
+        blocks = sealed_blocks(m, 4, BB, key0=200)
         for _ in range(6):  # round trips through every tier; with faults some moves fail
             for src, dst in (("hbm", "dram"), ("dram", "nvme")):
                 m.demote([b for b in blocks.tolist() if m.table.has_copy(b, Tier[src.upper()])], src, dst)

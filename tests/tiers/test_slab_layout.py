@@ -15,7 +15,7 @@ from kvtier.tiers.nvme import NvmeStore
 from kvtier.tiers.slab_layout import GROUP, HEADER_BYTES, HEADER_SPAN, SlabLayout, payload_align, slots_in_slab
 from kvtier.tiers.slot_header import MAGIC, decode_header
 
-from ..conftest import pattern
+from ..conftest import pattern, sealed_blocks
 
 
 @pytest.fixture
@@ -69,10 +69,7 @@ def test_recovered_blocks_read_back_after_the_nvme_tier_grows_or_shrinks(nvme_di
 
     bb = 8192
     m = TierManager(bb, 4, 4, 8, nvme_dir=nvme_dir, io_backend="posix")
-    blocks = m.alloc(4)
-    for i, b in enumerate(blocks.tolist()):
-        m.write(b, pattern(i, bb))
-        m.seal(b, 100 + i)
+    blocks = sealed_blocks(m, 4, bb, key0=100)
     m.demote(blocks, "hbm", "nvme"); m.wait()
     m.close()
     for nvme_slots in (64, 8):  # the clean stop's index names other geometry: each start scans the headers
