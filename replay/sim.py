@@ -61,6 +61,8 @@ def simulate(policy: Policy, trace: Trace, next_use: Optional[np.ndarray] = None
     accesses go through it and the accesses it declines through the hooks below:
     the same decisions either way. ``hits_by_part``, a list of k zeros, gets the hits in
     each of k equal runs of accesses (``part_bounds``)."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be at least 1 access, not {chunk}")
     if policy.offline and next_use is None:
         raise ValueError(f"policy {policy.name} is offline: it needs next_use")
     if not getattr(policy, "prepared", True):  # a hindsight reference before its first pass

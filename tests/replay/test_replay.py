@@ -249,9 +249,18 @@ def test_learning_curve_in_the_report_matches_the_hits():
         assert len(curve) == PARTS
         # equal parts of 625 accesses: the mean of the parts is the whole-trace hit ratio
         assert abs(float(np.mean(curve)) - row["hit"][name]) < 1e-12
-    # the compiled loop and the hooks split the same hits the same way
-    parts_c, parts_h = [0] * PARTS, [0] * PARTS
+    # the report's curve is each part's hits over its 625 accesses, in order
     cap = row["capacity_blocks"]
-    simulate(make_policy("kvtier", cap, tr.n_unique), tr, None, hits_by_part=parts_c)
+    for name in ("lru", "kvtier"):
+        parts = [0] * PARTS
+        simulate(make_policy(name, cap, tr.n_unique), tr, None, hits_by_part=parts)
+        assert row["hit_by_part"][name] == [h / 625 for h in parts] and len(set(parts)) > 1
+    # the compiled loop (at any chunk size) and the hooks split the same hits the same way
+    parts_h = [0] * PARTS
     simulate(make_policy("kvtier", cap, tr.n_unique), tr, None, compiled=False, hits_by_part=parts_h)
-    assert parts_c == parts_h and sum(parts_c) == round(row["hit"]["kvtier"] * tr.n_accesses)
+    for chunk in (7, 20000):
+        parts_c = [0] * PARTS
+        simulate(make_policy("kvtier", cap, tr.n_unique), tr, None, chunk=chunk, hits_by_part=parts_c)
+        assert parts_c == parts_h
+    with pytest.raises(ValueError):
+        simulate(make_policy("lru", cap, tr.n_unique), tr, None, chunk=0)
