@@ -19,7 +19,7 @@
  *
  * Python then takes that one access on the reference path and calls again. Everything
  * the run changes lives in the arrays given, and in ``ints`` / ``floats`` (the scalar
- * registers below, read and written back by the caller). Python's replay loop costs
+ * registers of replay_state.h, read and written back by the caller). Python's replay loop costs
  * ~25 us an access in ~10 interpreted calls; this costs well under 1 us.
  */
 #define PY_SSIZE_T_CLEAN
@@ -28,23 +28,8 @@
 #include <stdint.h>
 #include <string.h>
 
-/* ints: read/write */
-enum { I_CLOCK, I_SIZE, I_POOL_AT, I_SHADOW_AT, I_BYPASSED, I_STAGED,
-       /* ints: read only */
-       I_REFRESH_EVERY, I_ACTIVE, I_CAPACITY, I_SAMPLES, I_ADMISSION, I_THRESHOLD, I_SHADOW_CAP,
-       I_SHADOW_SAMPLES, I_K, I_SCORED, I_CALIBRATION_SAMPLE, I_N_AGES, I_N_CELLS, I_N_STAGES, I_N_IRR,
-       I_N_BUCKETS, I_DECAY_RING, I_MAX_COUNT,
-       I_FLOAT32_COMPARE, /* numpy >= 2 compares a Python float with a float32 in float32, 1.x in float64 */
-       I_RECAL, I_RECAL_BINS, I_RECAL_RING, I_RECAL_PERIOD, I_RECAL_FOLDED, /* predictor/recalibration.py */
-       /* ints: read/write again */
-       I_RECAL_UNTRACKED, N_INTS };
-/* floats: read only, then read/write */
-enum { F_DECAYED, F_LOG_DECAY, F_INV_G, F_HORIZON, F_EV_SUM, F_EV_N, F_EVIDENCE_FLOOR, N_FLOATS };
-/* arrays, in this order */
-enum { A_BLOCKS, A_CLASSES, A_RESIDENT, A_LAST, A_COUNT, A_CELL, A_REUSES, A_ACCESSES, A_PERIOD_START,
-       A_TABLES, A_PROB, A_STAGE_OF_COUNT, A_SLOTS, A_WHERE, A_POOL, A_MEMBER, A_SHADOW_SLOTS,
-       A_SHADOW_SIZE, A_SHADOW_HITS, A_SHADOW_POOL, A_PRED, A_DEADLINE, A_STAGED_P, A_STAGED_Y,
-       A_STAGED_D, A_PENDING_CODE, A_RECAL_FLOOR, A_RECAL_CEILING, A_DUE_N, A_DUE_P, A_REUSED, N_ARRAYS };
+#include "replay_state.h"
+#include "replay_calibration.h"
 
 static const struct { const char *name; const char *formats; Py_ssize_t itemsize; int written; } SPEC[N_ARRAYS] = {
     {"blocks", "qlQL", 8, 0}, {"classes", "qlQL", 8, 0}, {"resident", "?bB", 1, 1}, {"last", "qlQL", 8, 1},
@@ -57,19 +42,6 @@ static const struct { const char *name; const char *formats; Py_ssize_t itemsize
     {"recal_ceiling", "f", 4, 0},
     {"due_n", "d", 8, 1}, {"due_p", "d", 8, 1}, {"reused", "d", 8, 1},
 };
-
-#define HASH 0x9E3779B1ULL
-#define UNTRACKED 255 /* recalibration.UNTRACKED */
-
-typedef struct {
-    int64_t *blocks, *classes, *last, *stage_of_count, *slots, *pool, *sslots, *ssize, *spool;
-    uint8_t *resident, *count, *member, *staged_y, *pending_code;
-    int16_t *cell;
-    int32_t *where;
-    double *reuses, *accesses, *period_start, *shits, *staged_p, *due_n, *due_p, *reused;
-    float *tables, *prob, *pred, *deadline, *staged_d, *recal_floor, *recal_ceiling;
-    Py_ssize_t n_trace, n_blocks, n_pool, n_spool, n_staged;
-} State;
 
 static int get(PyObject *o, Py_buffer *v, int i) {
     if (PyObject_GetBuffer(o, v, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS | (SPEC[i].written ? PyBUF_WRITABLE : 0)) < 0)
@@ -137,86 +109,6 @@ static inline int64_t age_index(const State *s, const int64_t *I, double inv_g, 
     if (age > I[I_N_AGES] - 1)
         age = I[I_N_AGES] - 1;
     return age * I[I_N_CELLS] + s->cell[b];
-}
-
-static inline int scored(const int64_t *I, int64_t b) {
-    return I[I_SCORED] && ((((uint64_t)b * HASH) >> 7) % (uint64_t)I[I_CALIBRATION_SAMPLE]) == 0;
-}
-
-static inline void stage_pair(State *s, int64_t *I, float p, uint8_t y, float d) {
-    Py_ssize_t n = I[I_STAGED];
-    s->staged_p[n] = (double)p;
-    s->staged_y[n] = y;
-    s->staged_d[n] = d;
-    I[I_STAGED] = n + 1;
-}
-
-/* ``now <= deadline`` as numpy compares a Python float with a float32 element. */
-static inline int before(const int64_t *I, double now, float deadline) {
-    return I[I_FLOAT32_COMPARE] ? (float)now <= deadline : now <= (double)deadline;
-}
-
-/* Recalibrator._slot: the ring row of a deadline's period, -1 outside the ring or not a
- * number; compared in double before any conversion (folded + ring < 2^53: exact). */
-static inline int64_t ring_slot(const int64_t *I, float deadline) {
-    double q = (double)deadline / (double)I[I_RECAL_PERIOD];
-    if (!(q >= (double)I[I_RECAL_FOLDED] && q < (double)(I[I_RECAL_FOLDED] + I[I_RECAL_RING])))
-        return -1;
-    return (int64_t)floor(q) % I[I_RECAL_RING];
-}
-
-/* recalibration.bin_of: clamped before the conversion; UNTRACKED for NaN */
-static inline int64_t bin_of(const int64_t *I, float p) {
-    double x = (double)p * (double)I[I_RECAL_BINS];
-    if (x != x)
-        return UNTRACKED;
-    return x < 0.0 ? 0 : x >= (double)(I[I_RECAL_BINS] - 1) ? I[I_RECAL_BINS] - 1 : (int64_t)x;
-}
-
-/* CalibrationTracker.access: a pending prediction of ``b`` resolves. */
-static inline void calib_access(State *s, int64_t *I, int64_t b, double now) {
-    float p = s->pred[b];
-    if (p == p) {
-        uint8_t y = (uint8_t)before(I, now, s->deadline[b]);
-        stage_pair(s, I, p, y, s->deadline[b]);
-        s->pred[b] = NAN;
-        if (y && I[I_RECAL]) { /* Recalibrator.reuse */
-            int64_t slot = ring_slot(I, s->deadline[b]), code = s->pending_code[b];
-            if (code != UNTRACKED && slot >= 0)
-                s->reused[slot * I[I_K] * I[I_RECAL_BINS] + code] += 1.0;
-        }
-    }
-}
-
-/* CalibrationTracker.predict */
-static inline void calib_predict(State *s, int64_t *I, int64_t b, double p, double now, double horizon) {
-    float old = s->pred[b];
-    if (old == old) {
-        if (before(I, now, s->deadline[b]))
-            return;
-        stage_pair(s, I, old, 0, s->deadline[b]);
-    }
-    s->deadline[b] = (float)(now + horizon);
-    if (!I[I_RECAL]) {
-        s->pred[b] = (float)p;
-        return;
-    }
-    float pf = (float)p; /* Recalibrator.track, then .state, for the active model */
-    int64_t bin = bin_of(I, pf), slot = ring_slot(I, s->deadline[b]), code = I[I_ACTIVE] * I[I_RECAL_BINS] + bin;
-    if (bin != UNTRACKED && slot >= 0) {
-        s->due_n[slot * I[I_K] * I[I_RECAL_BINS] + code] += 1.0;
-        s->due_p[slot * I[I_K] * I[I_RECAL_BINS] + code] += (double)pf;
-        s->pending_code[b] = (uint8_t)code;
-    } else {
-        s->pending_code[b] = UNTRACKED;
-        I[I_RECAL_UNTRACKED]++;
-    }
-    if (bin == UNTRACKED) {
-        s->pred[b] = pf;
-        return;
-    }
-    float lo = s->recal_floor[code], hi = s->recal_ceiling[code];
-    s->pred[b] = pf < lo ? lo : pf > hi ? hi : pf;
 }
 
 /* ReuseModel.access, without the refresh (the caller stops before that access). */
