@@ -95,7 +95,9 @@ class KVTierConnector(KVConnectorBase_V1):
         self._block_size = int(vllm_config.cache_config.block_size)
         model = extra.get("namespace") or str(vllm_config.model_config.model)
         world = int(vllm_config.parallel_config.tensor_parallel_size)
-        self._ns_model = f"vllm:{model}:{vllm_config.model_config.dtype}"
+        # the KV cache dtype too: an fp8 and a bf16 cache of one model hold different bytes under equal keys
+        kv_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
+        self._ns_model = f"vllm:{model}:{vllm_config.model_config.dtype}:kv-{kv_dtype}"
         self._world = world
         self._load_timeout_s = float(extra.get("load_timeout_s", 30.0))
         self._save_timeout_s = float(extra.get("save_timeout_s", 10.0))

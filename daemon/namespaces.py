@@ -10,6 +10,8 @@ block of another namespace is allocated into them.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 MAX_NAMESPACES = 1 << 16  # the block column is uint16
@@ -61,22 +63,47 @@ def unscoped_keys(keys: np.ndarray, ns: "int | np.ndarray") -> np.ndarray:
     return np.where(ns_arr == 0, keys, out)
 
 
+Geometry = tuple[int, int]  # (block_bytes, block_tokens) of the blocks a namespace holds
+
+
+class GeometryConflict(ValueError):
+    """An engine registered into a namespace whose blocks have another size."""
+
+
 class Namespaces:
-    """Namespace name -> small id, assigned at first use, for the life of the daemon."""
+    """Namespace name -> small id, assigned at first use, for the life of the daemon; and the
+    block geometry each namespace's engines write. One geometry a namespace: a key names the
+    same bytes for every engine that may read it, here and (through the remote tier's tag)
+    on every node. Two engines of one namespace with different block sizes (an fp8 and a
+    bf16 KV cache, another TP split) would otherwise read each other's blocks as their own."""
 
     def __init__(self) -> None:
         self._ids: dict[str, int] = {"": 0}
+        self._geometry: dict[int, Geometry] = {}
 
-    def id(self, name: str) -> int:
+    def id(self, name: str, geometry: Optional[Geometry] = None) -> int:
+        """The id of ``name``; with ``geometry``, bound to it at first use and checked after
+        (``GeometryConflict``, before anything is assigned)."""
         got = self._ids.get(name)
+        if got is not None and geometry is not None and self._geometry.get(got, geometry) != geometry:
+            bb, bt = self._geometry[got]
+            raise GeometryConflict(f"namespace {name!r} holds blocks of {bb} bytes / {bt} tokens; an engine of "
+                                   f"{geometry[0]} bytes / {geometry[1]} tokens needs a namespace of its own "
+                                   "(name the model, KV dtype and tensor-parallel rank in it)")
         if got is None:
             if len(self._ids) >= MAX_NAMESPACES:
                 raise ValueError(f"more than {MAX_NAMESPACES} namespaces")
             got = self._ids[name] = len(self._ids)
+        if geometry is not None:
+            self._geometry.setdefault(got, geometry)
         return got
+
+    def geometry(self, ns: int) -> Optional[Geometry]:
+        """The geometry namespace ``ns`` was bound to (None before an engine registered in it)."""
+        return self._geometry.get(ns)
 
     def names(self) -> dict[int, str]:
         return {v: k for k, v in self._ids.items()}
 
 
-__all__ = ["Namespaces", "scoped_keys", "unscoped_keys", "MAX_NAMESPACES"]
+__all__ = ["Namespaces", "GeometryConflict", "Geometry", "scoped_keys", "unscoped_keys", "MAX_NAMESPACES"]

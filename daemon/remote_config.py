@@ -42,7 +42,8 @@ class RemoteConfig(BaseModel):
     connect_timeout_s: float = Field(default=2.0, gt=0)
     """Connecting to a shard gives up after this long."""
     timeout_s: float = Field(default=1.0, gt=0)
-    """A command (a batch's read or write) gives up after this long: the tier degrades, engines recompute."""
+    """A shard's reply is waited for this long; a batch against a hung shard fails within a few of
+    these (no retries inside a batch: the tier's backoff retries), the tier degrades, engines recompute."""
     lookup_timeout_s: float = Field(default=0.5, gt=0)
     """A ref that missed locally waits at most this long for the remote lookup; then the keys are misses."""
     capacity_bytes: int = Field(default=0, ge=0)

@@ -75,9 +75,10 @@ class _Job:
 
 class RemoteOps:
     def __init__(self, mgr: TierManager, placement: Placement, cfg: RemoteConfig, tier: RemoteTier,
-                 ns_name: Callable[[int], str], counters: Counter[str], clock: Callable[[], float]) -> None:
+                 ns_ident: Callable[[int], tuple[str, Optional[tuple[int, int]]]], counters: Counter[str],
+                 clock: Callable[[], float]) -> None:
         self.mgr, self.placement, self.cfg, self.tier = mgr, placement, cfg, tier
-        self.ns_name = ns_name
+        self.ns_ident = ns_ident  # namespace id -> (its name, its blocks' geometry): what the remote tag binds
         self.counters = counters  # the service's: ref hits and misses count the same as local ones
         self.clock = clock
         t = mgr.table
@@ -106,7 +107,7 @@ class RemoteOps:
     def _tag(self, ns: int) -> int:
         tag = self._tags.get(ns)
         if tag is None:
-            tag = self._tags[ns] = namespace_tag(self.cfg.namespace, self.ns_name(ns))
+            tag = self._tags[ns] = namespace_tag(self.cfg.namespace, *self.ns_ident(ns))
         return tag
 
     def _tags_of(self, ns: np.ndarray) -> np.ndarray:

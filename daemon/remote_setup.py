@@ -52,7 +52,8 @@ def start_remote_tier(cfg: RemoteConfig, clock: Callable[[], float]) -> Optional
 def attach_remote(node: Node, cfg: RemoteConfig, tier: RemoteTier, namespaces: Namespaces, counters: Counter[str],
                   clock: Callable[[], float]) -> None:
     """Give a freshly built node its remote half."""
-    node.remote = RemoteOps(node.mgr, node.placement, cfg, tier, lambda ns: namespaces.names()[ns], counters, clock)
+    node.remote = RemoteOps(node.mgr, node.placement, cfg, tier,
+                            lambda ns: (namespaces.names()[ns], namespaces.geometry(ns)), counters, clock)
 
 
 __all__ = ["start_remote_tier", "attach_remote"]

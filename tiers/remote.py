@@ -60,7 +60,7 @@ class RemoteCompletion:
     corrupt: int = 0
     nbytes: int = 0
     seconds: float = 0.0
-    error: str = ""  # the job failed as a whole (the store is unreachable)
+    error: str = ""  # the job failed (the store is unreachable) or the cluster refused some of its writes
 
 
 class RemoteTier:
@@ -167,7 +167,10 @@ class RemoteTier:
     def _do(store: RedisClusterStore, job: RemoteJob) -> RemoteCompletion:
         if job.kind == "put":
             ok = store.put_many(job.tags, job.keys, job.buffers, job.lengths, job.checksums)
-            return RemoteCompletion(job.tid, "put", job.blocks, ok, nbytes=int(job.lengths[ok].sum()))
+            # writes the cluster refused (full under noeviction, read-only) fail the job: the tier
+            # backs off and says why, instead of the blocks being offered again at once, forever
+            return RemoteCompletion(job.tid, "put", job.blocks, ok, nbytes=int(job.lengths[ok].sum()),
+                                    error=f"remote tier: {store.refused}" if store.refused else "")
         got = store.get_many(job.tags, job.keys, job.buffers)
         return RemoteCompletion(job.tid, "get", job.blocks, got.found, got.lengths, got.checksums, got.corrupt, got.nbytes)
 

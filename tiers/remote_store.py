@@ -12,8 +12,10 @@ is one ``GET`` per part; the bytes are checked against the header (namespace, ke
 length) and the block checksum (``kernels/checksum.py``, the same value the
 block table holds) before they count: a value that fails is deleted, counted,
 and reported as a miss, never served. A block missing a chunk (the shard's
-eviction took part of it) is a miss, and its other chunks are deleted. Values
-are written and read through redis-py's cluster pipelines.
+eviction took part of it) is a miss, and its other chunks are deleted. A value
+of another format version, or chunked finer than this reader fetches, is a miss
+left in place (``_verify``: "foreign"). Values are written and read through
+redis-py's cluster pipelines.
 
 Only sealed blocks are stored: they are immutable and content-addressed, so a
 copy written by any node is as good as any other's, and two writers of one key
@@ -46,10 +48,16 @@ class RemoteAuthError(RemoteError):
     """The cluster refused our credentials (wrong ACL user or password)."""
 
 
-def namespace_tag(fleet: str, engine_ns: str) -> int:
-    """64-bit tag of (the fleet's remote namespace, the engines' namespace): keys of two
-    models, tenants or deployments never meet."""
-    return xxhash.xxh3_64_intdigest(fleet.encode() + b"\0" + engine_ns.encode())
+def namespace_tag(fleet: str, engine_ns: str, geometry: Optional[tuple[int, int]] = None) -> int:
+    """64-bit tag of (the fleet's remote namespace, the engines' namespace, their blocks'
+    geometry: bytes and tokens): keys of two models, tenants, deployments or block sizes
+    never meet. Without the geometry, a node whose engines write 2 KiB blocks and one whose
+    engines of the same namespace write 4 KiB blocks (another KV dtype) read each other's
+    values: the larger served the smaller's bytes and the rest of its slot as a hit."""
+    ident = fleet.encode() + b"\0" + engine_ns.encode()
+    if geometry is not None:
+        ident += b"\0%dB/%dT" % (int(geometry[0]), int(geometry[1]))
+    return xxhash.xxh3_64_intdigest(ident)
 
 
 def value_name(tag: int, key: int, part: "int | str" = "h") -> str:
@@ -68,6 +76,11 @@ class GetResult:
     checksums: np.ndarray  # uint64: their checksum
     corrupt: int  # values that failed verification (deleted)
     nbytes: int  # payload bytes read
+
+
+def _wrong_type(e: BaseException) -> bool:
+    """A reply that the key holds another type (not a string): a value, not the transport, is wrong."""
+    return str(e).startswith("WRONGTYPE")
 
 
 def _is_auth_error(e: BaseException) -> bool:
@@ -93,13 +106,22 @@ class RedisClusterStore:
         if chunk_bytes < 4096:
             raise ValueError("chunk_bytes must be >= 4096")
         self.chunk_bytes = int(chunk_bytes)
+        self.refused = ""  # the last put_many's per-command errors, summarised ("" when none)
         startup = []
         for n in nodes:
             host, _, port = n.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"remote node {n!r} is not host:port")
             startup.append(ClusterNode(host, int(port)))
-        kw: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": connect_timeout_s}
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        # no retry inside a batch: a batch that fails completes as failed and the tier's backoff is
+        # the retry (redirects after a failover are followed apart from this). redis-py's default,
+        # ten retries with growing pauses, held a batch 23 s against a hung shard at timeout_s = 1
+        # (3 s now), while the blocks it read or wrote stayed held and the tier still said "ok"
+        kw: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": connect_timeout_s,
+                              "retry": Retry(NoBackoff(), 0)}
         if username:
             kw["username"] = username
         if password:
@@ -136,6 +158,10 @@ class RedisClusterStore:
             # finds the header finds the payload (one shard runs a block's commands in order)
             spans.append((first, len(pipe)))
         results = self._execute(pipe)
+        errors = [r for r in results if isinstance(r, Exception)]
+        # the cluster's own refusal (OOM under noeviction, READONLY): the caller must back off, not
+        # offer the block again at once
+        self.refused = f"{len(errors)} of {len(results)} writes refused, first: {errors[0]}" if errors else ""
         return np.array([not any(isinstance(r, Exception) for r in results[a:b]) for a, b in spans], dtype=bool)
 
     def _execute(self, pipe: Any) -> list:
@@ -166,12 +192,17 @@ class RedisClusterStore:
         corrupt = nbytes = 0
         for i, (tag, key, (a, b), dst) in enumerate(zip(tags.tolist(), keys.tolist(), spans, dsts)):
             parts = results[a:b]
-            for r in parts:
-                if isinstance(r, Exception):
-                    raise RemoteError(f"remote tier: {r}")
-            if parts[0] is None:
+            got: "tuple[int, int] | str"
+            if any(isinstance(r, Exception) for r in parts):
+                if not all(_wrong_type(r) for r in parts if isinstance(r, Exception)):
+                    raise RemoteError(f"remote tier: {next(r for r in parts if isinstance(r, Exception))}")
+                got = "corrupt"  # a key of ours holding no string: not our value, and it must go
+            elif parts[0] is None:
                 continue  # not stored (or evicted): a miss
-            got = self._verify(tag, key, parts, dst)
+            else:
+                got = self._verify(tag, key, parts, dst)
+            if got == "foreign":  # another format's value: a miss here, left for the nodes that read it
+                continue
             if isinstance(got, str):  # refused: never served, deleted so nobody reads it again
                 bad += [value_name(tag, key), *(value_name(tag, key, j) for j in range(len(parts) - 1))]
                 corrupt += got == "corrupt"
@@ -183,16 +214,21 @@ class RedisClusterStore:
         return GetResult(found, lengths, sums, corrupt, nbytes)
 
     def _verify(self, tag: int, key: int, parts: list, dst: np.ndarray) -> "tuple[int, int] | str":
-        """(length, checksum) once the bytes in ``dst`` match the header; else "corrupt", or
-        "partial" for a block the shard's eviction took part of."""
+        """(length, checksum) once the bytes in ``dst`` match the header; else "corrupt",
+        "partial" for a block the shard's eviction took part of, or "foreign" for a value this
+        reader cannot take but another node may: another format version, or chunks smaller
+        than this reader fetched (another ``chunk_bytes``). A foreign value is a miss, not
+        deleted: a rolling upgrade or a config drift must not wipe the cluster."""
         head, body = parts[0], parts[1:]
         if len(head) != HEADER.size:
             return "corrupt"
         magic, version, h_tag, h_key, length, cs, chunks = HEADER.unpack(head)
-        if (magic, version, h_tag, h_key) != (MAGIC, VERSION, tag, key) or length > dst.size:
+        if magic == MAGIC and version != VERSION:
+            return "foreign"
+        if (magic, h_tag, h_key) != (MAGIC, tag, key) or length > dst.size or chunks < 1:
             return "corrupt"
-        if chunks != max(1, -(-length // self.chunk_bytes)) or chunks > len(body):
-            return "corrupt"
+        if chunks > len(body):
+            return "foreign"
         if any(p is None for p in body[:chunks]):
             return "partial"
         pos = 0

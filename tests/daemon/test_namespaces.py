@@ -123,3 +123,25 @@ def test_a_second_model_with_smaller_blocks_registers_and_seals_its_own_size(svc
     # a second tensor-parallel rank of model-a: same geometry, its own namespace, layer-wise parts kept
     r1 = call(svc, "register", "a-tp1", pid=0, block_bytes=BB, namespace="model-a:tp1", layout={"layers": 4})
     assert r1["layers"] == 4
+
+
+def test_an_engine_of_another_block_size_is_refused_its_namespace(svc):
+    """One geometry a namespace: an fp8 and a bf16 engine of one model under one name would
+    read each other's blocks as their own (the remote tier's tag binds the geometry too)."""
+    call(svc, "register", "a", pid=0, block_bytes=BB, block_tokens=16, namespace="m")
+    a = _sealed(svc, "a", 7, 11)
+    before = (dict(svc.engines), svc.node.mgr.table.state.copy())
+    for bb, bt in ((BB // 2, 16), (BB, 32)):
+        with pytest.raises(P.ProtocolError) as e:
+            call(svc, "register", "b", pid=0, block_bytes=bb, block_tokens=bt, namespace="m")
+        assert e.value.code == P.CONFLICT and "namespace 'm'" in str(e.value) and f"{bb} bytes / {bt} tokens" in str(e.value)
+    assert dict(svc.engines) == before[0] and np.array_equal(svc.node.mgr.table.state, before[1])
+    # the same geometry joins it and shares its blocks; another block size takes another name
+    call(svc, "register", "b", pid=0, block_bytes=BB, block_tokens=16, namespace="m")
+    assert ids(call(svc, "ref", "b", keys=_keys(7))["blocks"]) == [a]
+    call(svc, "register", "c", pid=0, block_bytes=BB // 2, block_tokens=16, namespace="m:fp8")
+    assert ids(call(svc, "ref", "c", keys=_keys(7))["blocks"]) == [-1]
+    # a re-registration of an engine whose geometry conflicts keeps its old session
+    with pytest.raises(P.ProtocolError):
+        call(svc, "register", "a", pid=0, block_bytes=BB // 2, block_tokens=16, namespace="m")
+    assert "a" in svc.engines and call(svc, "check", "a")["ok"]

@@ -151,7 +151,7 @@ def test_a_killed_shard_degrades_then_recovers(model, redis_cluster, tmp_path):
     system, user = tokens(3, 6 * T), tokens(4, 7)
     with two_nodes(tmp_path, redis_cluster, layout, "fleet-2") as (ca, cb, a, b):
         keys, ref = publish_on_a(model, ca, layout, system, user)
-        shard = redis_cluster.shard_of(value_name(namespace_tag("fleet-2", ""), keys[0]))
+        shard = redis_cluster.shard_of(value_name(namespace_tag("fleet-2", "", (layout.block_bytes, T)), keys[0]))
         redis_cluster.kill(shard)  # the shard holding the prefix's first block
         try:
             # no engine error: B misses, recomputes, and stays bit-exact; the tier says it is degraded
@@ -186,7 +186,7 @@ def test_a_corrupt_value_is_refused_deleted_and_recomputed(model, redis_cluster,
     with two_nodes(tmp_path, redis_cluster, layout, "fleet-3") as (ca, cb, a, b):
         keys, ref = publish_on_a(model, ca, layout, system, user)
         rc = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", p) for p in redis_cluster.ports], password=PW)
-        name = value_name(namespace_tag("fleet-3", ""), keys[1], 0)  # its payload
+        name = value_name(namespace_tag("fleet-3", "", (layout.block_bytes, T)), keys[1], 0)  # its payload
         chunk = bytearray(rc.get(name))
         chunk[100] ^= 1
         rc.set(name, bytes(chunk))

@@ -23,10 +23,10 @@ BB = 4096
 STEPS = 300
 
 
-def _service(tmp_path, name, cluster, fleet):
+def _service(tmp_path, name, cluster, fleet, bb=BB):
     cfg = load_config(environ={}, overrides=[
         'tiers.remote.password="kvtier-test-pw"',
-        f"tiers.hbm_bytes={BB * 12}", f"tiers.dram_bytes={BB * 12}", f"tiers.nvme_bytes={BB * 24}",
+        f"tiers.hbm_bytes={bb * 12}", f"tiers.dram_bytes={bb * 12}", f"tiers.nvme_bytes={bb * 24}",
         f'tiers.nvme_dir="{tmp_path}/{name}/nvme"', f'server.runtime_dir="{tmp_path}/{name}/run"', "metrics.enabled=false",
         "tiers.remote.enabled=true", f"tiers.remote.nodes={json.dumps(cluster.nodes)}",
         f'tiers.remote.namespace="{fleet}"', "tiers.remote.batch_blocks=4", "tiers.remote.lookup_timeout_s=5.0"])
@@ -135,7 +135,7 @@ def test_a_publish_that_failed_is_retried_when_the_cluster_is_back(tmp_path, red
         for e in ("a1", "a2"):
             call(a, "register", e, pid=0, block_bytes=BB)
         a.node.remote.tier.backoff.base_s = a.node.remote.tier.backoff.max_s = 0.1
-        shard = redis_cluster.shard_of(value_name(namespace_tag("retry", ""), 5))
+        shard = redis_cluster.shard_of(value_name(namespace_tag("retry", "", (BB, 16)), 5))
         redis_cluster.kill(shard)  # the shard that holds key 5
         try:
             r = call(a, "alloc", "a1", n=1, seq=1, pin=False)
@@ -175,3 +175,31 @@ def test_an_unreachable_cluster_at_start_is_a_degraded_tier_not_a_dead_node(tmp_
         assert st["state"] == "degraded" and "cannot reach" in st["last_error"] and st["lookups_skipped_degraded"] == 1
     finally:
         svc.close()
+
+
+def test_nodes_of_one_namespace_with_another_block_size_never_share_values(tmp_path, redis_cluster):
+    """A node whose engines write half-size blocks (another KV dtype) under the same namespace
+    name: its values are not the other node's hits (they were served as hits, the slot's tail
+    stale bytes), and the other node's lookups do not delete them as corrupt."""
+    half = BB // 2
+    small, big, peer = (_service(tmp_path, n, redis_cluster, "geo", bb=bb)
+                        for n, bb in (("s", half), ("b", BB), ("p", half)))
+    try:
+        for svc, e, bb in ((small, "s1", half), (small, "s2", half), (big, "b1", BB), (peer, "p1", half)):
+            call(svc, "register", e, pid=0, block_bytes=bb)
+        data = _pattern(1001)[:half]
+        r = call(small, "alloc", "s1", n=1, seq=1, pin=False)
+        small.node.mgr.hbm.host_view(ids(r["slots"])[0])[:half] = data
+        call(small, "seal", "s1", blocks=ids(r["blocks"]), keys=[1001])
+        assert _ref(small, "s2", [1001])[0] >= 0  # shared on its node: published
+        end = time.monotonic() + 10
+        while small.stats()["remote"]["published"] == 0 and time.monotonic() < end:
+            _settle(small, timeout=0.05)
+        assert small.stats()["remote"]["published"] == 1
+        assert _ref(big, "b1", [1001]).tolist() == [-1]  # another geometry: not its key
+        assert big.stats()["remote"]["corrupt"] == 0
+        got = _ref(peer, "p1", [1001])  # the same geometry on a third node: a verified hit
+        assert got[0] >= 0 and peer.node.mgr.read(int(got[0]))[:half] == data.tobytes()
+    finally:
+        for svc in (small, big, peer):
+            svc.close()

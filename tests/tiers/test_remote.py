@@ -9,7 +9,7 @@ import pytest
 
 from kvtier.kernels.checksum import block_checksum
 from kvtier.tiers.remote import RemoteTier, connect_store
-from kvtier.tiers.remote_store import RedisClusterStore, RemoteAuthError, namespace_tag, value_name
+from kvtier.tiers.remote_store import RedisClusterStore, RemoteAuthError, RemoteError, namespace_tag, value_name
 
 PW = "kvtier-test-pw"
 
@@ -112,3 +112,95 @@ def test_worker_completions_and_degraded_when_a_shard_dies(redis_cluster):
             assert np.array_equal(dsts[i], bufs[i])
     finally:
         tier.close()
+
+
+def test_values_of_another_format_or_chunk_size_are_misses_left_in_place(redis_cluster):
+    """A rolling upgrade (another header version) or a config drift (another chunk_bytes)
+    must not wipe the cluster: such a value is a miss for this reader and stays for others;
+    a larger writer's chunks are read whole, verified by the checksum like any value."""
+    import kvtier.tiers.remote_store as rs
+
+    small = RedisClusterStore(redis_cluster.nodes, password=PW, chunk_bytes=4096)
+    large = RedisClusterStore(redis_cluster.nodes, password=PW, chunk_bytes=16384)
+    tag = namespace_tag("fleet", "formats")
+    bufs = _blocks(2, 9000, 4)
+    dst = lambda: [np.zeros(9000, np.uint8)]  # noqa: E731
+    one = lambda store, k, d: store.get_many(np.array([tag], np.uint64), np.array([k], np.uint64), d)  # noqa: E731
+    assert _put(small, tag, [21], bufs[:1]).all() and _put(large, tag, [22], bufs[1:]).all()
+    got = one(large, 21, dst())  # 3 chunks of 4 KiB; this reader fetched 1 part
+    assert not got.found[0] and got.corrupt == 0
+    assert [small.client.exists(value_name(tag, 21, i)) for i in ("h", 0, 1, 2)] == [1, 1, 1, 1]
+    assert one(small, 21, dst()).found[0]  # its writer's geometry still reads it
+    d = dst()
+    got = one(small, 22, d)  # one 16 KiB chunk (of 9000 bytes); this reader fetched 3 parts
+    assert got.found[0] and got.corrupt == 0 and bytes(d[0]) == bufs[1].tobytes()
+    header = bytearray(small.client.get(value_name(tag, 21)))
+    header[4:8] = (rs.VERSION + 1).to_bytes(4, "little")  # a newer writer's format
+    small.client.set(value_name(tag, 21), bytes(header))
+    got = one(small, 21, dst())
+    assert not got.found[0] and got.corrupt == 0 and small.client.get(value_name(tag, 21)) == bytes(header)
+    small.close()
+    large.close()
+
+
+def test_a_key_holding_another_type_fails_alone_and_is_removed(redis_cluster):
+    store = RedisClusterStore(redis_cluster.nodes, password=PW, chunk_bytes=4096)
+    tag = namespace_tag("fleet", "types")
+    bufs = _blocks(3, 5000, 5)
+    assert _put(store, tag, [31, 32, 33], bufs).all()
+    store.client.delete(value_name(tag, 32, 0))
+    store.client.rpush(value_name(tag, 32, 0), b"x")  # a list where a chunk should be
+    dsts = [np.zeros(5000, np.uint8) for _ in range(3)]
+    got = store.get_many(np.full(3, tag, np.uint64), np.array([31, 32, 33], np.uint64), dsts)
+    assert got.found.tolist() == [True, False, True] and got.corrupt == 1
+    assert bytes(dsts[0]) == bufs[0].tobytes() and bytes(dsts[2]) == bufs[2].tobytes()
+    assert [store.client.exists(value_name(tag, 32, i)) for i in ("h", 0, 1)] == [0, 0, 0]
+    store.close()
+
+
+def test_writes_the_cluster_refuses_fail_the_job_and_back_off(redis_cluster):
+    """A full cluster under noeviction refuses SETs with OOM: the job says so and the tier backs
+    off, instead of the block being offered again at once (1,406 batches in 2 s before)."""
+    tier = RemoteTier(connect_store(redis_cluster.nodes, password=PW), workers=1, backoff_s=0.05, backoff_max_s=0.2)
+    store = RedisClusterStore(redis_cluster.nodes, password=PW)
+    primaries = store.client.get_primaries()
+    before = [store.client.config_get("maxmemory*", target_nodes=node) for node in primaries]
+    try:
+        for node in primaries:
+            store.client.config_set("maxmemory", "1", target_nodes=node)
+            store.client.config_set("maxmemory-policy", "noeviction", target_nodes=node)
+        bufs = _blocks(2, 4096, 6)
+        sums = np.array([block_checksum(b, b.size) for b in bufs], dtype=np.uint64)
+        tier.submit("put", np.arange(2), np.full(2, namespace_tag("fleet", "oom"), np.uint64),
+                    np.array([41, 42], np.uint64), bufs, np.full(2, 4096), sums)
+        (c,) = tier.wait()
+        assert not c.ok.any() and "refused" in c.error and "maxmemory" in c.error
+        assert tier.degraded and not tier.available() and "maxmemory" in tier.last_error
+    finally:
+        for node, was in zip(primaries, before):
+            store.client.config_set("maxmemory", was["maxmemory"], target_nodes=node)
+            store.client.config_set("maxmemory-policy", was["maxmemory-policy"], target_nodes=node)
+        store.close()
+        tier.close()
+
+
+def test_a_hung_shard_fails_a_batch_within_a_few_timeouts(redis_cluster):
+    """No retries inside a batch: the tier's backoff is the retry. redis-py's default ten
+    retries held a one-block read 23 s against a stopped shard at timeout_s = 1."""
+    import os
+    import signal
+
+    store = RedisClusterStore(redis_cluster.nodes, password=PW, timeout_s=0.5, connect_timeout_s=0.5)
+    tag = namespace_tag("fleet", "hung")
+    key = next(k for k in range(1, 1000) if redis_cluster.shard_of(value_name(tag, k)) == 2)
+    proc = redis_cluster.procs[2]
+    assert proc is not None
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RemoteError):
+            store.get_many(np.array([tag], np.uint64), np.array([key], np.uint64), [np.zeros(4096, np.uint8)])
+        assert time.monotonic() - t0 < 6 * 0.5
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        store.close()
