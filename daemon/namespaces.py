@@ -66,44 +66,38 @@ def unscoped_keys(keys: np.ndarray, ns: "int | np.ndarray") -> np.ndarray:
 Geometry = tuple[int, int]  # (block_bytes, block_tokens) of the blocks a namespace holds
 
 
-class GeometryConflict(ValueError):
-    """An engine registered into a namespace whose blocks have another size."""
-
-
 class Namespaces:
     """Namespace name -> small id, assigned at first use, for the life of the daemon; and the
-    block geometry each namespace's engines write. One geometry a namespace: a key names the
-    same bytes for every engine that may read it, here and (through the remote tier's tag)
-    on every node. Two engines of one namespace with different block sizes (an fp8 and a
-    bf16 KV cache, another TP split) would otherwise read each other's blocks as their own."""
+    geometry of the blocks each namespace holds: the widest ``block_bytes`` an engine registered
+    into it with (and that engine's tokens a block). The remote tier's tag binds it, so nodes
+    whose engines write blocks of other sizes under one namespace name never read each other's
+    values (a 4 KiB node was served a 2 KiB node's value as a hit, its slot's tail stale). The
+    widest, not the first: vLLM's scheduler registers into its rank's namespace with a smaller
+    size than the workers that write the blocks, in either order, and only refs."""
 
     def __init__(self) -> None:
         self._ids: dict[str, int] = {"": 0}
+        self._names: list[str] = [""]  # by id
         self._geometry: dict[int, Geometry] = {}
 
     def id(self, name: str, geometry: Optional[Geometry] = None) -> int:
-        """The id of ``name``; with ``geometry``, bound to it at first use and checked after
-        (``GeometryConflict``, before anything is assigned)."""
+        """The id of ``name``; ``geometry``, an engine's, widens the namespace's."""
         got = self._ids.get(name)
-        if got is not None and geometry is not None and self._geometry.get(got, geometry) != geometry:
-            bb, bt = self._geometry[got]
-            raise GeometryConflict(f"namespace {name!r} holds blocks of {bb} bytes / {bt} tokens; an engine of "
-                                   f"{geometry[0]} bytes / {geometry[1]} tokens needs a namespace of its own "
-                                   "(name the model, KV dtype and tensor-parallel rank in it)")
         if got is None:
             if len(self._ids) >= MAX_NAMESPACES:
                 raise ValueError(f"more than {MAX_NAMESPACES} namespaces")
             got = self._ids[name] = len(self._ids)
-        if geometry is not None:
-            self._geometry.setdefault(got, geometry)
+            self._names.append(name)
+        if geometry is not None and geometry[0] > self._geometry.get(got, (0, 0))[0]:
+            self._geometry[got] = (int(geometry[0]), int(geometry[1]))
         return got
 
+    def name(self, ns: int) -> str:
+        return self._names[ns]
+
     def geometry(self, ns: int) -> Optional[Geometry]:
-        """The geometry namespace ``ns`` was bound to (None before an engine registered in it)."""
+        """The geometry of namespace ``ns``'s blocks (None before an engine registered in it)."""
         return self._geometry.get(ns)
 
-    def names(self) -> dict[int, str]:
-        return {v: k for k, v in self._ids.items()}
 
-
-__all__ = ["Namespaces", "GeometryConflict", "Geometry", "scoped_keys", "unscoped_keys", "MAX_NAMESPACES"]
+__all__ = ["Namespaces", "Geometry", "scoped_keys", "unscoped_keys", "MAX_NAMESPACES"]

@@ -94,7 +94,7 @@ class RemoteOps:
         self.latency_sum = {"put": 0.0, "get": 0.0}
         self._tokens = 0.0
         self._last: Optional[float] = None
-        self._tags: dict[int, int] = {}
+        self._tags: dict[tuple[int, Any], int] = {}
         self.host_hbm = not mgr.hbm.is_cuda
         mgr.listeners.append(self._on_event)
         mgr.held_elsewhere.append(self._held)
@@ -105,9 +105,10 @@ class RemoteOps:
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
     def _tag(self, ns: int) -> int:
-        tag = self._tags.get(ns)
+        name, geometry = self.ns_ident(ns)  # the geometry widens as engines register: part of the cache key
+        tag = self._tags.get((ns, geometry))
         if tag is None:
-            tag = self._tags[ns] = namespace_tag(self.cfg.namespace, *self.ns_ident(ns))
+            tag = self._tags[(ns, geometry)] = namespace_tag(self.cfg.namespace, name, geometry)
         return tag
 
     def _tags_of(self, ns: np.ndarray) -> np.ndarray:

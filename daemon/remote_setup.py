@@ -53,7 +53,7 @@ def attach_remote(node: Node, cfg: RemoteConfig, tier: RemoteTier, namespaces: N
                   clock: Callable[[], float]) -> None:
     """Give a freshly built node its remote half."""
     node.remote = RemoteOps(node.mgr, node.placement, cfg, tier,
-                            lambda ns: (namespaces.names()[ns], namespaces.geometry(ns)), counters, clock)
+                            lambda ns: (namespaces.name(ns), namespaces.geometry(ns)), counters, clock)
 
 
 __all__ = ["start_remote_tier", "attach_remote"]

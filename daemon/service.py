@@ -26,7 +26,7 @@ from .acquire import Pending
 from .block_ops import BlockOps
 from .config import KvtierConfig
 from .liveness import Fence, own_pid_namespace, pid_alive, pid_checkable
-from .namespaces import GeometryConflict, Namespaces
+from .namespaces import Namespaces
 from .node import Node, build_node
 from .remote_setup import attach_remote, start_remote_tier
 from .residency import ResidencyOps
@@ -117,14 +117,11 @@ class Service:
                                                 "the largest model first")
             if args.hbm_kind == "shm" and args.hbm_name != node.hbm_info()["hbm_name"]:
                 raise ProtocolError(P.CONFLICT, "the daemon already manages another HBM region")
-        try:  # before anything changes: a refused engine leaves the daemon as it was
-            ns = self.namespaces.id(args.namespace, (int(args.block_bytes or node.mgr.block_bytes), int(args.block_tokens)))
-        except GeometryConflict as e:
-            raise ProtocolError(P.CONFLICT, str(e)) from None
         if engine_id in self.engines:  # a restarted engine: its old holdings are void
             self.reclaim(engine_id, "re-registered")
         for f in [f for f in self.fences if f.engine_id == engine_id]:
             self._lift(f)  # the engine starts over: its old client writes no more
+        ns = self.namespaces.id(args.namespace, (int(args.block_bytes), int(args.block_tokens)))
         self.engines[engine_id] = EngineSession(engine_id, args.pid, args.block_tokens, dict(args.layout),
                                                 self.clock(), node.mgr.table.max_blocks,
                                                 pid_checkable(args.pid, args.pid_ns, self.pid_ns), ns,
