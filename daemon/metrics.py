@@ -118,7 +118,9 @@ def _remote_families(r: dict[str, Any]) -> Iterator[Any]:
     if not r.get("enabled"):
         return
     yield _gauge("kvtier_remote_up", "1 while the remote tier serves, 0 while it is degraded (failed batches: "
-                 "lookups miss and engines recompute until it recovers)", float(r["state"] == "ok"))
+                 "lookups miss and engines recompute until it recovers)", float(r["state"] != "degraded"))
+    yield _gauge("kvtier_remote_writes_refused", "1 while the cluster refuses our writes (full under noeviction, "
+                 "read-only): publishing backs off, reads still serve", float(r["state"] == "writes refused"))
     yield _counter("kvtier_remote_hits", "Keys missed locally and found, verified, in the remote tier", r["hits"])
     yield _counter("kvtier_remote_misses", "Keys looked up remotely and not found (or not verified)", r["misses"])
     yield _counter("kvtier_remote_corrupt", "Remote values refused by their checksum (deleted, never served)",

@@ -210,7 +210,7 @@ class RemoteOps:
 
     def publish(self, now: float) -> int:
         """Write offered blocks the rule selects, as the budget and the queue allow."""
-        if not self.candidates or not self.tier.available():
+        if not self.candidates or not self.tier.writable():
             return 0
         self._refill(now)
         mgr, t = self.mgr, self.mgr.table
@@ -286,8 +286,9 @@ class RemoteOps:
 
     def stats(self) -> dict:
         s = self.stats_c
-        return {"enabled": True, "state": "degraded" if self.tier.degraded else "ok",
-                "last_error": self.tier.last_error if self.tier.degraded else "",
+        tier = self.tier
+        return {"enabled": True, "state": "degraded" if tier.degraded else "writes refused" if tier.refusing else "ok",
+                "last_error": tier.last_error if tier.degraded else tier.last_refusal if tier.refusing else "",
                 "namespace": self.cfg.namespace, "nodes": list(self.cfg.nodes),
                 "hits": s["hits"], "misses": s["misses"], "corrupt": s["corrupt"], "published": s["published"],
                 "put_bytes": s["put_bytes"], "get_bytes": s["get_bytes"],

@@ -61,6 +61,7 @@ class RemoteCompletion:
     nbytes: int = 0
     seconds: float = 0.0
     error: str = ""  # the job failed (the store is unreachable) or the cluster refused some of its writes
+    refused: bool = False  # the error is the cluster refusing writes (full, read-only): reads still work
 
 
 class RemoteTier:
@@ -71,7 +72,11 @@ class RemoteTier:
         self._connect = connect
         self.clock = clock
         self.backoff = WriteBackoff(backoff_s, max(backoff_max_s, backoff_s))
+        # writes the cluster refuses (full under noeviction, read-only) pause publishing only:
+        # reads of what it holds still serve
+        self.write_backoff = WriteBackoff(backoff_s, max(backoff_max_s, backoff_s))
         self.last_error = ""
+        self.last_refusal = ""
         self.store: Optional[RedisClusterStore] = None
         try:
             self.store = connect()  # a wrong password raises here, at start: a config error
@@ -93,6 +98,15 @@ class RemoteTier:
     def available(self) -> bool:
         """Should the owner use the tier now (not backing off after failures)?"""
         return self.backoff.open(self.clock())
+
+    def writable(self) -> bool:
+        """Should the owner publish now (available, and not backing off after refused writes)?"""
+        return self.available() and self.write_backoff.open(self.clock())
+
+    @property
+    def refusing(self) -> bool:
+        """The cluster refused our latest writes (we are backing off publishing)."""
+        return self.write_backoff.delay_s > 0
 
     @property
     def degraded(self) -> bool:
@@ -122,11 +136,17 @@ class RemoteTier:
                 break
             self.in_flight -= 1
             now = self.clock()
-            if c.error:
+            if c.refused:  # the cluster answered: only writes back off
+                self.write_backoff.failed(now)
+                self.last_refusal = c.error
+                self.backoff.succeeded()
+            elif c.error:
                 self.backoff.failed(now)
                 self.last_error = c.error
             else:
                 self.backoff.succeeded()
+                if c.kind == "put":
+                    self.write_backoff.succeeded()
             out.append(c)
         return out
 
@@ -170,7 +190,8 @@ class RemoteTier:
             # writes the cluster refused (full under noeviction, read-only) fail the job: the tier
             # backs off and says why, instead of the blocks being offered again at once, forever
             return RemoteCompletion(job.tid, "put", job.blocks, ok, nbytes=int(job.lengths[ok].sum()),
-                                    error=f"remote tier: {store.refused}" if store.refused else "")
+                                    error=f"remote tier: {store.refused}" if store.refused else "",
+                                    refused=bool(store.refused))
         got = store.get_many(job.tags, job.keys, job.buffers)
         return RemoteCompletion(job.tid, "get", job.blocks, got.found, got.lengths, got.checksums, got.corrupt, got.nbytes)
 

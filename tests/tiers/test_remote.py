@@ -159,8 +159,8 @@ def test_a_key_holding_another_type_fails_alone_and_is_removed(redis_cluster):
 
 
 def test_writes_the_cluster_refuses_fail_the_job_and_back_off(redis_cluster):
-    """A full cluster under noeviction refuses SETs with OOM: the job says so and the tier backs
-    off, instead of the block being offered again at once (1,406 batches in 2 s before)."""
+    """A full cluster under noeviction refuses SETs with OOM: the job says so and publishing
+    backs off, instead of the block being offered again at once (1,406 batches in 2 s before)."""
     tier = RemoteTier(connect_store(redis_cluster.nodes, password=PW), workers=1, backoff_s=0.05, backoff_max_s=0.2)
     store = RedisClusterStore(redis_cluster.nodes, password=PW)
     primaries = store.client.get_primaries()
@@ -174,8 +174,14 @@ def test_writes_the_cluster_refuses_fail_the_job_and_back_off(redis_cluster):
         tier.submit("put", np.arange(2), np.full(2, namespace_tag("fleet", "oom"), np.uint64),
                     np.array([41, 42], np.uint64), bufs, np.full(2, 4096), sums)
         (c,) = tier.wait()
-        assert not c.ok.any() and "refused" in c.error and "maxmemory" in c.error
-        assert tier.degraded and not tier.available() and "maxmemory" in tier.last_error
+        assert not c.ok.any() and c.refused and "refused" in c.error and "maxmemory" in c.error
+        # publishing backs off; reads still serve (a full cluster still holds what it holds)
+        assert tier.refusing and not tier.writable() and "maxmemory" in tier.last_refusal
+        assert not tier.degraded and tier.available()
+        tier.submit("get", np.arange(1), np.full(1, namespace_tag("fleet", "oom"), np.uint64),
+                    np.array([41], np.uint64), [np.zeros(4096, np.uint8)])
+        (g,) = tier.wait()
+        assert not g.error and not g.ok.any() and tier.refusing  # a read does not end the write backoff
     finally:
         for node, was in zip(primaries, before):
             store.client.config_set("maxmemory", was["maxmemory"], target_nodes=node)
