@@ -71,6 +71,7 @@ class _Job:
     blocks: np.ndarray
     skeys: np.ndarray  # get: scoped keys being fetched
     started: float
+    want: int = 0  # get: the namespace's block size; a value of another length is a miss
 
 
 class RemoteOps:
@@ -113,6 +114,11 @@ class RemoteOps:
 
     def _tags_of(self, ns: np.ndarray) -> np.ndarray:
         return np.array([self._tag(int(n)) for n in ns.tolist()], dtype=np.uint64)
+
+    def _block_bytes(self, ns: int) -> int:
+        """The size of namespace ``ns``'s blocks, as its tag states (0: no engine registered)."""
+        geometry = self.ns_ident(ns)[1]
+        return int(geometry[0]) if geometry else 0
 
     def _on_event(self, kind: str, b: int, tier: int) -> None:
         if kind == "stored" and tier == DRAM and self.rule.wanted(self.shares[b : b + 1])[0]:
@@ -170,7 +176,7 @@ class RemoteOps:
             self.stats_c["queue_full"] += int(blocks.size)
             self.mgr.finish_fetch(blocks, np.zeros(blocks.size, bool), skeys, np.zeros(blocks.size), np.zeros(blocks.size))
             return
-        self.jobs[tid] = _Job("get", blocks, skeys, self.clock())
+        self.jobs[tid] = _Job("get", blocks, skeys, self.clock(), self._block_bytes(ns))
         for k, b in zip(skeys.tolist(), blocks.tolist()):
             self.fetching[k] = b
 
@@ -225,6 +231,10 @@ class RemoteOps:
             ok = self.rule.select(t, arr, self.shares, self.published, mgr.corrupt, self.placement.feature_class)
             in_dram = ((t.copies[arr] >> DRAM) & 1) == 1
             in_host_hbm = (((t.copies[arr] >> HBM) & 1) == 1) & self.host_hbm
+            # only blocks of the size the tag states: a narrower engine's blocks of the namespace
+            # would be served to peers as whole blocks (never offered again: they never will be)
+            ns_arr = mgr.namespace[arr]
+            ok &= t.nbytes[arr] == np.array([self._block_bytes(int(n)) for n in ns_arr.tolist()], dtype=np.int64)
             ready = ok & (t.busy[arr] == 0) & (t.pins[arr] == 0) & (in_dram | in_host_hbm)
             later += arr[ok & ~ready].tolist()  # in use now: offered again next turn
             go = arr[ready]
@@ -274,6 +284,8 @@ class RemoteOps:
             return
         for k in job.skeys.tolist():
             self.fetching.pop(k, None)
+        if c.ok.any():  # a verified value of another length under this tag: a miss, never a short block
+            c.ok = c.ok & (c.lengths == job.want)
         got = self.mgr.finish_fetch(job.blocks, c.ok, job.skeys, c.lengths, c.checksums, DRAM)
         mine = got[c.ok]
         self.published[mine[mine >= 0]] = True

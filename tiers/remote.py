@@ -136,10 +136,9 @@ class RemoteTier:
                 break
             self.in_flight -= 1
             now = self.clock()
-            if c.refused:  # the cluster answered: only writes back off
+            if c.refused:  # the cluster answered, refusing: only writes back off (reads' state as it was)
                 self.write_backoff.failed(now)
                 self.last_refusal = c.error
-                self.backoff.succeeded()
             elif c.error:
                 self.backoff.failed(now)
                 self.last_error = c.error

@@ -78,9 +78,19 @@ class GetResult:
     nbytes: int  # payload bytes read
 
 
+def _is_reply(e: BaseException) -> bool:
+    """An error the server replied with (OOM, READONLY, WRONGTYPE), not a transport failure
+    (redis-py 8 puts a timed-out or dropped command's exception in the pipeline's results)."""
+    try:
+        from redis.exceptions import ResponseError
+    except ImportError:  # pragma: no cover - the store needs redis to exist at all
+        return False
+    return isinstance(e, ResponseError)
+
+
 def _wrong_type(e: BaseException) -> bool:
     """A reply that the key holds another type (not a string): a value, not the transport, is wrong."""
-    return str(e).startswith("WRONGTYPE")
+    return _is_reply(e) and str(e).startswith("WRONGTYPE")
 
 
 def _is_auth_error(e: BaseException) -> bool:
@@ -159,6 +169,9 @@ class RedisClusterStore:
             spans.append((first, len(pipe)))
         results = self._execute(pipe)
         errors = [r for r in results if isinstance(r, Exception)]
+        lost = next((r for r in errors if not _is_reply(r)), None)
+        if lost is not None:  # a timeout or a dropped connection a command at a time: the transport failed
+            raise RemoteError(f"remote tier: {type(lost).__name__}: {lost}")
         # the cluster's own refusal (OOM under noeviction, READONLY): the caller must back off, not
         # offer the block again at once
         self.refused = f"{len(errors)} of {len(results)} writes refused, first: {errors[0]}" if errors else ""

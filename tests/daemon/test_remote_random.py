@@ -203,3 +203,36 @@ def test_nodes_of_one_namespace_with_another_block_size_never_share_values(tmp_p
     finally:
         for svc in (small, big, peer):
             svc.close()
+
+
+def test_blocks_narrower_than_the_namespace_are_not_published_nor_served(tmp_path, redis_cluster):
+    """A namespace's tag states its widest engine's block size: a narrower engine's blocks are
+    not published under it, and a value of another length found under it is a miss (a peer
+    would otherwise take 2 KiB of bytes for a 4 KiB block, the slot's tail stale)."""
+    from kvtier.tiers.remote_store import RedisClusterStore
+
+    from ..tiers.test_remote import _put
+
+    half = BB // 2
+    a, b = _service(tmp_path, "a", redis_cluster, "narrow"), _service(tmp_path, "b", redis_cluster, "narrow")
+    try:
+        for e, bb in (("w", BB), ("n1", half), ("n2", half)):
+            call(a, "register", e, pid=0, block_bytes=bb)
+        r = call(a, "alloc", "n1", n=1, seq=1, pin=False)
+        a.node.mgr.hbm.host_view(ids(r["slots"])[0])[:half] = _pattern(501)[:half]
+        call(a, "seal", "n1", blocks=ids(r["blocks"]), keys=[501])
+        assert _ref(a, "n2", [501])[0] >= 0  # shared by two narrow engines: a candidate
+        for _ in range(20):
+            _settle(a, timeout=0.02)
+        assert a.stats()["remote"]["published"] == 0 and a.node.remote.candidates == {}
+        store = RedisClusterStore(redis_cluster.nodes, password="kvtier-test-pw")
+        assert _put(store, namespace_tag("narrow", "", (BB, 16)), [502], [_pattern(502)[:half]]).all()
+        store.close()
+        call(b, "register", "b1", pid=0, block_bytes=BB)
+        assert _ref(b, "b1", [502]).tolist() == [-1]
+        rb = b.stats()["remote"]
+        assert rb["hits"] == 0 and rb["misses"] == 1 and rb["corrupt"] == 0
+        assert call(b, "check", "b1") == {"ok": True}
+    finally:
+        a.close()
+        b.close()

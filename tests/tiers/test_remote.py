@@ -210,3 +210,27 @@ def test_a_hung_shard_fails_a_batch_within_a_few_timeouts(redis_cluster):
     finally:
         os.kill(proc.pid, signal.SIGCONT)
         store.close()
+
+
+def test_a_put_timing_out_on_a_hung_shard_degrades_the_tier_not_refused(redis_cluster):
+    """redis-py 8 stores a timed-out command's exception among a pipeline's results: that is
+    the transport failing (degraded: lookups stop), not the cluster refusing writes."""
+    import os
+    import signal
+
+    tier = RemoteTier(connect_store(redis_cluster.nodes, password=PW, timeout_s=0.5, connect_timeout_s=0.5),
+                      workers=1, backoff_s=0.05, backoff_max_s=0.2)
+    tag = namespace_tag("fleet", "hung-put")
+    keys = np.array([k for k in range(1, 1000) if redis_cluster.shard_of(value_name(tag, k)) == 2][:2] + [7], np.uint64)
+    bufs = _blocks(3, 4096, 8)
+    sums = np.array([block_checksum(b, b.size) for b in bufs], dtype=np.uint64)
+    proc = redis_cluster.procs[2]
+    assert proc is not None
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        tier.submit("put", np.arange(3), np.full(3, tag, np.uint64), keys, bufs, np.full(3, 4096), sums)
+        (c,) = tier.wait(30)
+        assert c.error and not c.refused and tier.degraded and not tier.refusing
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        tier.close()
