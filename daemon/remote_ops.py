@@ -112,8 +112,14 @@ class RemoteOps:
             tag = self._tags[(ns, geometry)] = namespace_tag(self.cfg.namespace, name, geometry)
         return tag
 
+    @staticmethod
+    def _per_namespace(ns: np.ndarray, fn: Callable[[int], int], dtype: Any) -> np.ndarray:
+        """``fn`` of each element's namespace, computed once per distinct namespace."""
+        u, inv = np.unique(ns, return_inverse=True)
+        return np.array([fn(int(n)) for n in u.tolist()], dtype=dtype)[inv]
+
     def _tags_of(self, ns: np.ndarray) -> np.ndarray:
-        return np.array([self._tag(int(n)) for n in ns.tolist()], dtype=np.uint64)
+        return self._per_namespace(ns, self._tag, np.uint64)
 
     def _block_bytes(self, ns: int) -> int:
         """The size of namespace ``ns``'s blocks, as its tag states (0: no engine registered)."""
@@ -233,8 +239,7 @@ class RemoteOps:
             in_host_hbm = (((t.copies[arr] >> HBM) & 1) == 1) & self.host_hbm
             # only blocks of the size the tag states: a narrower engine's blocks of the namespace
             # would be served to peers as whole blocks (never offered again: they never will be)
-            ns_arr = mgr.namespace[arr]
-            ok &= t.nbytes[arr] == np.array([self._block_bytes(int(n)) for n in ns_arr.tolist()], dtype=np.int64)
+            ok &= t.nbytes[arr] == self._per_namespace(mgr.namespace[arr], self._block_bytes, np.int64)
             ready = ok & (t.busy[arr] == 0) & (t.pins[arr] == 0) & (in_dram | in_host_hbm)
             later += arr[ok & ~ready].tolist()  # in use now: offered again next turn
             go = arr[ready]

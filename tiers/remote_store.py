@@ -35,6 +35,11 @@ from kvtier.kernels.checksum import block_checksum
 
 from .types import TierError
 
+try:  # optional: the store refuses to start without redis (``RedisClusterStore``)
+    from redis.exceptions import ResponseError as _ResponseError
+except ImportError:  # pragma: no cover - exercised where the remote extra is not installed
+    _ResponseError = None  # type: ignore[assignment,misc]
+
 MAGIC = b"KVR1"
 VERSION = 1
 HEADER = struct.Struct("<4sIQQQQI4x")  # magic, version, ns tag, key, length, checksum, chunks
@@ -81,11 +86,7 @@ class GetResult:
 def _is_reply(e: BaseException) -> bool:
     """An error the server replied with (OOM, READONLY, WRONGTYPE), not a transport failure
     (redis-py 8 puts a timed-out or dropped command's exception in the pipeline's results)."""
-    try:
-        from redis.exceptions import ResponseError
-    except ImportError:  # pragma: no cover - the store needs redis to exist at all
-        return False
-    return isinstance(e, ResponseError)
+    return _ResponseError is not None and isinstance(e, _ResponseError)
 
 
 def _wrong_type(e: BaseException) -> bool:
