@@ -79,7 +79,7 @@ def promote_missing(mgr: TierManager, placement: Placement, blocks: np.ndarray, 
     promotions started.
     """
     t = mgr.table
-    idle = (t.busy[blocks] == 0) & ~mgr.corrupt[blocks] & (mgr.io_failures[blocks] < MAX_IO_FAILURES)
+    idle = ~t.moving(blocks) & ~mgr.corrupt[blocks] & (mgr.io_failures[blocks] < MAX_IO_FAILURES)
     missing = blocks[idle & ((t.copies[blocks] >> HBM) & 1 == 0)]
     if budget is not None:
         missing = missing[:budget]

@@ -4,9 +4,10 @@ Owner-thread side of ``tiers/remote.py``. Two flows, both non-blocking:
 
 - **Publish.** Blocks offered by ``PublishRule`` are written to the cluster in
   pipelined batches, within ``bandwidth_bytes_per_s`` and the worker queue's
-  depth. A block is held (``busy``) while a worker reads its bytes from its DRAM
-  slot (or its HBM slot where HBM is host memory), so nothing moves or reuses
-  the slot meanwhile; the hold ends when the completion is applied.
+  depth. A block is held (``TierManager.hold``, a read hold) while a worker reads
+  its bytes from its DRAM slot (or its HBM slot where HBM is host memory), so
+  nothing drops or reuses the slot meanwhile, while acquires still pin and
+  promote it; the hold ends when the completion is applied.
 - **Lookup on miss.** A ``ref`` whose keys miss locally becomes a ``RefWaiter``
   when the tier is available: each missed key gets a placeholder block with a
   DRAM slot, a worker reads the value straight into it and verifies it, and the

@@ -33,7 +33,7 @@ def snapshot(m: TierManager) -> dict[str, np.ndarray]:
     t = m.table
     cols = {
         name: getattr(t, name).copy()
-        for name in ("key", "state", "refcount", "pins", "busy", "copies", "slot", "nbytes", "checksum")
+        for name in ("key", "state", "refcount", "pins", "busy", "readers", "copies", "slot", "nbytes", "checksum")
     }
     cols["nvme_idle"] = t.nvme_idle.to_array()
     for i, lst in enumerate(t.free_slots):

@@ -38,7 +38,10 @@ class BlockTable:
         self.state = np.zeros(n, dtype=np.uint8)
         self.refcount = np.zeros(n, dtype=np.int32)
         self.pins = np.zeros(n, dtype=np.int32)
-        self.busy = np.zeros(n, dtype=np.uint8)  # transfers in flight
+        self.busy = np.zeros(n, dtype=np.uint8)  # transfers in flight, and the read holds below
+        # remote writes reading the block's bytes (each also counted in ``busy``): every copy
+        # stays where it is, but the block may gain copies and be pinned (see ``moving``)
+        self.readers = np.zeros(n, dtype=np.uint8)
         self.copies = np.zeros(n, dtype=np.uint8)  # bit t: valid copy in tier t
         self.slot = np.full((N_TIERS, n), NIL, dtype=np.int32)
         self.nbytes = np.zeros(n, dtype=np.uint32)  # valid payload bytes
@@ -79,13 +82,18 @@ class BlockTable:
     def has_copy(self, b: int, tier: int) -> bool:
         return bool(int(self.copies[b]) >> int(tier) & 1)
 
+    def moving(self, blocks: np.ndarray) -> np.ndarray:
+        """Per block: a transfer is moving it (a read hold alone is not a move: ``busy``
+        counts both, and every check that would drop or reuse a copy refuses any ``busy``)."""
+        return self.busy[blocks] != self.readers[blocks]
+
     def idle_in(self, blocks: np.ndarray, tier: int) -> np.ndarray:
         """Per block: holds a valid copy in ``tier`` and no transfer is moving it."""
-        return ((self.copies[blocks] >> tier) & 1 == 1) & (self.busy[blocks] == 0)
+        return ((self.copies[blocks] >> tier) & 1 == 1) & ~self.moving(blocks)
 
     def idle_outside(self, blocks: np.ndarray, tier: int) -> np.ndarray:
         """Per block: no valid copy in ``tier`` and no transfer is moving it (a promotion candidate)."""
-        return ((self.copies[blocks] >> tier) & 1 == 0) & (self.busy[blocks] == 0)
+        return ((self.copies[blocks] >> tier) & 1 == 0) & ~self.moving(blocks)
 
     def home_tier(self, b: int) -> int:
         """Fastest tier holding a valid copy, or -1."""
@@ -120,6 +128,7 @@ class BlockTable:
         self.refcount[b] = 1
         self.pins[b] = 0
         self.busy[b] = 0
+        self.readers[b] = 0
         self.copies[b] = 0
         self.nbytes[b] = 0
         self.checksum[b] = 0
@@ -193,6 +202,7 @@ class BlockTable:
         self.refcount[b] = 0
         self.pins[b] = 0
         self.busy[b] = 0
+        self.readers[b] = 0
         self.free_blocks.push_back(b)
 
     # -- slots -----------------------------------------------------------
@@ -310,6 +320,8 @@ class BlockTable:
             raise RuntimeError("a FREE block is missing from the free list")
         if np.any(self.refcount < 0) or np.any(self.pins < 0):
             raise RuntimeError("negative refcount or pin count")
+        if np.any(self.readers > self.busy) or np.any(self.readers[~in_use] != 0):
+            raise RuntimeError("a read hold not counted in busy, or on a FREE block")
         if np.any(self.pins[~in_use] != 0) or np.any(self.copies[~in_use] != 0):
             raise RuntimeError("a FREE block holds pins or copies")
         if np.any((self.state == OPEN) & (self.refcount == 0) & (self.busy == 0)):
@@ -351,7 +363,7 @@ class BlockTable:
 
     def metadata_nbytes(self) -> int:
         cols: list[np.ndarray] = [
-            self.key, self.state, self.refcount, self.pins, self.busy, self.copies, self.detached,
+            self.key, self.state, self.refcount, self.pins, self.busy, self.readers, self.copies, self.detached,
             self.slot, self.nbytes, self.checksum, self.importance,
             *self.extra.values(), *self.slot_owner,
         ]

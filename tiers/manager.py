@@ -230,7 +230,7 @@ class TierManager(TierMoves):
         """Pin an HBM-resident block for a forward pass; returns its slot."""
         b = self._check_block(b)
         t = self.table
-        if not t.has_copy(b, HBM) or t.busy[b]:
+        if not t.has_copy(b, HBM) or t.busy[b] != t.readers[b]:
             raise ValueError(f"block {b} is not resident in HBM")
         t.pins[b] += 1
         t.touch(b)
@@ -243,7 +243,7 @@ class TierManager(TierMoves):
         ``checked``: the caller already validated ids (live, no duplicates)."""
         t = self.table
         arr = blocks if checked else self.check_blocks(blocks)
-        bad = ((t.copies[arr] >> HBM) & 1 == 0) | (t.busy[arr] != 0)
+        bad = ~t.idle_in(arr, HBM)  # a remote write reading it is no obstacle: it only reads
         if bad.any():
             raise ValueError(f"block {int(arr[np.argmax(bad)])} is not resident in HBM")
         t.pins[arr] += 1
@@ -317,13 +317,25 @@ class TierManager(TierMoves):
         return out
 
     def hold(self, blocks: np.ndarray) -> None:
-        """A remote write reads these sealed blocks' bytes: keep every copy where it is."""
-        self.table.busy[blocks] += 1
-        self.table.refresh_nvme_idle_many(blocks)
+        """A remote write reads these sealed blocks' bytes: keep every copy where it is.
+
+        A read hold counts in ``busy``, so nothing evicts, drops, demotes or frees the
+        block meanwhile; but it is no move: the block may still be pinned and gain copies
+        (a promotion only reads its source too), so an acquire never waits on a publish."""
+        t = self.table
+        if np.any(t.state[blocks] != SEALED):
+            raise ValueError("only sealed blocks are read by a remote write")
+        t.busy[blocks] += 1
+        t.readers[blocks] += 1
+        t.refresh_nvme_idle_many(blocks)
 
     def unhold(self, blocks: np.ndarray) -> None:
-        self.table.busy[blocks] -= 1
-        self.table.refresh_nvme_idle_many(blocks)
+        t = self.table
+        if np.any(t.readers[blocks] == 0):
+            raise ValueError("unhold of a block that is not held")
+        t.busy[blocks] -= 1
+        t.readers[blocks] -= 1
+        t.refresh_nvme_idle_many(blocks)
 
     # -- reading (tests, CLI) ------------------------------------------------
     def read(self, b: int) -> bytes:

@@ -168,16 +168,17 @@ class TierMoves:
         if NVME in (s, d) and self.nvme is None:
             raise ValueError("no NVMe tier is configured")
         copies = t.copies[arr]
+        sealed = t.state[arr] == SEALED
+        keep = keep_source & sealed  # open blocks always move (one copy)
         problems = (
             ((copies >> s) & 1 == 0, f"has no valid copy in {src.name}"),
-            (t.busy[arr] != 0, "is already moving"),
+            (t.moving(arr), "is already moving"),
             ((t.pins[arr] != 0) & (not keep_source), "is pinned"),
+            ((t.readers[arr] != 0) & ~keep, "is being read by a remote write; its copies stay"),
         )
         for mask, why in problems:
             if np.any(mask):
                 raise ValueError(f"block {int(arr[np.argmax(mask)])} {why}")
-        sealed = t.state[arr] == SEALED
-        keep = keep_source & sealed  # open blocks always move (one copy)
         need_io = (copies >> d) & 1 == 0
         io = arr[need_io]
         if t.free_slot_count(d) < io.size:
@@ -374,11 +375,11 @@ class TierMoves:
 
     def check_invariants(self) -> None:
         self.table.check_invariants()
-        busy = np.flatnonzero(self.table.busy)
         parts = [p.blocks for p in self._pending.values()] + [fn() for fn in self.held_elsewhere]
         pending = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
-        if not np.array_equal(np.sort(busy), np.sort(pending)):
-            raise RuntimeError("busy flags disagree with pending transfers")
+        # a block may be both moving and read (a promotion during a remote write): count each
+        if not np.array_equal(np.bincount(pending, minlength=self.table.max_blocks), self.table.busy):
+            raise RuntimeError("busy counts disagree with pending transfers")
 
 
 __all__ = ["TierMoves", "EventListener", "FailureListener"]

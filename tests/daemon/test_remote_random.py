@@ -236,3 +236,48 @@ def test_blocks_narrower_than_the_namespace_are_not_published_nor_served(tmp_pat
     finally:
         a.close()
         b.close()
+
+
+def test_a_publish_stuck_on_a_hung_shard_does_not_hold_up_an_acquire(tmp_path, redis_cluster):
+    """A put reads its blocks' bytes for up to a few ``timeout_s`` on a hung shard. That read
+    hold keeps every copy where it is, but an engine's acquire of the block pins it at once
+    (it waited for the put before: seconds, past a 0.5 s acquire deadline)."""
+    import os
+    import signal
+
+    a = _service(tmp_path, "a", redis_cluster, "stuck")
+    try:
+        for e in ("a1", "a2"):
+            call(a, "register", e, pid=0, block_bytes=BB)
+        tag = namespace_tag("stuck", "", (BB, 16))
+        key = next(k for k in range(1, 1000) if redis_cluster.shard_of(value_name(tag, k)) == 2)
+        r = call(a, "alloc", "a1", n=1, seq=1, pin=False)
+        blk = ids(r["blocks"])[0]
+        a.node.mgr.hbm.host_view(ids(r["slots"])[0])[:] = _pattern(key)
+        call(a, "seal", "a1", blocks=[blk], keys=[key])
+        t = a.node.mgr.table
+        proc = redis_cluster.procs[2]
+        assert proc is not None
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            assert _ref(a, "a2", [key])[0] == blk  # shared: published, into the hung shard
+            end = time.monotonic() + 5
+            while t.readers[blk] == 0 and time.monotonic() < end:
+                _settle(a, timeout=0.01)
+            assert t.readers[blk] == 1 and a.node.remote.busy()  # the put is in flight, stuck
+            t0 = time.monotonic()
+            got = call(a, "acquire", "a2", blocks=[blk], wait=False, timeout_s=0.5)
+            assert got["done"] and time.monotonic() - t0 < 0.25
+            slot = ids(got["slots"])[0]
+            assert a.node.mgr.hbm.host_view(slot).tobytes() == _pattern(key).tobytes()
+            call(a, "release", "a2", blocks=[blk])
+            assert call(a, "check", "a1") == {"ok": True}
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        end = time.monotonic() + 15
+        while t.readers[blk] and time.monotonic() < end:
+            _settle(a, timeout=0.05)
+        assert t.readers[blk] == 0 and t.busy[blk] == 0
+        assert call(a, "check", "a1") == {"ok": True}
+    finally:
+        a.close()

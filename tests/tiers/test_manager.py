@@ -321,3 +321,44 @@ def test_an_interrupt_in_a_listener_still_applies_the_whole_group(manager, caplo
     m.wait(timeout=5)
     assert m.table.copies[blocks[2]] == 0b010 and m.read(blocks[2]) == pattern(62, BB).tobytes()
     m.check_invariants()
+
+
+def test_a_read_hold_keeps_every_copy_but_lets_the_block_be_pinned_and_promoted(manager):
+    """A remote write reads a sealed block's bytes: nothing may drop or reuse a copy meanwhile,
+    but an engine's acquire (a pin, or a promotion, which only reads its source) does not wait."""
+    m = manager
+    b = _new_sealed(m, 21)
+    m.demote([b], "hbm", "dram"); m.wait()  # DRAM only: the remote write reads the DRAM slot
+    held = [np.array([b])]
+    m.held_elsewhere.append(lambda: held[0])  # the holder's account, which the invariants check
+    m.hold(held[0])
+    assert m.table.busy[b] == 1 and m.table.readers[b] == 1
+    m.check_invariants()
+    before = snapshot(m)
+    for drops in (lambda: m.demote([b], "dram", "nvme"), lambda: m.drop(b),
+                  lambda: m.drop_copy(b, "dram")):
+        with pytest.raises(ValueError):
+            drops()
+        assert_same(before, snapshot(m))
+    assert m.promote([b], Tier.HBM) > 0  # keeps the source: allowed
+    assert m.table.busy[b] == 2 and m.table.readers[b] == 1
+    m.check_invariants()
+    m.wait()
+    assert m.table.copies[b] == 0b011 and m.table.busy[b] == 1
+    slot = m.pin(b)
+    assert m.hbm.host_view(slot)[:BB].tobytes() == pattern(21, BB).tobytes()
+    m.unpin(b)
+    before = snapshot(m)
+    with pytest.raises(ValueError, match="being read"):
+        m.demote([b], "hbm", "dram")  # would drop the HBM copy: refused while held
+    assert_same(before, snapshot(m))
+    m.unhold(held[0])
+    held[0] = np.zeros(0, np.int64)
+    assert m.table.busy[b] == 0 and m.table.readers[b] == 0
+    assert m.demote([b], "hbm", "dram") == 0 and m.table.copies[b] == 0b010  # now it may go
+    with pytest.raises(ValueError):
+        m.unhold(np.array([b]))  # not held
+    o = int(m.alloc(1)[0])
+    with pytest.raises(ValueError, match="sealed"):
+        m.hold(np.array([o]))  # an open block's bytes still change: never read by a remote write
+    m.check_invariants()
