@@ -2,8 +2,9 @@
 
 A block is stored as Redis strings named ``kvt:{<namespace tag>:<key>}:<part>``
 (16 hex digits each; the braces are a hash tag, so every part of a block lives
-in one slot, on one shard): part ``h`` is a 48-byte header (magic, version,
-namespace tag, key, length, checksum, chunk count), parts ``0..n-1`` the payload
+in one slot, on one shard): part ``h`` is a 56-byte header (magic, version,
+namespace tag, key, length, checksum, chunk count, the write's nonce, and a check
+of the header's own bytes), parts ``0..n-1`` the payload
 in chunks of at most ``chunk_bytes``, each its own ``SET`` sent straight from
 the slot's memory (no copy), so a large block never becomes one huge command
 that stalls a shard. The header is written last: one shard runs a block's
@@ -14,7 +15,12 @@ block table holds) before they count: a value that fails is deleted, counted,
 and reported as a miss, never served. A block missing a chunk (the shard's
 eviction took part of it) is a miss, and its other chunks are deleted. A value
 of another format version, or chunked finer than this reader fetches, is a miss
-left in place (``_verify``: "foreign"). Values are written and read through
+left in place (``_verify``: "foreign"); the header's own check tells a flipped
+bit in its version or chunk count (corrupt: deleted) from another writer's
+format. A delete is conditional (one Lua script, atomic on the block's shard):
+only while the header is still the one the reader refused, so a complete copy
+another node published meanwhile (its nonce differs) is never deleted for
+the torn or corrupt one it replaced. Values are written and read through
 redis-py's cluster pipelines.
 
 Only sealed blocks are stored: they are immutable and content-addressed, so a
@@ -24,6 +30,8 @@ write the same bytes (a racing overwrite is harmless).
 
 from __future__ import annotations
 
+import itertools
+import os
 import struct
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -41,8 +49,22 @@ except ImportError:  # pragma: no cover - exercised where the remote extra is no
     _ResponseError = None  # type: ignore[assignment,misc]
 
 MAGIC = b"KVR1"
-VERSION = 1
-HEADER = struct.Struct("<4sIQQQQI4x")  # magic, version, ns tag, key, length, checksum, chunks
+VERSION = 2  # 2: the header's own check and a per-write nonce (56 bytes); 1: 48 bytes, neither
+# magic, version, ns tag, key, length, checksum, chunks, nonce, check (xxh32 of the bytes before it)
+HEADER = struct.Struct("<4sIQQQQIQI")
+_CHECKED = HEADER.size - 4
+# delete a value's parts only while its header is still the one the reader refused (ARGV[1];
+# "" when the header held no string at all): atomic on the block's shard, so a copy published
+# between the read and the delete stays
+_DELETE_IF_UNCHANGED = """
+local t = redis.call('TYPE', KEYS[1])['ok']
+if ARGV[1] == '' then
+  if t == 'string' then return -1 end
+elseif t ~= 'string' or redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return -1
+end
+return redis.call('DEL', unpack(KEYS))
+"""
 
 
 class RemoteError(TierError):
@@ -70,8 +92,26 @@ def value_name(tag: int, key: int, part: "int | str" = "h") -> str:
     return f"kvt:{{{tag:016x}:{key:016x}}}:{part}"
 
 
-def pack_header(tag: int, key: int, length: int, checksum: int, chunks: int) -> bytes:
-    return HEADER.pack(MAGIC, VERSION, tag, key, length, checksum, chunks)
+def pack_header(tag: int, key: int, length: int, checksum: int, chunks: int, nonce: int = 0) -> bytes:
+    head = HEADER.pack(MAGIC, VERSION, tag, key, length, checksum, chunks, nonce & (2**64 - 1), 0)
+    return head[:_CHECKED] + xxhash.xxh32_intdigest(head[:_CHECKED]).to_bytes(4, "little")
+
+
+def header_fields(head: bytes) -> "tuple[int, int, int, int, int] | str":
+    """(tag, key, length, checksum, chunks) of a header this reader takes, else "corrupt"
+    (not a header, or one whose own check fails: a flipped bit) or "foreign" (a well-formed
+    header of another format version: another node's, left in place)."""
+    if len(head) < 8 or head[:4] != MAGIC:
+        return "corrupt"
+    version = int.from_bytes(head[4:8], "little")
+    if len(head) != HEADER.size:  # another version's layout (version 1: 48 bytes), or garbage
+        return "foreign" if version != VERSION else "corrupt"
+    _, _, tag, key, length, checksum, chunks, _, check = HEADER.unpack(head)
+    if check != xxhash.xxh32_intdigest(head[:_CHECKED]):
+        return "corrupt"
+    if version != VERSION:
+        return "foreign"
+    return tag, key, length, checksum, chunks
 
 
 @dataclass
@@ -118,6 +158,8 @@ class RedisClusterStore:
             raise ValueError("chunk_bytes must be >= 4096")
         self.chunk_bytes = int(chunk_bytes)
         self.refused = ""  # the last put_many's per-command errors, summarised ("" when none)
+        # each write's header differs (a republished value is told from the one a reader refused)
+        self._nonces = itertools.count(int.from_bytes(os.urandom(8), "little"))
         startup = []
         for n in nodes:
             host, _, port = n.rpartition(":")
@@ -143,6 +185,7 @@ class RedisClusterStore:
         where = ", ".join(nodes)
         try:
             self.client = RedisCluster(startup_nodes=startup, require_full_coverage=False, **kw)
+            self._delete_if_unchanged = self.client.register_script(_DELETE_IF_UNCHANGED)
             self.client.ping(target_nodes=RedisCluster.PRIMARIES)
         except Exception as e:  # redis raises many kinds; each is a clear start-up error here
             if _is_auth_error(e):
@@ -165,7 +208,7 @@ class RedisClusterStore:
             first = len(pipe)
             for i in range(chunks):  # zero-copy: redis-py sends each chunk straight from the slot
                 pipe.set(value_name(tag, key, i), view[i * cb: (i + 1) * cb])
-            pipe.set(value_name(tag, key), pack_header(tag, key, n, cs, chunks))  # last: a reader that
+            pipe.set(value_name(tag, key), pack_header(tag, key, n, cs, chunks, next(self._nonces)))  # last: a reader that
             # finds the header finds the payload (one shard runs a block's commands in order)
             spans.append((first, len(pipe)))
         results = self._execute(pipe)
@@ -202,7 +245,7 @@ class RedisClusterStore:
         found = np.zeros(n, dtype=bool)
         lengths = np.zeros(n, dtype=np.int64)
         sums = np.zeros(n, dtype=np.uint64)
-        bad: list[str] = []
+        bad: list[tuple[list[str], bytes]] = []  # (a value's names, the header refused)
         corrupt = nbytes = 0
         for i, (tag, key, (a, b), dst) in enumerate(zip(tags.tolist(), keys.tolist(), spans, dsts)):
             parts = results[a:b]
@@ -218,7 +261,8 @@ class RedisClusterStore:
             if got == "foreign":  # another format's value: a miss here, left for the nodes that read it
                 continue
             if isinstance(got, str):  # refused: never served, deleted so nobody reads it again
-                bad += [value_name(tag, key), *(value_name(tag, key, j) for j in range(len(parts) - 1))]
+                names = [value_name(tag, key), *(value_name(tag, key, j) for j in range(len(parts) - 1))]
+                bad.append((names, parts[0] if isinstance(parts[0], bytes) else b""))
                 corrupt += got == "corrupt"
                 continue
             found[i], lengths[i], sums[i] = True, got[0], got[1]
@@ -234,12 +278,11 @@ class RedisClusterStore:
         than this reader fetched (another ``chunk_bytes``). A foreign value is a miss, not
         deleted: a rolling upgrade or a config drift must not wipe the cluster."""
         head, body = parts[0], parts[1:]
-        if len(head) != HEADER.size:
-            return "corrupt"
-        magic, version, h_tag, h_key, length, cs, chunks = HEADER.unpack(head)
-        if magic == MAGIC and version != VERSION:
-            return "foreign"
-        if (magic, h_tag, h_key) != (MAGIC, tag, key) or length > dst.size or chunks < 1:
+        fields = header_fields(head)
+        if isinstance(fields, str):
+            return fields
+        h_tag, h_key, length, cs, chunks = fields
+        if (h_tag, h_key) != (tag, key) or length > dst.size or chunks < 1:
             return "corrupt"
         if chunks > len(body):
             return "foreign"
@@ -256,11 +299,14 @@ class RedisClusterStore:
             return "corrupt"
         return length, cs
 
-    def _delete(self, names: list[str]) -> None:
-        pipe = self.client.pipeline()
-        for name in names:
-            pipe.delete(name)
-        self._execute(pipe)
+    def _delete(self, values: list[tuple[list[str], bytes]]) -> None:
+        """Delete each refused value's parts if its header is still the one read (a round trip
+        each: scripts do not pipeline in a cluster, and refused values are rare)."""
+        try:
+            for names, head in values:
+                self._delete_if_unchanged(keys=names, args=[head])
+        except Exception as e:
+            raise RemoteError(f"remote tier: {type(e).__name__}: {e}") from None
 
     # -- admin ------------------------------------------------------------------------------
     def primaries(self) -> int:
@@ -287,4 +333,4 @@ class RedisClusterStore:
 
 
 __all__ = ["RedisClusterStore", "RemoteError", "RemoteAuthError", "GetResult", "namespace_tag", "value_name",
-           "pack_header", "HEADER"]
+           "pack_header", "header_fields", "HEADER"]

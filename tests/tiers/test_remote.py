@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 import pytest
+import xxhash
 
 from kvtier.kernels.checksum import block_checksum
 from kvtier.tiers.remote import RemoteTier, connect_store
@@ -134,13 +135,66 @@ def test_values_of_another_format_or_chunk_size_are_misses_left_in_place(redis_c
     d = dst()
     got = one(small, 22, d)  # one 16 KiB chunk (of 9000 bytes); this reader fetched 3 parts
     assert got.found[0] and got.corrupt == 0 and bytes(d[0]) == bufs[1].tobytes()
-    header = bytearray(small.client.get(value_name(tag, 21)))
-    header[4:8] = (rs.VERSION + 1).to_bytes(4, "little")  # a newer writer's format
-    small.client.set(value_name(tag, 21), bytes(header))
-    got = one(small, 21, dst())
-    assert not got.found[0] and got.corrupt == 0 and small.client.get(value_name(tag, 21)) == bytes(header)
+    mine = small.client.get(value_name(tag, 21))
+    newer = bytearray(mine)
+    newer[4:8] = (rs.VERSION + 1).to_bytes(4, "little")  # a newer writer's format, its check recomputed
+    newer[-4:] = xxhash.xxh32_intdigest(bytes(newer[:-4])).to_bytes(4, "little")
+    v1 = rs.MAGIC + (1).to_bytes(4, "little") + bytes(40)  # a version-1 writer's 48-byte header
+    for header in (bytes(newer), v1):
+        small.client.set(value_name(tag, 21), header)
+        got = one(small, 21, dst())
+        assert not got.found[0] and got.corrupt == 0 and small.client.get(value_name(tag, 21)) == header
     small.close()
     large.close()
+
+
+@pytest.mark.parametrize("byte", [4, 44, 50])  # the version, the chunk count, the nonce
+def test_a_bit_flipped_in_the_header_is_corrupt_not_foreign(redis_cluster, byte):
+    """The header checks its own bytes: a flipped version or chunk count read as another
+    format's value before (a miss, never cleaned up); now it is corrupt, counted and deleted."""
+    store = RedisClusterStore(redis_cluster.nodes, password=PW, chunk_bytes=4096)
+    tag = namespace_tag("fleet", "flips")
+    assert _put(store, tag, [41], _blocks(1, 9000, 6)).all()
+    head = bytearray(store.client.get(value_name(tag, 41)))
+    head[byte] ^= 0x01
+    store.client.set(value_name(tag, 41), bytes(head))
+    got = store.get_many(np.array([tag], np.uint64), np.array([41], np.uint64), [np.zeros(9000, np.uint8)])
+    assert not got.found[0] and got.corrupt == 1
+    assert [store.client.exists(value_name(tag, 41, i)) for i in ("h", 0, 1, 2)] == [0, 0, 0, 0]
+    store.close()
+
+
+@pytest.mark.parametrize("damage", ["partial", "corrupt"])
+def test_a_copy_published_while_a_reader_refused_the_old_one_is_not_deleted(redis_cluster, damage):
+    """A reader refuses a torn (or corrupt) value; before its delete runs, another node publishes
+    the block again. The delete is conditional on the header it refused (each write's nonce
+    differs), so the good copy stays and serves the next read; it was deleted before."""
+    store = RedisClusterStore(redis_cluster.nodes, password=PW, chunk_bytes=4096)
+    other = RedisClusterStore(redis_cluster.nodes, password=PW, chunk_bytes=4096)
+    tag = namespace_tag("fleet", f"race-{damage}")
+    buf = _blocks(1, 9000, 7)
+    assert _put(store, tag, [51], buf).all()
+    if damage == "partial":
+        store.client.delete(value_name(tag, 51, 2))  # the shard's eviction took a chunk
+    else:
+        part = bytearray(store.client.get(value_name(tag, 51, 1)))
+        part[3] ^= 0x10
+        store.client.set(value_name(tag, 51, 1), bytes(part))
+    delete = store._delete
+
+    def republished_first(values):  # the other node's put lands between the read and the delete
+        assert _put(other, tag, [51], buf).all()
+        delete(values)
+
+    store._delete = republished_first  # type: ignore[method-assign]
+    got = store.get_many(np.array([tag], np.uint64), np.array([51], np.uint64), [np.zeros(9000, np.uint8)])
+    assert not got.found[0] and got.corrupt == (damage == "corrupt")
+    store._delete = delete  # type: ignore[method-assign]
+    dst = np.zeros(9000, np.uint8)
+    got = store.get_many(np.array([tag], np.uint64), np.array([51], np.uint64), [dst])
+    assert got.found[0] and bytes(dst) == buf[0].tobytes()
+    store.close()
+    other.close()
 
 
 def test_a_key_holding_another_type_fails_alone_and_is_removed(redis_cluster):
