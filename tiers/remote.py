@@ -6,16 +6,17 @@ any later outage, so a Redis outage never keeps a node's own tiers from serving.
 of blocks to publish, or of keys to look up) to a bounded queue and polls
 completions without blocking, exactly as it does with the NVMe lane of
 ``mover.py``: a full queue refuses the job (a publish is skipped, a lookup is a
-miss), it never blocks the caller. Source buffers of a publish and destination
-slots of a lookup stay reserved by the owner (the block is ``busy``) until the
-completion is applied.
+miss), it never blocks the caller. Source buffers of a publish (a read hold)
+and destination slots of a lookup (``busy``) stay reserved by the owner until
+the completion is applied.
 
 Faults degrade, they never block an engine: a job that fails (a shard down, a
 timeout, a failover in progress) completes as failed, and the tier backs off
 (``available`` is False for ``backoff_s``, doubling up to ``backoff_max_s`` while jobs keep
 failing), so
-lookups are misses the engine recomputes; the first job that succeeds after the
-backoff ends clears the degraded state.
+lookups are misses the engine recomputes; the first job sent after the failure
+that succeeds clears the degraded state (a job sent before it that finishes
+late changes nothing: outcomes count in the order jobs were sent).
 """
 
 from __future__ import annotations
@@ -88,6 +89,10 @@ class RemoteTier:
         self._jobs: queue.Queue[Optional[RemoteJob]] = queue.Queue(maxsize=queue_depth)
         self._done: queue.Queue[RemoteCompletion] = queue.Queue()
         self._tids = itertools.count(1)
+        # the newest job (by submission) whose outcome set each backoff: with several workers a
+        # batch sent before a failure can finish after it, and its success must not clear the
+        # failure a newer batch reported (nor an old batch's failure undo a newer success)
+        self._latest = {"transport": 0, "writes": 0}
         self.in_flight = 0  # jobs submitted, completion not polled yet (owner side)
         self._threads = [threading.Thread(target=self._run, args=(i,), name=f"kvtier-remote-{i}", daemon=True)
                          for i in range(workers)]
@@ -137,17 +142,27 @@ class RemoteTier:
             self.in_flight -= 1
             now = self.clock()
             if c.refused:  # the cluster answered, refusing: only writes back off (reads' state as it was)
-                self.write_backoff.failed(now)
                 self.last_refusal = c.error
+                if self._newest("writes", c.tid):
+                    self.write_backoff.failed(now)
             elif c.error:
-                self.backoff.failed(now)
                 self.last_error = c.error
+                if self._newest("transport", c.tid):
+                    self.backoff.failed(now)
             else:
-                self.backoff.succeeded()
-                if c.kind == "put":
+                if self._newest("transport", c.tid):
+                    self.backoff.succeeded()
+                if c.kind == "put" and self._newest("writes", c.tid):
                     self.write_backoff.succeeded()
             out.append(c)
         return out
+
+    def _newest(self, which: str, tid: int) -> bool:
+        """Is ``tid`` newer than the job that last set this backoff (then it is now that job)?"""
+        if tid < self._latest[which]:
+            return False
+        self._latest[which] = tid
+        return True
 
     def wait(self, timeout: float = 10.0) -> list[RemoteCompletion]:
         """Poll until nothing is in flight (tests, benchmarks, close)."""

@@ -288,3 +288,46 @@ def test_a_put_timing_out_on_a_hung_shard_degrades_the_tier_not_refused(redis_cl
     finally:
         os.kill(proc.pid, signal.SIGCONT)
         tier.close()
+
+
+def test_a_late_success_of_an_older_batch_does_not_clear_a_newer_failure(redis_cluster):
+    """Two workers: a batch sent first finishes (fine) after a batch sent second failed. The
+    tier stays degraded until a batch sent after the failure succeeds (the late success
+    cleared it, so lookups resumed against a failing cluster at once)."""
+    import threading
+
+    gate = threading.Event()
+    real = RedisClusterStore(redis_cluster.nodes, password=PW)
+    slow_tag, failing_tag = namespace_tag("fleet", "late-ok"), namespace_tag("fleet", "late-bad")
+
+    class Injected:  # the real store, with one batch held back and one failing (the injected fault)
+        def get_many(self, tags, keys, dsts):
+            if int(tags[0]) == slow_tag:
+                gate.wait(10)
+            if int(tags[0]) == failing_tag:
+                raise RemoteError("remote tier: injected failure")
+            return real.get_many(tags, keys, dsts)
+
+        def close(self):
+            pass
+
+    tier = RemoteTier(lambda: Injected(), workers=2, backoff_s=0.01, backoff_max_s=0.02)  # type: ignore[arg-type, return-value]
+    try:
+        one = lambda tag: tier.submit("get", np.arange(1), np.array([tag], np.uint64),  # noqa: E731
+                                      np.array([1], np.uint64), [np.zeros(4096, np.uint8)])
+        assert one(slow_tag) is not None and one(failing_tag) is not None
+        end = time.monotonic() + 10
+        while not tier.degraded and time.monotonic() < end:
+            tier.poll(0.01)
+        assert tier.degraded and tier.in_flight == 1
+        gate.set()
+        (late,) = tier.wait(10)
+        assert not late.error and tier.degraded  # the older batch's success: stale
+        time.sleep(0.03)  # the backoff window ends
+        assert one(namespace_tag("fleet", "late-new")) is not None
+        (new,) = tier.wait(10)
+        assert not new.error and not tier.degraded
+    finally:
+        gate.set()
+        tier.close()
+        real.close()
