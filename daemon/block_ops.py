@@ -104,8 +104,10 @@ class BlockOps:
             raise ProtocolError(P.BAD_REQUEST, f"{blocks.size} blocks but {keys.size} keys")
         if np.unique(blocks).size != blocks.size:
             raise ProtocolError(P.INVALID, "a block is named twice in one request")
-        if args.nbytes is not None and args.nbytes > mgr.block_bytes:
-            raise ProtocolError(P.INVALID, f"nbytes {args.nbytes} exceeds the block size {mgr.block_bytes}")
+        limit = session.block_bytes or mgr.block_bytes  # the engine's own block size, as it registered
+        if args.nbytes is not None and args.nbytes > limit:
+            raise ProtocolError(P.INVALID, f"nbytes {args.nbytes} exceeds the block size {limit} "
+                                           f"engine {session.engine_id!r} registered")
         acquiring = self.acquiring(session)
         for b in blocks.tolist():  # validate all before sealing any
             if session.refs.get(b, 0) <= 0:

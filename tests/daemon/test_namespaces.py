@@ -114,6 +114,10 @@ def test_a_second_model_with_smaller_blocks_registers_and_seals_its_own_size(svc
     assert b["block_bytes"] == BB // 2 and b["slot_bytes"] == BB and b["layers"] == 1  # not the first's parts
     r = call(svc, "alloc", "b", n=1, pin=True)
     blk = ids(r["blocks"])[0]
+    for too_long in (BB // 2 + 1, BB):  # the slot is wider, the engine's blocks are not
+        with pytest.raises(P.ProtocolError, match="exceeds the block size") as e:
+            call(svc, "seal", "b", blocks=[blk], keys=_keys(9), nbytes=too_long)
+        assert e.value.code == P.INVALID and svc.node.mgr.table.state[blk] == 1  # still open
     c = ids(call(svc, "seal", "b", blocks=[blk], keys=_keys(9))["blocks"])[0]
     assert svc.node.mgr.table.nbytes[c] == BB // 2
     with pytest.raises(P.ProtocolError) as e:
