@@ -87,6 +87,18 @@ def _tp() -> tuple[int, int]:
         return 0, 1
 
 
+def scheduler_geometry(kv_cache_config: "KVCacheConfig") -> tuple[int, int]:
+    """(layers, block_bytes) of one rank's kvtier block as its worker will register it
+    (``vllm_worker.Geometry``: every layer's block plus a digest trailer each). A spec's
+    ``page_size_bytes`` is already one rank's (vLLM divides the KV heads by the TP size
+    before it builds the spec), and the worker packs every layer of every group. The
+    scheduler only refs, but a namespace's geometry is its widest engine's: a wrong size
+    here could become the remote tier's tag, or be refused as wider than the slots."""
+    layers = sum(len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
+    page = int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes)
+    return layers, (page + DIGEST_BYTES) * layers
+
+
 class KVTierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -107,13 +119,11 @@ class KVTierConnector(KVConnectorBase_V1):
         self._reported: dict[str, float] = {}  # worker counters as of the last stats report
         self._clients: list[TierClient] = []
         if role == KVConnectorRole.SCHEDULER:
-            group = kv_cache_config.kv_cache_groups[0]
-            layers = len(group.layer_names)
-            page = int(group.kv_cache_spec.page_size_bytes) // world  # one rank's share of a layer's block
+            layers, block_bytes = scheduler_geometry(kv_cache_config)
             clients = []  # one per rank's namespace: a hit needs every rank's shard
             for rank in range(world):
                 client = self._client("sched", rank)
-                client.register(block_bytes=(page + DIGEST_BYTES) * layers, block_tokens=self._block_size,
+                client.register(block_bytes=block_bytes, block_tokens=self._block_size,
                                 layout={"layers": layers, "role": "vllm-scheduler"}, namespace=self._namespace(rank))
                 clients.append(client)
             self.sched = SchedulerSide(clients, self._block_size, float(extra.get("hint_deadline_s", 0.05)))

@@ -97,3 +97,25 @@ def test_a_second_model_with_its_own_geometry_shares_the_daemon(worker):
         assert all(torch.equal(kv[n][:, 9], kv[n][:, 1]) for n in kv)
     finally:
         c2.close()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_scheduler_registers_the_block_size_its_rank_s_worker_will(tp):
+    """vLLM builds a spec from one rank's KV heads, and the worker packs every layer of every
+    group. The scheduler divided the page by the TP size again and counted one group's layers:
+    a narrower size than the worker's (a wider one would have become the namespace's tag)."""
+    pytest.importorskip("vllm")
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from kvtier.connectors.vllm import scheduler_geometry
+
+    heads, head_size, tokens, blocks = 4 // tp, 8, 16, 5  # 4 KV heads over tp ranks
+    spec = FullAttentionSpec(block_size=tokens, num_kv_heads=heads, head_size=head_size, dtype=torch.float32)
+    window = FullAttentionSpec(block_size=tokens, num_kv_heads=heads, head_size=head_size, dtype=torch.float32,
+                               sliding_window=32)
+    groups = [KVCacheGroupSpec([f"full.{i}" for i in range(3)], spec),
+              KVCacheGroupSpec([f"window.{i}" for i in range(2)], window)]
+    config = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    kv = {name: torch.zeros(2, blocks, tokens, heads, head_size) for g in groups for name in g.layer_names}
+    worker = Geometry(kv, blocks)
+    assert scheduler_geometry(config) == (len(worker.layers), worker.block_bytes) == (5, worker.block_bytes)
