@@ -1,6 +1,6 @@
 """The remote tier's store: sealed blocks in a Redis Cluster, self-describing and verified.
 
-A block is stored as Redis strings named ``kvt:{<namespace tag>:<key>}:<part>``
+A block is stored as Redis strings named ``kvt2:{<namespace tag>:<key>}:<part>``
 (16 hex digits each; the braces are a hash tag, so every part of a block lives
 in one slot, on one shard): part ``h`` is a 56-byte header (magic, version,
 namespace tag, key, length, checksum, chunk count, the write's nonce, and a check
@@ -15,12 +15,13 @@ block table holds) before they count: a value that fails is deleted, counted,
 and reported as a miss, never served. A block missing a chunk (the shard's
 eviction took part of it) is a miss, and its other chunks are deleted. A value
 of another format version, or chunked finer than this reader fetches, is a miss
-left in place (``_verify``: "foreign"); the header's own check tells a flipped
+left in place (``_verify``: "foreign"; format 1 used other names, so it is not
+even read); the header's own check tells a flipped
 bit in its version or chunk count (corrupt: deleted) from another writer's
 format. A delete is conditional (one Lua script, atomic on the block's shard):
 only while the header is still the one the reader refused, so a complete copy
-another node published meanwhile (its nonce differs) is never deleted for
-the torn or corrupt one it replaced. Values are written and read through
+another node published meanwhile (its nonce differs; once its header, written
+last, has landed) is not deleted for the torn or corrupt one it replaced. Values are written and read through
 redis-py's cluster pipelines.
 
 Only sealed blocks are stored: they are immutable and content-addressed, so a
@@ -31,6 +32,7 @@ write the same bytes (a racing overwrite is harmless).
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import struct
 from dataclasses import dataclass
@@ -43,6 +45,8 @@ from kvtier.kernels.checksum import block_checksum
 
 from .types import TierError
 
+log = logging.getLogger("kvtier.remote")
+
 try:  # optional: the store refuses to start without redis (``RedisClusterStore``)
     from redis.exceptions import ResponseError as _ResponseError
 except ImportError:  # pragma: no cover - exercised where the remote extra is not installed
@@ -53,17 +57,21 @@ VERSION = 2  # 2: the header's own check and a per-write nonce (56 bytes); 1: 48
 # magic, version, ns tag, key, length, checksum, chunks, nonce, check (xxh32 of the bytes before it)
 HEADER = struct.Struct("<4sIQQQQIQI")
 _CHECKED = HEADER.size - 4
-# delete a value's parts only while its header is still the one the reader refused (ARGV[1];
-# "" when the header held no string at all): atomic on the block's shard, so a copy published
-# between the read and the delete stays
+PREFIX = "kvt2"  # format 2's names: a format-1 reader (which deleted any header of another size
+# as corrupt) never sees them, so a rolling upgrade wipes nothing; format-1 values age out
+# delete a value's parts only while its header is still the one the reader refused: ARGV[1] is
+# "s" + those bytes, or "n" when the header held no string at all. Atomic on the block's shard,
+# so a copy published between the read and the delete stays; keys deleted one at a time (a
+# block of thousands of chunks would pass Lua's unpack limit)
 _DELETE_IF_UNCHANGED = """
 local t = redis.call('TYPE', KEYS[1])['ok']
-if ARGV[1] == '' then
+if string.sub(ARGV[1], 1, 1) == 'n' then
   if t == 'string' then return -1 end
-elseif t ~= 'string' or redis.call('GET', KEYS[1]) ~= ARGV[1] then
+elseif t ~= 'string' or 's' .. redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return -1
 end
-return redis.call('DEL', unpack(KEYS))
+for i = 1, #KEYS do redis.call('DEL', KEYS[i]) end
+return #KEYS
 """
 
 
@@ -89,7 +97,7 @@ def namespace_tag(fleet: str, engine_ns: str, geometry: Optional[tuple[int, int]
 
 def value_name(tag: int, key: int, part: "int | str" = "h") -> str:
     """Redis key of a block's header (``"h"``) or of its payload chunk ``part``."""
-    return f"kvt:{{{tag:016x}:{key:016x}}}:{part}"
+    return f"{PREFIX}:{{{tag:016x}:{key:016x}}}:{part}"
 
 
 def pack_header(tag: int, key: int, length: int, checksum: int, chunks: int, nonce: int = 0) -> bytes:
@@ -186,6 +194,7 @@ class RedisClusterStore:
         try:
             self.client = RedisCluster(startup_nodes=startup, require_full_coverage=False, **kw)
             self._delete_if_unchanged = self.client.register_script(_DELETE_IF_UNCHANGED)
+            self._scripting = True  # False once the cluster refuses the script (see ``_delete``)
             self.client.ping(target_nodes=RedisCluster.PRIMARIES)
         except Exception as e:  # redis raises many kinds; each is a clear start-up error here
             if _is_auth_error(e):
@@ -262,7 +271,7 @@ class RedisClusterStore:
                 continue
             if isinstance(got, str):  # refused: never served, deleted so nobody reads it again
                 names = [value_name(tag, key), *(value_name(tag, key, j) for j in range(len(parts) - 1))]
-                bad.append((names, parts[0] if isinstance(parts[0], bytes) else b""))
+                bad.append((names, b"s" + parts[0] if isinstance(parts[0], bytes) else b"n"))
                 corrupt += got == "corrupt"
                 continue
             found[i], lengths[i], sums[i] = True, got[0], got[1]
@@ -301,12 +310,33 @@ class RedisClusterStore:
 
     def _delete(self, values: list[tuple[list[str], bytes]]) -> None:
         """Delete each refused value's parts if its header is still the one read (a round trip
-        each: scripts do not pipeline in a cluster, and refused values are rare)."""
-        try:
-            for names, head in values:
-                self._delete_if_unchanged(keys=names, args=[head])
-        except Exception as e:
-            raise RemoteError(f"remote tier: {type(e).__name__}: {e}") from None
+        each: scripts do not pipeline in a cluster, and refused values are rare). Best effort:
+        the batch's verified reads stand whatever happens here. A cluster that refuses scripts
+        (an ACL user without EVALSHA) gets plain deletes, which may take a copy republished
+        meanwhile (one miss) but never leave a corrupt value to be refused on every read."""
+        for names, head in values:
+            try:
+                if self._scripting:
+                    self._delete_if_unchanged(keys=names, args=[head])
+                    continue
+            except Exception as e:
+                if not _is_reply(e):
+                    log.warning("remote tier: deleting a refused value failed: %s", e)
+                    return  # the transport: later reads find it and try again
+                self._scripting = False
+                log.warning("remote tier: the cluster refused the conditional delete (%s); deleting "
+                            "refused values unconditionally from now on", e)
+            try:
+                self._delete_plain(names)
+            except Exception as e:
+                log.warning("remote tier: deleting a refused value failed: %s", e)
+                return
+
+    def _delete_plain(self, names: list[str]) -> None:
+        pipe = self.client.pipeline()
+        for name in names:
+            pipe.delete(name)
+        pipe.execute(raise_on_error=False)
 
     # -- admin ------------------------------------------------------------------------------
     def primaries(self) -> int:

@@ -331,3 +331,50 @@ def test_a_late_success_of_an_older_batch_does_not_clear_a_newer_failure(redis_c
         gate.set()
         tier.close()
         real.close()
+
+
+def test_refused_values_of_odd_shapes_are_deleted(redis_cluster):
+    """An empty-string header was taken for "no string" and never deleted; a block of more
+    parts than Lua can unpack made the delete script fail (and the batch with it)."""
+    store = RedisClusterStore(redis_cluster.nodes, password=PW, chunk_bytes=4096)
+    tag = namespace_tag("fleet", "odd")
+    assert _put(store, tag, [61], _blocks(1, 9000, 8)).all()
+    store.client.set(value_name(tag, 61), b"")
+    got = store.get_many(np.array([tag], np.uint64), np.array([61], np.uint64), [np.zeros(9000, np.uint8)])
+    assert not got.found[0] and got.corrupt == 1
+    assert [store.client.exists(value_name(tag, 61, i)) for i in ("h", 0, 1, 2)] == [0, 0, 0, 0]
+    big = 9000 * 4096  # 9000 chunks of 4 KiB: past Lua's unpack limit (~8000)
+    buf = [np.random.default_rng(9).integers(0, 256, big, dtype=np.uint8)]
+    assert _put(store, tag, [62], buf).all()
+    store.client.delete(value_name(tag, 62, 4500))  # torn: a miss whose other parts must go
+    got = store.get_many(np.array([tag], np.uint64), np.array([62], np.uint64), [np.zeros(big, np.uint8)])
+    assert not got.found[0] and got.corrupt == 0
+    assert store.client.exists(value_name(tag, 62)) == 0 and store.client.exists(value_name(tag, 62, 8999)) == 0
+    store.close()
+
+
+def test_a_user_without_scripting_still_reads_and_cleans_up(redis_cluster):
+    """An ACL user without EVALSHA: the conditional delete is refused. That failed the whole
+    batch (the good value in it lost too) and left the corrupt value to fail every batch after;
+    now the reads stand and the value is deleted plainly."""
+    admin = RedisClusterStore(redis_cluster.nodes, password=PW, chunk_bytes=4096)
+    for node in admin.client.get_primaries():
+        admin.client.acl_setuser("noscript", enabled=True, passwords=["+noscript-pw"], keys=["*"],
+                                 commands=["+@all", "-@scripting"], target_nodes=node)
+    store = RedisClusterStore(redis_cluster.nodes, username="noscript", password="noscript-pw", chunk_bytes=4096)
+    try:
+        tag = namespace_tag("fleet", "noscript")
+        bufs = _blocks(2, 9000, 10)
+        assert _put(store, tag, [71, 72], bufs).all()
+        part = bytearray(admin.client.get(value_name(tag, 72, 1)))
+        part[5] ^= 0x02
+        admin.client.set(value_name(tag, 72, 1), bytes(part))
+        dsts = [np.zeros(9000, np.uint8) for _ in range(2)]
+        got = store.get_many(np.full(2, tag, np.uint64), np.array([71, 72], np.uint64), dsts)
+        assert got.found.tolist() == [True, False] and got.corrupt == 1 and bytes(dsts[0]) == bufs[0].tobytes()
+        assert [admin.client.exists(value_name(tag, 72, i)) for i in ("h", 0, 1, 2)] == [0, 0, 0, 0]
+    finally:
+        store.close()
+        for node in admin.client.get_primaries():
+            admin.client.acl_deluser("noscript", target_nodes=node)
+        admin.close()
