@@ -1,7 +1,8 @@
 """Namespaces: engines of different models or tenants never meet in one key space.
 
 An engine registers into a namespace (a model name, optionally with a tenant or
-cache salt: any string). Inside the daemon a key is scoped to its namespace
+cache salt: any string) with its blocks' geometry; one name with two geometries is
+two namespaces. Inside the daemon a key is scoped to its namespace
 (the default namespace "" keeps keys as they are, so a single-model node and
 its KV events are unchanged); every block records its namespace and is found by
 key, or named by id, only from its own namespace. HBM slots are zeroed before a
@@ -67,37 +68,51 @@ Geometry = tuple[int, int]  # (block_bytes, block_tokens) of the blocks a namesp
 
 
 class Namespaces:
-    """Namespace name -> small id, assigned at first use, for the life of the daemon; and the
-    geometry of the blocks each namespace holds: the widest ``block_bytes`` an engine registered
-    into it with (and that engine's tokens a block). The remote tier's tag binds it, so nodes
-    whose engines write blocks of other sizes under one namespace name never read each other's
-    values (a 4 KiB node was served a 2 KiB node's value as a hit, its slot's tail stale). The
-    widest, not the first: vLLM's scheduler registers into its rank's namespace with a smaller
-    size than the workers that write the blocks, in either order, and only refs."""
+    """(namespace name, block geometry) -> small id, assigned at first use, for the life of the
+    daemon. Engines register into a name (a model, optionally with a tenant or cache salt);
+    engines of one name whose blocks have another geometry (bytes and tokens a block: another
+    KV dtype, another TP split) get an id of their own, so their blocks never meet: a key is
+    scoped by the id, a block found or folded by key is always one of the engine's own size.
+    One name with one id let a 4 KiB engine's ``ref`` hit a 2 KiB engine's block (its slot's
+    tail stale) and a seal fold into it. The remote tier's tag binds the geometry too. vLLM's
+    scheduler registers its rank's worker's geometry (``connectors.vllm.scheduler_geometry``),
+    so the two share; one that differs would see no blocks (a warning at register says so)."""
 
     def __init__(self) -> None:
-        self._ids: dict[str, int] = {"": 0}
-        self._names: list[str] = [""]  # by id
-        self._geometry: dict[int, Geometry] = {}
+        self._ids: dict[tuple[str, Optional[Geometry]], int] = {}
+        self._names: list[str] = [""]  # by id; 0 is the default name's first geometry
+        self._geometry: list[Optional[Geometry]] = [None]  # by id
+        self._zero_taken = False
 
     def id(self, name: str, geometry: Optional[Geometry] = None) -> int:
-        """The id of ``name``; ``geometry``, an engine's, widens the namespace's."""
-        got = self._ids.get(name)
-        if got is None:
-            if len(self._ids) >= MAX_NAMESPACES:
+        """The id of ``name`` for blocks of ``geometry``. Id 0 goes to the default name's first
+        geometry, whose keys stay as engines send them (a single-model node is unchanged)."""
+        g = None if geometry is None else (int(geometry[0]), int(geometry[1]))
+        got = self._ids.get((name, g))
+        if got is not None:
+            return got
+        if name == "" and not self._zero_taken:
+            got, self._zero_taken = 0, True
+            self._geometry[0] = g
+        else:
+            if len(self._names) >= MAX_NAMESPACES:
                 raise ValueError(f"more than {MAX_NAMESPACES} namespaces")
-            got = self._ids[name] = len(self._ids)
+            got = len(self._names)
             self._names.append(name)
-        if geometry is not None and geometry[0] > self._geometry.get(got, (0, 0))[0]:
-            self._geometry[got] = (int(geometry[0]), int(geometry[1]))
+            self._geometry.append(g)
+        self._ids[(name, g)] = got
         return got
 
     def name(self, ns: int) -> str:
         return self._names[ns]
 
     def geometry(self, ns: int) -> Optional[Geometry]:
-        """The geometry of namespace ``ns``'s blocks (None before an engine registered in it)."""
-        return self._geometry.get(ns)
+        """The geometry of namespace ``ns``'s blocks (None where it was asked for without one)."""
+        return self._geometry[ns]
+
+    def others(self, name: str, geometry: Geometry) -> list[Geometry]:
+        """Other geometries engines registered ``name`` with (their blocks are not shared)."""
+        return [g for n, g in self._ids if n == name and g is not None and g != tuple(geometry)]
 
 
 __all__ = ["Namespaces", "Geometry", "scoped_keys", "unscoped_keys", "MAX_NAMESPACES"]

@@ -107,7 +107,7 @@ class RemoteOps:
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
     def _tag(self, ns: int) -> int:
-        name, geometry = self.ns_ident(ns)  # the geometry widens as engines register: part of the cache key
+        name, geometry = self.ns_ident(ns)  # one geometry a namespace: part of the tag
         tag = self._tags.get((ns, geometry))
         if tag is None:
             tag = self._tags[(ns, geometry)] = namespace_tag(self.cfg.namespace, name, geometry)
@@ -238,8 +238,8 @@ class RemoteOps:
             ok = self.rule.select(t, arr, self.shares, self.published, mgr.corrupt, self.placement.feature_class)
             in_dram = ((t.copies[arr] >> DRAM) & 1) == 1
             in_host_hbm = (((t.copies[arr] >> HBM) & 1) == 1) & self.host_hbm
-            # only blocks of the size the tag states: a narrower engine's blocks of the namespace
-            # would be served to peers as whole blocks (never offered again: they never will be)
+            # only blocks of the size the tag states (a namespace's engines all seal that size;
+            # kept as the guard of what peers are served as whole blocks)
             ok &= t.nbytes[arr] == self._per_namespace(mgr.namespace[arr], self._block_bytes, np.int64)
             ready = ok & (t.busy[arr] == 0) & (t.pins[arr] == 0) & (in_dram | in_host_hbm)
             later += arr[ok & ~ready].tolist()  # in use now: offered again next turn

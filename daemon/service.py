@@ -121,7 +121,13 @@ class Service:
             self.reclaim(engine_id, "re-registered")
         for f in [f for f in self.fences if f.engine_id == engine_id]:
             self._lift(f)  # the engine starts over: its old client writes no more
-        ns = self.namespaces.id(args.namespace, (int(args.block_bytes), int(args.block_tokens)))
+        geometry = (int(args.block_bytes), int(args.block_tokens))
+        ns = self.namespaces.id(args.namespace, geometry)
+        others = self.namespaces.others(args.namespace, geometry)
+        if others:  # e.g. a vLLM scheduler whose size differs from its worker's: it would see nothing
+            log.warning("engine %r registers namespace %r with blocks of %d bytes / %d tokens, other engines "
+                        "of it with %s: blocks are shared only between engines of one geometry",
+                        engine_id, args.namespace, *geometry, ", ".join(f"{b} bytes / {t} tokens" for b, t in others))
         self.engines[engine_id] = EngineSession(engine_id, args.pid, args.block_tokens, dict(args.layout),
                                                 self.clock(), node.mgr.table.max_blocks,
                                                 pid_checkable(args.pid, args.pid_ns, self.pid_ns), ns,

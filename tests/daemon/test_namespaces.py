@@ -129,21 +129,39 @@ def test_a_second_model_with_smaller_blocks_registers_and_seals_its_own_size(svc
     assert r1["layers"] == 4
 
 
-def test_a_namespace_has_the_geometry_of_its_widest_engine():
-    """The remote tier's tag binds it; vLLM's scheduler registers a smaller size than the
-    workers of its namespace (it only refs), in either order."""
+def test_one_name_with_two_geometries_is_two_namespaces():
+    """The remote tier's tag and the local key scope bind the geometry: one id per (name, geometry)."""
     from kvtier.daemon.namespaces import Namespaces
 
-    for order in ([(BB // 2, 16), (BB, 16)], [(BB, 16), (BB // 2, 16)]):
-        n = Namespaces()
-        ids_ = {n.id("m", g) for g in order}
-        assert ids_ == {1} and n.geometry(1) == (BB, 16) and n.name(1) == "m"
-    assert n.geometry(n.id("other")) is None and n.geometry(0) is None
+    n = Namespaces()
+    small, big = n.id("m", (BB // 2, 16)), n.id("m", (BB, 16))
+    assert small != big and n.id("m", (BB, 16)) == big and n.id("m", (BB, 32)) not in (small, big)
+    assert n.geometry(big) == (BB, 16) and n.name(big) == n.name(small) == "m"
+    assert n.others("m", (BB, 16)) == [(BB // 2, 16), (BB, 32)]
+    assert n.id("", (BB, 16)) == 0 and n.id("", (BB // 2, 16)) > 0  # the default name's first keeps raw keys
+    assert n.geometry(n.id("other")) is None
 
 
-def test_engines_of_two_sizes_register_into_one_namespace(svc):
-    """As vLLM's scheduler (a smaller size: it only refs) and its rank's worker do, in either order."""
-    for first, second, ns in ((BB, BB // 2, "rank0"), (BB // 2, BB, "rank1")):
-        call(svc, "register", f"{ns}-a", pid=0, block_bytes=first, block_tokens=16, namespace=ns)
-        call(svc, "register", f"{ns}-b", pid=0, block_bytes=second, block_tokens=16, namespace=ns)
-        assert svc.namespaces.geometry(svc.namespaces.id(ns)) == (BB, 16)
+def test_engines_of_two_sizes_in_one_namespace_never_share_blocks(svc, caplog):
+    """A 4 KiB engine's ref hit a 2 KiB engine's block of the same key (its slot's tail stale),
+    and its seal folded into that block; now they are blocks of two namespaces."""
+    call(svc, "register", "big", pid=0, block_bytes=BB, namespace="m")
+    with caplog.at_level("WARNING", logger="kvtier.service"):
+        call(svc, "register", "small", pid=0, block_bytes=BB // 2, namespace="m")
+    assert "shared only between engines of one geometry" in caplog.text
+    r = call(svc, "alloc", "small", n=1, pin=True)
+    s_blk, slot = ids(r["blocks"])[0], ids(r["slots"])[0]
+    svc.node.mgr.hbm.tensor[slot, : BB // 2] = 3
+    s_blk = ids(call(svc, "seal", "small", blocks=[s_blk], keys=_keys(77))["blocks"])[0]
+    assert ids(call(svc, "ref", "big", keys=_keys(77))["blocks"]) == [-1]  # not its size: a miss
+    r = call(svc, "alloc", "big", n=1, pin=True)
+    b_blk, slot = ids(r["blocks"])[0], ids(r["slots"])[0]
+    svc.node.mgr.hbm.tensor[slot, :BB] = 9
+    b_blk = ids(call(svc, "seal", "big", blocks=[b_blk], keys=_keys(77))["blocks"])[0]
+    assert b_blk != s_blk  # its own block: not folded into the small one
+    t = svc.node.mgr.table
+    assert (t.nbytes[s_blk], t.nbytes[b_blk]) == (BB // 2, BB)
+    assert ids(call(svc, "ref", "small", keys=_keys(77))["blocks"]) == [s_blk]
+    assert ids(call(svc, "ref", "big", keys=_keys(77))["blocks"]) == [b_blk]
+    assert svc.node.mgr.read(b_blk) == bytes([9]) * BB and svc.node.mgr.read(s_blk) == bytes([3]) * (BB // 2)
+    assert call(svc, "check", "big") == {"ok": True}

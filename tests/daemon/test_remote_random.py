@@ -205,10 +205,11 @@ def test_nodes_of_one_namespace_with_another_block_size_never_share_values(tmp_p
             svc.close()
 
 
-def test_blocks_narrower_than_the_namespace_are_not_published_nor_served(tmp_path, redis_cluster):
-    """A namespace's tag states its widest engine's block size: a narrower engine's blocks are
-    not published under it, and a value of another length found under it is a miss (a peer
-    would otherwise take 2 KiB of bytes for a 4 KiB block, the slot's tail stale)."""
+def test_narrower_engines_of_a_namespace_publish_under_their_own_tag(tmp_path, redis_cluster):
+    """Engines of one namespace name with another block size are a namespace of their own:
+    their blocks are published under their geometry's tag, never under the wide engines' (a
+    peer would otherwise take 2 KiB of bytes for a 4 KiB block, the slot's tail stale), and a
+    value of another length found under a tag is a miss."""
     from kvtier.tiers.remote_store import RedisClusterStore
 
     from ..tiers.test_remote import _put
@@ -222,16 +223,22 @@ def test_blocks_narrower_than_the_namespace_are_not_published_nor_served(tmp_pat
         a.node.mgr.hbm.host_view(ids(r["slots"])[0])[:half] = _pattern(501)[:half]
         call(a, "seal", "n1", blocks=ids(r["blocks"]), keys=[501])
         assert _ref(a, "n2", [501])[0] >= 0  # shared by two narrow engines: a candidate
-        for _ in range(20):
+        end = time.monotonic() + 10
+        while a.stats()["remote"]["published"] == 0 and time.monotonic() < end:
             _settle(a, timeout=0.02)
-        assert a.stats()["remote"]["published"] == 0 and a.node.remote.candidates == {}
+        assert a.stats()["remote"]["published"] == 1
         store = RedisClusterStore(redis_cluster.nodes, password="kvtier-test-pw")
-        assert _put(store, namespace_tag("narrow", "", (BB, 16)), [502], [_pattern(502)[:half]]).all()
+        narrow, wide = namespace_tag("narrow", "", (half, 16)), namespace_tag("narrow", "", (BB, 16))
+        assert store.client.exists(value_name(narrow, 501)) == 1 and store.client.exists(value_name(wide, 501)) == 0
+        assert _put(store, wide, [502], [_pattern(502)[:half]]).all()  # a short value under the wide tag
         store.close()
         call(b, "register", "b1", pid=0, block_bytes=BB)
-        assert _ref(b, "b1", [502]).tolist() == [-1]
+        assert _ref(b, "b1", [501, 502]).tolist() == [-1, -1]  # not its geometry; another length: misses
         rb = b.stats()["remote"]
-        assert rb["hits"] == 0 and rb["misses"] == 1 and rb["corrupt"] == 0
+        assert rb["hits"] == 0 and rb["corrupt"] == 0
+        call(b, "register", "b2", pid=0, block_bytes=half)  # the narrow geometry on node B: a verified hit
+        got = _ref(b, "b2", [501])
+        assert got[0] >= 0 and b.node.mgr.read(int(got[0])) == _pattern(501)[:half].tobytes()
         assert call(b, "check", "b1") == {"ok": True}
     finally:
         a.close()
