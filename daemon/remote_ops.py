@@ -102,9 +102,11 @@ class RemoteOps:
         mgr.held_elsewhere.append(self._held)
 
     # -- bookkeeping ----------------------------------------------------------------------
-    def _held(self) -> np.ndarray:
-        parts = [j.blocks for j in self.jobs.values()]
-        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    def _held(self) -> tuple[np.ndarray, np.ndarray]:
+        """(every block a job holds, the puts' among them: read holds) for the invariants."""
+        cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64)  # noqa: E731
+        return (cat([j.blocks for j in self.jobs.values()]),
+                cat([j.blocks for j in self.jobs.values() if j.kind == "put"]))
 
     def _tag(self, ns: int) -> int:
         name, geometry = self.ns_ident(ns)  # one geometry a namespace: part of the tag

@@ -93,7 +93,8 @@ class TierMoves:
         self.inflight = self.table.add_column("inflight_tid", np.int32)  # transfer moving the block (0: none)
         self.namespace = self.table.add_column("namespace", np.uint16)  # whose block: set at alloc, never crossed
         self.hbm_slot_ns = np.zeros(hbm_slots, dtype=np.uint16)  # namespace whose bytes an HBM slot last held
-        self.held_elsewhere: list[Callable[[], np.ndarray]] = []  # blocks busy with I/O outside the mover (remote)
+        # blocks busy with I/O outside the mover (remote): (every held block, the read holds among them)
+        self.held_elsewhere: list[Callable[[], tuple[np.ndarray, np.ndarray]]] = []
 
     # -- events ------------------------------------------------------------
     def _emit(self, kind: str, b: int, tier: int) -> None:
@@ -375,11 +376,15 @@ class TierMoves:
 
     def check_invariants(self) -> None:
         self.table.check_invariants()
-        parts = [p.blocks for p in self._pending.values()] + [fn() for fn in self.held_elsewhere]
-        pending = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+        outside = [fn() for fn in self.held_elsewhere]
+        parts = [p.blocks for p in self._pending.values()] + [held for held, _ in outside]
+        n = self.table.max_blocks
+        count = lambda xs: np.bincount(np.concatenate(xs).astype(np.int64), minlength=n) if xs else np.zeros(n, np.int64)  # noqa: E731
         # a block may be both moving and read (a promotion during a remote write): count each
-        if not np.array_equal(np.bincount(pending, minlength=self.table.max_blocks), self.table.busy):
+        if not np.array_equal(count(parts), self.table.busy):
             raise RuntimeError("busy counts disagree with pending transfers")
+        if not np.array_equal(count([reading for _, reading in outside]), self.table.readers):
+            raise RuntimeError("read holds disagree with the remote writes reading")
 
 
 __all__ = ["TierMoves", "EventListener", "FailureListener"]

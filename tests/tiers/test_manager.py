@@ -330,10 +330,14 @@ def test_a_read_hold_keeps_every_copy_but_lets_the_block_be_pinned_and_promoted(
     b = _new_sealed(m, 21)
     m.demote([b], "hbm", "dram"); m.wait()  # DRAM only: the remote write reads the DRAM slot
     held = [np.array([b])]
-    m.held_elsewhere.append(lambda: held[0])  # the holder's account, which the invariants check
+    m.held_elsewhere.append(lambda: (held[0], held[0]))  # the holder's account, which the invariants check
     m.hold(held[0])
     assert m.table.busy[b] == 1 and m.table.readers[b] == 1
     m.check_invariants()
+    m.held_elsewhere[-1] = lambda: (held[0], np.zeros(0, np.int64))  # a holder that says it only moves
+    with pytest.raises(RuntimeError, match="read holds"):
+        m.check_invariants()
+    m.held_elsewhere[-1] = lambda: (held[0], held[0])
     before = snapshot(m)
     for drops in (lambda: m.demote([b], "dram", "nvme"), lambda: m.drop(b),
                   lambda: m.drop_copy(b, "dram")):
