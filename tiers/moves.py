@@ -274,8 +274,9 @@ class TierMoves:
         self.inflight[blocks] = 0
         good, bad = blocks[c.ok], blocks[~c.ok]
         t.copies[good] |= np.uint8(1 << d)
-        if d == HBM:
-            self.hbm_slot_ns[t.slot[HBM, good]] = self.namespace[good]
+        if d == HBM:  # failed ones too: a read that failed its checksum (or half-landed) left its
+            # namespace's bytes in the slot, which an engine of another namespace must get zeroed
+            self.hbm_slot_ns[t.slot[HBM, blocks]] = self.namespace[blocks]
         self.io_failures[good] = 0  # failures count consecutive attempts only
         if c.checksums is not None:  # open blocks written back: checksum now known
             t.checksum[good] = c.checksums[c.ok]

@@ -177,3 +177,26 @@ def test_corrupt_slab_byte_is_refused_by_the_io_thread_that_read_it(nvme_dir, mo
         m.check_invariants()
     finally:
         m.close()
+
+
+def test_a_failed_promotion_s_bytes_are_zeroed_before_another_namespace_gets_the_slot(nvme_dir):
+    """A read that fails its checksum has already landed (most of) its bytes in the HBM slot;
+    the slot's owner was recorded for good reads only, so an engine of another namespace
+    was handed that slot unzeroed: 4095 of 4096 bytes of the other tenant's block."""
+    m = TierManager(BB, 2, 0, 8, nvme_dir=nvme_dir, io_backend="posix", io_threads=2)
+    try:
+        a = int(m.alloc(1, ns=1)[0])
+        m.write(a, bytes([0x5A]) * BB)  # tenant 1's bytes
+        m.seal(a, KEY)
+        m.free(a)
+        m.demote([a], "hbm", "nvme"); m.wait()
+        for b in m.alloc(2, ns=2).tolist():  # tenant 2 takes (and zeroes) both HBM slots, then frees them
+            m.free(b)
+        _flip_on_disk(m, a)
+        m.promote([a], "hbm"); m.wait()  # lands in an HBM slot, fails its checksum (twice)
+        assert m.corrupt[a] and m.table.copies[a] == 1 << Tier.NVME
+        for b in m.alloc(2, ns=2).tolist():
+            assert not (m.hbm.host_view(int(m.table.slot[Tier.HBM, b])) == 0x5A).any()
+        m.check_invariants()
+    finally:
+        m.close()
