@@ -99,7 +99,7 @@ class BlockOps:
         node = self.node
         mgr, t = node.mgr, node.mgr.table
         blocks = node.ids(args.blocks, "blocks")
-        keys = scoped_keys(node.ids(args.keys, "keys", np.uint64), session.ns)
+        keys = scoped_keys(node.ids(args.keys, "keys", np.uint64), session.scope)
         if blocks.size != keys.size:
             raise ProtocolError(P.BAD_REQUEST, f"{blocks.size} blocks but {keys.size} keys")
         if np.unique(blocks).size != blocks.size:

@@ -2,7 +2,8 @@
 
 An engine registers into a namespace (a model name, optionally with a tenant or
 cache salt: any string) with its blocks' geometry; one name with two geometries is
-two namespaces. Inside the daemon a key is scoped to its namespace
+two namespaces. Inside the daemon a key is scoped to its namespace (by a value stable
+across restarts, so a recovered block's key is its namespace's again)
 (the default namespace "" keeps keys as they are, so a single-model node and
 its KV events are unchanged); every block records its namespace and is found by
 key, or named by id, only from its own namespace. HBM slots are zeroed before a
@@ -14,8 +15,10 @@ from __future__ import annotations
 from typing import Optional
 
 import numpy as np
+import xxhash
 
-MAX_NAMESPACES = 1 << 16  # the block column is uint16
+MAX_NAMESPACES = (1 << 16) - 1  # the block column is uint16; its last value is ``UNCLAIMED_NS``
+Geometry = tuple[int, int]  # (block_bytes, block_tokens) of the blocks a namespace holds
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
@@ -44,35 +47,47 @@ def _unmix(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def scoped_keys(keys: np.ndarray, ns: int) -> np.ndarray:
-    """Keys of namespace ``ns`` as the daemon indexes them (``ns`` 0: unchanged)."""
-    if ns == 0:
+def scoped_keys(keys: np.ndarray, scope: int) -> np.ndarray:
+    """Keys of a namespace as the daemon indexes them (``key_scope``; 0: unchanged)."""
+    if scope == 0:
         return keys
     with np.errstate(over="ignore"):
-        return _mix(keys.astype(np.uint64) ^ _mix(np.array([ns], dtype=np.uint64))[0])
+        return _mix(keys.astype(np.uint64) ^ _mix(np.array([scope], dtype=np.uint64))[0])
 
 
-def unscoped_keys(keys: np.ndarray, ns: "int | np.ndarray") -> np.ndarray:
-    """The engines' keys of blocks indexed under ``scoped_keys`` (``ns`` per key or one for all).
-
-    Namespace ids are this daemon's own; the remote tier names blocks by the key the
-    engines sent and the namespace's name, which every node shares."""
+def unscoped_keys(keys: np.ndarray, scope: "int | np.ndarray") -> np.ndarray:
+    """The engines' keys of blocks indexed under ``scoped_keys`` (``scope`` per key or one for all):
+    the remote tier names blocks by the key the engines sent, which every node shares."""
     keys = keys.astype(np.uint64)
-    ns_arr = np.broadcast_to(np.asarray(ns, dtype=np.uint64), keys.shape)
+    sc = np.broadcast_to(np.asarray(scope, dtype=np.uint64), keys.shape)
     with np.errstate(over="ignore"):
-        out = _unmix(keys) ^ _mix(ns_arr.copy())
-    return np.where(ns_arr == 0, keys, out)
+        out = _unmix(keys) ^ _mix(sc.copy())
+    return np.where(sc == 0, keys, out)
 
 
-Geometry = tuple[int, int]  # (block_bytes, block_tokens) of the blocks a namespace holds
+def owner_of(name: str, geometry: "Geometry") -> int:
+    """A namespace's stable identity, written beside its blocks' NVMe copies (``tiers.ownership``):
+    the same every run, whatever order engines register in (ids are not); top bit set, so it is
+    never 0 (the library's default) nor ``ORPHAN_OWNER``."""
+    ident = name.encode() + b"\0%dB/%dT" % (int(geometry[0]), int(geometry[1]))
+    return xxhash.xxh3_64_intdigest(ident) | (1 << 63)
+
+
+def key_scope(name: str, geometry: "Geometry") -> int:
+    """What a namespace's keys are mixed with: stable across restarts, so a recovered block's
+    key is its namespace's key again. The default name keeps keys as engines send them (a
+    one-model node and its KV events are unchanged), whatever its geometry: a key two of its
+    geometries share is one block's, the other's seal is kept unindexed (never shared)."""
+    return 0 if name == "" else owner_of(name, geometry)
 
 
 class Namespaces:
     """(namespace name, block geometry) -> small id, assigned at first use, for the life of the
     daemon. Engines register into a name (a model, optionally with a tenant or cache salt);
     engines of one name whose blocks have another geometry (bytes and tokens a block: another
-    KV dtype, another TP split) get an id of their own, so their blocks never meet: a key is
-    scoped by the id, a block found or folded by key is always one of the engine's own size.
+    KV dtype, another TP split) get an id of their own, so their blocks never meet: a block
+    found or folded by key is always one of the engine's own namespace id (keys are scoped by
+    ``key_scope``, stable across restarts; ids are this run's own).
     One name with one id let a 4 KiB engine's ``ref`` hit a 2 KiB engine's block (its slot's
     tail stale) and a seal fold into it. The remote tier's tag binds the geometry too. vLLM's
     scheduler registers its rank's worker's geometry (``connectors.vllm.scheduler_geometry``),
@@ -115,4 +130,4 @@ class Namespaces:
         return [g for n, g in self._ids if n == name and g is not None and g != tuple(geometry)]
 
 
-__all__ = ["Namespaces", "Geometry", "scoped_keys", "unscoped_keys", "MAX_NAMESPACES"]
+__all__ = ["Namespaces", "Geometry", "scoped_keys", "unscoped_keys", "owner_of", "key_scope", "MAX_NAMESPACES"]

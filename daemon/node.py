@@ -64,7 +64,7 @@ class Node:
 
     def lookup(self, session: EngineSession, keys: np.ndarray) -> np.ndarray:
         """Blocks of ``session``'s namespace sealed under ``keys`` (-1 where none)."""
-        found = self.mgr.table.keys.get_many(scoped_keys(keys, session.ns)).astype(np.int64)
+        found = self.mgr.table.keys.get_many(scoped_keys(keys, session.scope)).astype(np.int64)
         hit = found >= 0
         found[hit] = np.where(self.mgr.namespace[found[hit]] == session.ns, found[hit], -1)
         return found

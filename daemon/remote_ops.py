@@ -43,7 +43,7 @@ from kvtier.tiers.remote_store import namespace_tag
 from kvtier.tiers.types import DRAM, HBM
 
 from .acquire import Pending
-from .namespaces import scoped_keys, unscoped_keys
+from .namespaces import key_scope, scoped_keys, unscoped_keys
 from .placement import Placement
 from .publish import PublishRule
 from .remote_config import RemoteConfig
@@ -124,6 +124,10 @@ class RemoteOps:
     def _tags_of(self, ns: np.ndarray) -> np.ndarray:
         return self._per_namespace(ns, self._tag, np.uint64)
 
+    def _scope(self, ns: int) -> int:
+        name, geometry = self.ns_ident(ns)
+        return key_scope(name, geometry) if geometry is not None else 0
+
     def _block_bytes(self, ns: int) -> int:
         """The size of namespace ``ns``'s blocks, as its tag states (0: no engine registered)."""
         geometry = self.ns_ident(ns)[1]
@@ -159,7 +163,7 @@ class RemoteOps:
             self.stats_c["lookups_skipped_degraded"] += int((found < 0).sum())
             return None
         miss = np.flatnonzero(found < 0)
-        skeys = np.unique(scoped_keys(keys[miss], session.ns))
+        skeys = np.unique(scoped_keys(keys[miss], session.scope))
         new = np.array([k for k in skeys.tolist() if k not in self.fetching], dtype=np.uint64)
         if new.size:
             self.placement.make_room(DRAM, int(new.size))
@@ -178,7 +182,7 @@ class RemoteOps:
 
     def _submit_get(self, blocks: np.ndarray, skeys: np.ndarray, ns: int) -> None:
         t = self.mgr.table
-        raw = unscoped_keys(skeys, ns)
+        raw = unscoped_keys(skeys, self._scope(ns))
         views = [self.mgr.dram.host_view(int(s)) for s in t.slot[DRAM, blocks].tolist()]
         tid = self.tier.submit("get", blocks, self._tags_of(np.full(blocks.size, ns)), raw, views)
         if tid is None:  # the queue is full: these keys are misses
@@ -252,7 +256,8 @@ class RemoteOps:
             views = [mgr.dram.host_view(int(t.slot[DRAM, b])) if s == DRAM else mgr.hbm.host_view(int(t.slot[HBM, b]))
                      for b, s in zip(go.tolist(), src.tolist())]
             ns = mgr.namespace[go]
-            tid = self.tier.submit("put", go, self._tags_of(ns), unscoped_keys(t.key[go], ns), views,
+            raw = unscoped_keys(t.key[go], self._per_namespace(ns, self._scope, np.uint64))
+            tid = self.tier.submit("put", go, self._tags_of(ns), raw, views,
                                    t.nbytes[go].astype(np.int64), t.checksum[go])
             if tid is None:
                 later += go.tolist()

@@ -26,7 +26,7 @@ from .acquire import Pending
 from .block_ops import BlockOps
 from .config import KvtierConfig
 from .liveness import Fence, own_pid_namespace, pid_alive, pid_checkable
-from .namespaces import Namespaces
+from .namespaces import Namespaces, key_scope, owner_of
 from .node import Node, build_node
 from .remote_setup import attach_remote, start_remote_tier
 from .residency import ResidencyOps
@@ -131,7 +131,11 @@ class Service:
         self.engines[engine_id] = EngineSession(engine_id, args.pid, args.block_tokens, dict(args.layout),
                                                 self.clock(), node.mgr.table.max_blocks,
                                                 pid_checkable(args.pid, args.pid_ns, self.pid_ns), ns,
-                                                block_bytes=args.block_bytes)
+                                                key_scope(args.namespace, geometry), block_bytes=args.block_bytes)
+        claimed = node.mgr.claim(owner_of(args.namespace, geometry), ns)  # its blocks a restart recovered
+        if claimed:
+            log.info("namespace %r (%d bytes / %d tokens): %d recovered blocks are its own again",
+                     args.namespace, *geometry, claimed)
         self.counters["registers"] += 1
         # layer-wise readiness is in the first engine's layer parts: only an engine of that geometry may use it
         same = args.block_bytes == node.mgr.block_bytes and args.layout.get("layers", 1) == node.layers

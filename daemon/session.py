@@ -25,6 +25,7 @@ class EngineSession:
     max_blocks: int = 0
     pid_checkable: bool = True  # the pid names a process in the daemon's pid namespace
     ns: int = 0  # key namespace (``namespaces.Namespaces`` id)
+    scope: int = 0  # what its keys are mixed with (``namespaces.key_scope``: stable across restarts)
     block_bytes: int = 0  # this engine's block size (<= the daemon's slot payload; 0: the daemon's)
     refs: Counter = field(default_factory=Counter)
     seqs: dict[int, list[int]] = field(default_factory=dict)

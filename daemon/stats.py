@@ -51,7 +51,9 @@ def snapshot(cfg: KvtierConfig, counters: Counter[str], engines: dict[str, Engin
     out["io"] = {"backend": mgr.backend.name,  # direct: False once the filesystem refused O_DIRECT
                  "nvme_direct_io": bool(mgr.nvme.direct) if mgr.nvme is not None else None,
                  "recovered_blocks": mgr.recovered,  # cached blocks found on NVMe at start ...
-                 "recovered_from": mgr.recovered_from}  # ... from a clean stop's "index", or a "scan"
+                 "recovered_from": mgr.recovered_from,  # ... from a clean stop's "index", or a "scan"
+                 # ... of which still waiting for their namespace's engines to register
+                 "recovered_unclaimed": mgr.unclaimed.count(mgr.table, mgr.namespace)}
     paths: dict[str, dict[str, float]] = {}
     for name, v in mgr.counters.items():
         for kind in ("moves", "bytes", "errors", "clean", "busy_ns"):

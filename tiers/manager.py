@@ -29,6 +29,7 @@ from .integrity import read_nvme_verified, unindexed
 from .intrusive import NIL
 from .io_backends import IOBackend
 from .moves import TierMoves
+from .ownership import Unclaimed
 from .slot_index import recovered_entries, sealed_entries, take_index, write_index
 from .types import DRAM, FREE, HBM, NVME, OPEN, SEALED, Tier, TierError, parse_tier
 
@@ -63,6 +64,7 @@ class TierManager(TierMoves):
         self.recovered = 0
         self.discarded = 0
         self.recovered_from = ""  # "index", "scan", or "" (nothing recovered)
+        self.unclaimed = Unclaimed()  # recovered blocks of namespaces not registered yet
         self._index_on_close = False  # only a manager that came up whole describes the tier
         if self.nvme is not None and recover:
             try:
@@ -362,14 +364,21 @@ class TierManager(TierMoves):
         index, self.recovered_from, self.discarded = recovered_entries(self.nvme, verify_payload)
         if index.size > len(self.table.free_blocks):
             raise TierError(f"max_blocks is too small for the recovered NVMe contents ({index.size} blocks)")
-        self.table.adopt_sealed(NVME, index["slot"], index["key"], index["length"], index["checksum"])
+        blocks = self.table.adopt_sealed(NVME, index["slot"], index["key"], index["length"], index["checksum"])
+        self.unclaimed.adopt(blocks, index["owner"], self.namespace)
         self.recovered = int(index.size)
+
+    def claim(self, owner: int, ns: int) -> int:
+        """Hand the recovered blocks of ``owner`` to namespace id ``ns`` (``ownership``); how many."""
+        self.ns_owner[ns] = owner
+        return self.unclaimed.claim(owner, ns, self.table, self.namespace)
 
     def _nvme_index(self) -> np.ndarray:
         """Every sealed block with a good NVMe copy, as slot index entries."""
         t = self.table
         b = np.flatnonzero((t.state == SEALED) & ((t.copies >> NVME) & 1 == 1) & ~unindexed(t, self.corrupt))
-        return sealed_entries(t.slot[NVME, b], t.key[b], t.nbytes[b], t.checksum[b])
+        return sealed_entries(t.slot[NVME, b], t.key[b], t.nbytes[b], t.checksum[b],
+                              self.unclaimed.owners(b, self.namespace, self.ns_owner))
 
     def close(self) -> None:
         self.mover.close()

@@ -26,7 +26,7 @@ from .io_backends import IOBackend, select_backend
 from .mover import Completion, Mover, Transfer
 from .nvme import NvmeStore
 from .pools import DramPool, HbmPool
-from .types import DRAM, FREE, HBM, NVME, OPEN, SEALED, Tier, parse_tier
+from .types import DRAM, FREE, HBM, NVME, OPEN, ORPHAN_OWNER, SEALED, UNCLAIMED_NS, Tier, parse_tier
 
 EventListener = Callable[[str, int, int], None]  # (kind, block, tier)
 FailureListener = Callable[[np.ndarray, int], None]  # (blocks a failed move left in tier, tier)
@@ -93,6 +93,10 @@ class TierMoves:
         self.inflight = self.table.add_column("inflight_tid", np.int32)  # transfer moving the block (0: none)
         self.namespace = self.table.add_column("namespace", np.uint16)  # whose block: set at alloc, never crossed
         self.hbm_slot_ns = np.zeros(hbm_slots, dtype=np.uint16)  # namespace whose bytes an HBM slot last held
+        # namespace id -> its stable identity, written beside each NVMe copy so a restart gives
+        # the block back to the namespace that sealed it (0: the library's default namespace)
+        self.ns_owner = np.zeros(1 << 16, dtype=np.uint64)
+        self.ns_owner[UNCLAIMED_NS] = ORPHAN_OWNER
         # blocks busy with I/O outside the mover (remote): (every held block, the read holds among them)
         self.held_elsewhere: list[Callable[[], tuple[np.ndarray, np.ndarray]]] = []
 
@@ -200,6 +204,7 @@ class TierMoves:
             t.key[io].copy(), t.nbytes[io].astype(np.int64), t.checksum[io].copy(), sealed[need_io].copy(),
             chunks if layered else 1, progress,
             self.nvme.reserve_seqs(io.size) if d == NVME and self.nvme is not None else None,
+            self.ns_owner[self.namespace[io]] if d == NVME else None,
         )
         self.inflight[io] = tid
         t.busy[io] += 1

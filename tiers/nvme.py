@@ -160,7 +160,7 @@ class NvmeStore:
         return out
 
     def write(self, slot: int, data: "np.ndarray | torch.Tensor", key: int, length: int,
-              checksum: int, sealed: bool, seq: Optional[int] = None) -> "Future[int]":
+              checksum: int, sealed: bool, seq: Optional[int] = None, owner: int = 0) -> "Future[int]":
         """Write one slot, payload then header (``seq``: from ``reserve_seqs``; a direct
         caller without one takes the next); the result is the bytes written."""
         def total(failures: Failures) -> int:
@@ -168,11 +168,10 @@ class NvmeStore:
                 raise failures[0]
             return HEADER_BYTES + self.data_stride
 
-        return mapped(self.write_many([(slot, data, key, length, checksum, sealed, seq)]), total)
+        return mapped(self.write_many([(slot, data, key, length, checksum, sealed, seq, owner)]), total)
 
-    def write_many(self, items: Sequence[tuple[int, "np.ndarray | torch.Tensor", int, int, int, bool, Optional[int]]]
-                   ) -> "Future[Failures]":
-        """Write many slots (slot, data, key, length, checksum, sealed, seq) as one backend
+    def write_many(self, items: Sequence[tuple[Any, ...]]) -> "Future[Failures]":
+        """Write many slots (slot, data, key, length, checksum, sealed, seq[, owner]) as one backend
         call, one after the other: every payload in slot order, then the headers of those
         that landed, one write per run of consecutive slots (a 4 KiB write per header
         between the payloads cost more than the aligned layout gains). Each item fails
@@ -185,11 +184,13 @@ class NvmeStore:
         pages = _header_pages(n)  # in slot order: consecutive slots' headers are one buffer
         jobs: list[tuple[Any, list[Any], int]] = []
         for page, i in zip(pages, order):
-            slot, data, key, length, checksum, sealed, seq = items[i]
+            slot, data, key, length, checksum, sealed, seq = items[i][:7]
+            owner = int(items[i][7]) if len(items[i]) > 7 else 0
             handle, off = self.payload_at(int(slot))
             if seq is None:
                 seq = int(self.reserve_seqs(1)[0])
-            pack_header(page.data, int(key), int(length), int(checksum), int(seq), FLAG_SEALED if sealed else 0)
+            pack_header(page.data, int(key), int(length), int(checksum), int(seq), FLAG_SEALED if sealed else 0,
+                        owner)
             jobs.append((handle, [self._payload(data)], off))
         slots = [int(items[i][0]) for i in order]
 

@@ -133,7 +133,8 @@ def _write_nvme(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict,
                 if not t.sealed[i]:
                     sums[i] = block_checksum(buf, int(t.lengths[i]))
                 items.append((int(t.dst_slots[i]), buf, int(t.keys[i]), int(t.lengths[i]), int(sums[i]),
-                              bool(t.sealed[i]), None if t.seqs is None else int(t.seqs[i])))
+                              bool(t.sealed[i]), None if t.seqs is None else int(t.seqs[i]),
+                              0 if t.owners is None else int(t.owners[i])))
                 mine.append(i)
             except Exception as e:
                 errors[int(t.blocks[i])] = f"{type(e).__name__}: {e}"

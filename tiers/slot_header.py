@@ -11,13 +11,15 @@ import numpy as np
 import xxhash
 
 MAGIC = b"KVTSLOT1"
-# 4: slabs in groups of 512 slots, headers packed, payloads aligned after them (3: every
+# 5: the block's owner (its namespace's stable identity: a restart gives each block back to
+# the namespace that sealed it, never to whichever registers first); 4: slabs in groups of
+# 512 slots, headers packed, payloads aligned after them (3: every
 # header of a file packed at its front, so payloads moved when the slot count did; 2: a
 # header page in front of each payload; 1: xxh3 payload checksums). A slot of another version decodes
 # as no header: recovery discards it and the slot is reused.
-VERSION = 4
+VERSION = 5
 FLAG_SEALED = 1
-_HDR = struct.Struct("<8sIIQQQQ")  # magic, version, flags, key, length, checksum, seq
+_HDR = struct.Struct("<8sIIQQQQQ")  # magic, version, flags, key, length, checksum, seq, owner
 _HDR_CRC = struct.Struct("<Q")
 
 
@@ -28,6 +30,7 @@ class SlotHeader:
     checksum: int
     seq: int
     flags: int
+    owner: int = 0  # the namespace's stable identity (0: the library's default, no daemon)
 
     @property
     def sealed(self) -> bool:
@@ -40,23 +43,24 @@ def _header_crc(body: "bytes | memoryview") -> int:
     return xxhash.xxh3_64_intdigest(body)
 
 
-def pack_header(page: memoryview, key: int, length: int, checksum: int, seq: int, flags: int) -> None:
+def pack_header(page: memoryview, key: int, length: int, checksum: int, seq: int, flags: int,
+                owner: int = 0) -> None:
     """Pack a header into the start of a zeroed page: in place, about 1 µs (a
     ``SlotHeader``, ``bytes`` and a numpy copy per block cost ~9 µs, which at 256
     KiB blocks doubled the CPU a write batch takes and slowed it ~10%)."""
-    _HDR.pack_into(page, 0, MAGIC, VERSION, flags, key, length, checksum, seq)
+    _HDR.pack_into(page, 0, MAGIC, VERSION, flags, key, length, checksum, seq, owner)
     _HDR_CRC.pack_into(page, _HDR.size, _header_crc(page[: _HDR.size]))
 
 
 def decode_header(buf: np.ndarray) -> Optional[SlotHeader]:
     raw = buf[: _HDR.size + _HDR_CRC.size].tobytes()
-    magic, version, flags, key, length, checksum, seq = _HDR.unpack_from(raw)
+    magic, version, flags, key, length, checksum, seq, owner = _HDR.unpack_from(raw)
     if magic != MAGIC or version != VERSION:
         return None
     (crc,) = _HDR_CRC.unpack_from(raw, _HDR.size)
     if crc != _header_crc(raw[: _HDR.size]):
         return None
-    return SlotHeader(key, length, checksum, seq, flags)
+    return SlotHeader(key, length, checksum, seq, flags, owner)
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from .nvme import NvmeStore
 
 INDEX_FILE = "slots.kvx"
 MAGIC = b"KVTIDX01"
-VERSION = 3  # 3: for slabs of slot version 4 (headers packed in groups; slot_header.VERSION); 2: version 3
-ENTRY = np.dtype([("slot", "<i8"), ("key", "<u8"), ("length", "<u8"), ("checksum", "<u8")])
+VERSION = 4  # 4: an owner per entry, slabs of slot version 5; 3: slot version 4 (headers in groups); 2: version 3
+ENTRY = np.dtype([("slot", "<i8"), ("key", "<u8"), ("length", "<u8"), ("checksum", "<u8"), ("owner", "<u8")])
 # magic, version, block_bytes, n_slots, slots_per_file, seq, entries, checksum of the entries
 _HEAD = struct.Struct("<8sIQQQQQQ")
 log = logging.getLogger("kvtier.nvme")
@@ -117,13 +117,15 @@ def recovered_entries(store: NvmeStore, verify_payload: bool) -> tuple[np.ndarra
     if index is not None and not verify_payload:
         return index, "index", 0
     found, discarded = store.recover(verify_payload=verify_payload)
-    entries = np.array([(r.slot, r.header.key, r.header.length, r.header.checksum) for r in found], dtype=ENTRY)
+    entries = np.array([(r.slot, r.header.key, r.header.length, r.header.checksum, r.header.owner) for r in found],
+                       dtype=ENTRY)
     return entries, "scan", discarded
 
 
-def sealed_entries(slots: np.ndarray, keys: np.ndarray, lengths: np.ndarray, checksums: np.ndarray) -> np.ndarray:
+def sealed_entries(slots: np.ndarray, keys: np.ndarray, lengths: np.ndarray, checksums: np.ndarray,
+                   owners: "np.ndarray | int" = 0) -> np.ndarray:
     """Index entries from parallel arrays (the blocks a clean stop describes)."""
     out = np.empty(slots.size, dtype=ENTRY)
-    out["slot"], out["key"], out["length"], out["checksum"] = slots, keys, lengths, checksums
+    out["slot"], out["key"], out["length"], out["checksum"], out["owner"] = slots, keys, lengths, checksums, owners
     return out
 

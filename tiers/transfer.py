@@ -33,6 +33,7 @@ class Transfer:
     chunks: int = 1  # layer-wise: copy (and report) each block in this many equal parts, in order
     progress: Optional[np.ndarray] = None  # [1] int64: parts done for every block (DRAM -> HBM only)
     seqs: Optional[np.ndarray] = None  # NVMe writes: each block's write sequence, assigned by the owner
+    owners: Optional[np.ndarray] = None  # NVMe writes: each block's namespace identity, for its header
 
     def __post_init__(self) -> None:
         n = self.blocks.size

@@ -30,6 +30,10 @@ class BlockState(enum.IntEnum):
 # comparison or shift costs ~4 µs (numpy probes the enum's metaclass for array
 # hooks, and each probe raises inside ``EnumType.__getattr__``); an int ~0.1 µs.
 FREE, OPEN, SEALED = int(BlockState.FREE), int(BlockState.OPEN), int(BlockState.SEALED)
+# the namespace column of a block a restart recovered whose namespace has not registered
+# yet: no engine has it, so nobody finds or names the block until its owner claims it
+UNCLAIMED_NS = 0xFFFF
+ORPHAN_OWNER = 1  # the owner written for an unclaimed block's copy: no namespace claims it
 HBM, DRAM, NVME = int(Tier.HBM), int(Tier.DRAM), int(Tier.NVME)
 
 

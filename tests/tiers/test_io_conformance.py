@@ -116,10 +116,10 @@ def test_read_checked_verifies_on_the_io_threads(backend, nvme_dir, monkeypatch)
 def test_batched_headers_are_whole_pages_of_one_header_each(backend, nvme_dir):
     """A batch's headers share one buffer: each slot's 4 KiB header page on disk holds
     its own header and zeros after it (no other slot's bytes, no stale memory)."""
-    from kvtier.tiers.slot_header import decode_header
+    from kvtier.tiers.slot_header import _HDR, _HDR_CRC, decode_header
 
     st = NvmeStore(nvme_dir, 4, 4096, backend, slots_per_file=4)
-    items = [(s, pattern(s, 4096), 500 + s, 4096 - s, 9 * s, s % 2 == 0, 40 + s) for s in (2, 0, 3)]
+    items = [(s, pattern(s, 4096), 500 + s, 4096 - s, 9 * s, s % 2 == 0, 40 + s, 7 << 60 | s) for s in (2, 0, 3)]
     assert st.write_many(items).result() == [None] * 3
     st.close()
     with open(os.path.join(nvme_dir, "slab-0000.kvt"), "rb") as f:
@@ -127,10 +127,11 @@ def test_batched_headers_are_whole_pages_of_one_header_each(backend, nvme_dir):
     headers = raw[: 4 * HEADER_BYTES].reshape(4, HEADER_BYTES)  # packed at the front, in slot order
     for s in (2, 0, 3):
         h = decode_header(headers[s])
-        assert h is not None and (h.key, h.length, h.checksum, h.seq, h.sealed) == (500 + s, 4096 - s, 9 * s, 40 + s,
-                                                                                  s % 2 == 0)
+        assert h is not None and (h.key, h.length, h.checksum, h.seq, h.sealed, h.owner) == (
+            500 + s, 4096 - s, 9 * s, 40 + s, s % 2 == 0, 7 << 60 | s)
         off = st.layout.payload_offset(s)[1]
-        assert not headers[s, 56:].any() and np.array_equal(raw[off: off + 4096], pattern(s, 4096))
+        end = _HDR.size + _HDR_CRC.size
+        assert not headers[s, end:].any() and np.array_equal(raw[off: off + 4096], pattern(s, 4096))
     assert not headers[1].any()  # slot 1 was not written: its header page is untouched
 
 
