@@ -74,6 +74,8 @@ class TierManager(TierMoves):
                 raise
         elif self.nvme is not None:
             take_index(self.nvme)  # these slabs will be overwritten: an old index must not outlive them
+            # the old headers still validate: this run's writes must outrank them at a later scan
+            self.nvme.seq = max(self.nvme.seq, time.time_ns())
         self._index_on_close = True
 
     # -- lifecycle ---------------------------------------------------------

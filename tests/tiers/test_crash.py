@@ -46,3 +46,33 @@ def test_kill_mid_write_then_recover(nvme_dir, payloads):
         assert m.table.refcount[m.lookup(done[0])] == 0  # recovered as cached
     finally:
         m.close()
+
+
+def test_a_run_that_did_not_recover_outranks_the_old_copies_at_the_next_scan(nvme_dir):
+    """``recover=False`` started its write sequence at 0 while the older run's headers still
+    validated with higher ones: after it crashed, a scan kept the older run's copy of a key."""
+    def crashed(m: TierManager) -> None:  # durable writes, no clean stop's index
+        m.nvme.sync()
+        m._index_on_close = False
+        m.close()
+
+    def put(m: TierManager, key: int, tag: int) -> None:
+        b = int(m.alloc(1)[0])
+        m.write(b, pattern(tag, BB))
+        m.seal(b, key)
+        m.free(b)
+        m.demote([b], "hbm", "nvme"); m.wait()
+
+    m = TierManager(BB, 4, 0, 64, nvme_dir=nvme_dir, io_backend="posix", io_threads=2)
+    for k in range(10):
+        put(m, 1000 + k, k)
+    put(m, 7, 1)  # seq 11, slot 10
+    crashed(m)
+    m = TierManager(BB, 4, 0, 64, nvme_dir=nvme_dir, io_backend="posix", io_threads=2, recover=False)
+    put(m, 7, 2)  # slot 0
+    crashed(m)
+    m = TierManager(BB, 4, 0, 64, nvme_dir=nvme_dir, io_backend="posix", io_threads=2)
+    try:
+        assert m.recovered_from == "scan" and m.read(m.lookup(7)) == pattern(2, BB).tobytes()
+    finally:
+        m.close()
