@@ -146,15 +146,17 @@ class TierClient:
 
     def register(self, block_bytes: int, block_tokens: int = 16, layout: Optional[dict] = None,
                  hbm_tensor: Optional["torch.Tensor"] = None, hbm_shm_name: Optional[str] = None,
-                 hbm_slots: int = 0, namespace: str = "") -> dict:
+                 hbm_slots: int = 0, namespace: str = "", refs_only: bool = False) -> dict:
         """Attach to the daemon. Without a region, map the daemon's HBM pool (``self.hbm``).
 
         ``namespace``: this engine's key space (a model name, plus a tenant or cache salt
         where prefixes must not be shared); engines of different namespaces never see
-        each other's blocks, keys or reuse."""
+        each other's blocks, keys or reuse. ``refs_only``: this engine only looks keys up,
+        refs and hints (a scheduler); it sees every geometry of its namespace's name and may
+        not allocate, seal or acquire."""
         args: dict[str, Any] = {"pid": os.getpid(), "pid_ns": pid_namespace(), "block_bytes": int(block_bytes),
                                 "block_tokens": int(block_tokens), "namespace": namespace,
-                                "layout": layout or {}}
+                                "layout": layout or {}, "refs_only": bool(refs_only)}
         if hbm_shm_name:
             args |= {"hbm_kind": "shm", "hbm_name": hbm_shm_name, "hbm_slots": int(hbm_slots)}
         elif hbm_tensor is not None:

@@ -92,8 +92,8 @@ def scheduler_geometry(kv_cache_config: "KVCacheConfig") -> tuple[int, int]:
     (``vllm_worker.Geometry``: every layer's block plus a digest trailer each). A spec's
     ``page_size_bytes`` is already one rank's (vLLM divides the KV heads by the TP size
     before it builds the spec), and the worker packs every layer of every group. The
-    scheduler only refs, but a namespace's geometry is its widest engine's: a wrong size
-    here could become the remote tier's tag, or be refused as wider than the slots."""
+    scheduler registers ``refs_only`` (it sees its worker's blocks whatever size it states),
+    but its size must still fit the daemon's slots, which the first engine to register sizes."""
     layers = sum(len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
     page = int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes)
     return layers, (page + DIGEST_BYTES) * layers
@@ -123,7 +123,7 @@ class KVTierConnector(KVConnectorBase_V1):
             clients = []  # one per rank's namespace: a hit needs every rank's shard
             for rank in range(world):
                 client = self._client("sched", rank)
-                client.register(block_bytes=block_bytes, block_tokens=self._block_size,
+                client.register(block_bytes=block_bytes, block_tokens=self._block_size, refs_only=True,
                                 layout={"layers": layers, "role": "vllm-scheduler"}, namespace=self._namespace(rank))
                 clients.append(client)
             self.sched = SchedulerSide(clients, self._block_size, float(extra.get("hint_deadline_s", 0.05)))

@@ -56,7 +56,13 @@ class Geometry:
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         self.layers: list[_Layer] = []
+        aliases: dict[str, str] = {}  # a layer sharing another's KV (cross-layer sharing) -> that layer
+        seen: dict[tuple, str] = {}
         for name, t in kv_caches.items():
+            same = seen.setdefault((t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype), name)
+            if same != name:  # vLLM hands the sharing layer the target's tensor: its bytes once
+                aliases[name] = same
+                continue
             dims = [d for d, s in enumerate(t.shape) if s == num_blocks]
             if not dims:
                 raise ValueError(f"layer {name}: no dimension of {tuple(t.shape)} has {num_blocks} blocks")
@@ -65,6 +71,7 @@ class Geometry:
         if len({(x.nbytes, x.tensor.dtype) for x in self.layers}) != 1:
             raise ValueError("kvtier needs every layer's block to have one size and dtype")
         self.index = {x.name: i for i, x in enumerate(self.layers)}
+        self.index |= {a: self.index[target] for a, target in aliases.items()}  # waits on its target
         self.part = self.layers[0].nbytes + DIGEST_BYTES  # one layer of one kvtier block
         self.block_bytes = self.part * len(self.layers)
 

@@ -24,6 +24,12 @@ from .node import Node
 from .session import EngineSession
 
 
+def refuse_refs_only(session: EngineSession, op: str) -> None:
+    """A refs-only engine sees other geometries' blocks: it must never touch bytes."""
+    if session.refs_only:
+        raise ProtocolError(P.INVALID, f"engine {session.engine_id!r} registered refs_only: it cannot {op}")
+
+
 class BlockOps:
     def __init__(self, node: Node, cfg: KvtierConfig, counters: Counter[str], clock: Callable[[], float],
                  engines: dict[str, EngineSession]) -> None:
@@ -38,6 +44,7 @@ class BlockOps:
 
     # -- alloc ------------------------------------------------------------------------
     def op_alloc(self, session: EngineSession, args: Any) -> Any:
+        refuse_refs_only(session, "alloc")
         hbm_slots = self.node.mgr.table.slots_per_tier[HBM]
         if args.n > self.cfg.server.max_batch_blocks:
             raise ProtocolError(P.TOO_LARGE, f"alloc of {args.n} exceeds {self.cfg.server.max_batch_blocks}")
@@ -96,6 +103,7 @@ class BlockOps:
 
     # -- seal / ref / free ---------------------------------------------------------------
     def op_seal(self, session: EngineSession, args: Any) -> dict:
+        refuse_refs_only(session, "seal")
         node = self.node
         mgr, t = node.mgr, node.mgr.table
         blocks = node.ids(args.blocks, "blocks")
@@ -124,7 +132,10 @@ class BlockOps:
         nbytes = args.nbytes if args.nbytes is not None else (session.block_bytes or mgr.block_bytes)
         cont = session.continues(args.seq, blocks.size)
         for i, (b, k) in enumerate(zip(blocks.tolist(), keys.tolist())):
-            if session.pins[b] and t.lookup(k) >= 0:  # folding into a shared block: our pins on b go
+            existing = t.lookup(k)
+            folds = existing >= 0 and mgr.namespace[existing] == session.ns and not mgr.corrupt[existing]
+            if session.pins[b] and folds:  # folding into a shared block: our pins on b go (not when the
+                # key is another namespace's: b is sealed unindexed and stays ours, pinned as it was)
                 while session.pins[b]:
                     mgr.unpin_many(np.array([b]), checked=True)
                     session.pins[b] -= 1

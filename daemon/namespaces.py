@@ -73,12 +73,14 @@ def owner_of(name: str, geometry: "Geometry") -> int:
     return xxhash.xxh3_64_intdigest(ident) | (1 << 63)
 
 
-def key_scope(name: str, geometry: "Geometry") -> int:
-    """What a namespace's keys are mixed with: stable across restarts, so a recovered block's
-    key is its namespace's key again. The default name keeps keys as engines send them (a
-    one-model node and its KV events are unchanged), whatever its geometry: a key two of its
-    geometries share is one block's, the other's seal is kept unindexed (never shared)."""
-    return 0 if name == "" else owner_of(name, geometry)
+def key_scope(name: str) -> int:
+    """What a namespace's keys are mixed with: its name alone, stable across restarts (a
+    recovered block's key is its namespace's key again) and across geometries (a vLLM
+    scheduler finds its worker's blocks whatever size it computed). The default name keeps
+    keys as engines send them, so a one-model node and its KV events are unchanged. A key
+    two geometries of one name both seal is the first's block; the other's is kept out of
+    the key index (``TierManager.seal``: "foreign"), never shared."""
+    return 0 if name == "" else xxhash.xxh3_64_intdigest(name.encode()) | (1 << 63)
 
 
 class Namespaces:
@@ -98,6 +100,10 @@ class Namespaces:
         self._names: list[str] = [""]  # by id; 0 is the default name's first geometry
         self._geometry: list[Optional[Geometry]] = [None]  # by id
         self._zero_taken = False
+        # id -> the id of its name's first geometry: what a refs-only engine (a scheduler) matches
+        # blocks by; UNCLAIMED_NS (the last value) maps to itself, which no engine's group is
+        self.groups = np.full(MAX_NAMESPACES + 1, MAX_NAMESPACES, dtype=np.uint16)
+        self._group_of_name: dict[str, int] = {}
 
     def id(self, name: str, geometry: Optional[Geometry] = None) -> int:
         """The id of ``name`` for blocks of ``geometry``. Id 0 goes to the default name's first
@@ -116,7 +122,12 @@ class Namespaces:
             self._names.append(name)
             self._geometry.append(g)
         self._ids[(name, g)] = got
+        self.groups[got] = self._group_of_name.setdefault(name, got)
         return got
+
+    def group(self, ns: int) -> int:
+        """The id of ``ns``'s name's first geometry: every geometry of one name shares it."""
+        return int(self.groups[ns])
 
     def name(self, ns: int) -> str:
         return self._names[ns]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import shared_memory
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -57,6 +57,8 @@ class Node:
     hbm_shm: Optional[shared_memory.SharedMemory] = None  # an engine-supplied region we mapped
     hbm_handle: bytes = b""  # CUDA IPC handle of a daemon-allocated device pool, for engines to map
     remote: "Optional[RemoteOps]" = None  # the shared remote tier, when [tiers.remote] is enabled
+    # namespace id -> its name's group (``Namespaces.groups``, set by the service): refs-only lookups
+    ns_group: np.ndarray = field(default_factory=lambda: np.zeros(1 << 16, dtype=np.uint16))
 
     # -- request helpers ----------------------------------------------------------------
     def ids(self, value: Any, what: str, dtype: type = np.int64) -> np.ndarray:
@@ -66,15 +68,23 @@ class Node:
         """Blocks of ``session``'s namespace sealed under ``keys`` (-1 where none)."""
         found = self.mgr.table.keys.get_many(scoped_keys(keys, session.scope)).astype(np.int64)
         hit = found >= 0
-        found[hit] = np.where(self.mgr.namespace[found[hit]] == session.ns, found[hit], -1)
+        found[hit] = np.where(self.mine(session, found[hit]), found[hit], -1)
         return found
+
+    def mine(self, session: EngineSession, blocks: np.ndarray) -> np.ndarray:
+        """Per block: ``session`` may see it. Its own namespace's; for a refs-only engine (a
+        scheduler, which never touches bytes) any geometry of its namespace's name."""
+        ns = self.mgr.namespace[blocks]
+        if session.refs_only:
+            return self.ns_group[ns] == session.group
+        return ns == session.ns
 
     def resolve(self, session: EngineSession, args: Any, allow_keys: bool = True) -> np.ndarray:
         """Blocks / keys / seqs of a request as unique live block ids of the engine's namespace."""
         named = self.ids(getattr(args, "blocks", None), "blocks")
         if named.size:
             named = self.mgr.check_blocks(named)
-            other = self.mgr.namespace[named] != session.ns
+            other = ~self.mine(session, named)
             if other.any():  # another namespace's block: as if it did not exist
                 raise ProtocolError(P.INVALID, f"unknown block {int(named[np.argmax(other)])}")
         parts = [named]

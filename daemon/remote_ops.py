@@ -73,6 +73,7 @@ class _Job:
     skeys: np.ndarray  # get: scoped keys being fetched
     started: float
     want: int = 0  # get: the namespace's block size; a value of another length is a miss
+    ns: int = 0  # get: the namespace the fetched blocks are for
 
 
 class RemoteOps:
@@ -125,8 +126,7 @@ class RemoteOps:
         return self._per_namespace(ns, self._tag, np.uint64)
 
     def _scope(self, ns: int) -> int:
-        name, geometry = self.ns_ident(ns)
-        return key_scope(name, geometry) if geometry is not None else 0
+        return key_scope(self.ns_ident(ns)[0])
 
     def _block_bytes(self, ns: int) -> int:
         """The size of namespace ``ns``'s blocks, as its tag states (0: no engine registered)."""
@@ -164,6 +164,9 @@ class RemoteOps:
             return None
         miss = np.flatnonzero(found < 0)
         skeys = np.unique(scoped_keys(keys[miss], session.scope))
+        # a key another geometry of the name holds (or a recovered block waits under) is never
+        # indexed for this engine: fetching it would only be thrown away
+        skeys = skeys[self.mgr.table.keys.get_many(skeys) < 0]
         new = np.array([k for k in skeys.tolist() if k not in self.fetching], dtype=np.uint64)
         if new.size:
             self.placement.make_room(DRAM, int(new.size))
@@ -189,7 +192,7 @@ class RemoteOps:
             self.stats_c["queue_full"] += int(blocks.size)
             self.mgr.finish_fetch(blocks, np.zeros(blocks.size, bool), skeys, np.zeros(blocks.size), np.zeros(blocks.size))
             return
-        self.jobs[tid] = _Job("get", blocks, skeys, self.clock(), self._block_bytes(ns))
+        self.jobs[tid] = _Job("get", blocks, skeys, self.clock(), self._block_bytes(ns), ns)
         for k, b in zip(skeys.tolist(), blocks.tolist()):
             self.fetching[k] = b
 
@@ -301,9 +304,10 @@ class RemoteOps:
             c.ok = c.ok & (c.lengths == job.want)
         got = self.mgr.finish_fetch(job.blocks, c.ok, job.skeys, c.lengths, c.checksums, DRAM)
         mine = got[c.ok]
-        self.published[mine[mine >= 0]] = True
-        s["hits"] += int(c.ok.sum())
-        s["misses"] += int((~c.ok).sum())
+        mine = mine[(mine >= 0) & (self.mgr.namespace[np.maximum(mine, 0)] == job.ns)]  # not another's
+        self.published[mine] = True
+        s["hits"] += int(mine.size)
+        s["misses"] += int(job.blocks.size - mine.size)
         s["corrupt"] += c.corrupt
 
     def busy(self) -> bool:

@@ -20,6 +20,7 @@ from kvtier.protocol.wire import ProtocolError
 from kvtier.tiers.types import HBM, Tier
 
 from .acquire import Waiter, progress, source_tiers, unpin_waiter, unservable
+from .block_ops import refuse_refs_only
 from .node import Node
 from .session import EngineSession
 
@@ -62,6 +63,7 @@ class ResidencyOps:
         return [w for w in dropped if w.blocking]
 
     def op_acquire(self, session: EngineSession, args: Any) -> Any:
+        refuse_refs_only(session, "acquire")
         mgr = self.node.mgr
         blocks = self.node.resolve(session, args)
         t = mgr.table

@@ -124,14 +124,15 @@ class Service:
         geometry = (int(args.block_bytes), int(args.block_tokens))
         ns = self.namespaces.id(args.namespace, geometry)
         others = self.namespaces.others(args.namespace, geometry)
-        if others:  # e.g. a vLLM scheduler whose size differs from its worker's: it would see nothing
+        if others and not args.refs_only:  # e.g. a vLLM scheduler whose size differs from its worker's: it would see nothing
             log.warning("engine %r registers namespace %r with blocks of %d bytes / %d tokens, other engines "
                         "of it with %s: blocks are shared only between engines of one geometry",
                         engine_id, args.namespace, *geometry, ", ".join(f"{b} bytes / {t} tokens" for b, t in others))
         self.engines[engine_id] = EngineSession(engine_id, args.pid, args.block_tokens, dict(args.layout),
                                                 self.clock(), node.mgr.table.max_blocks,
                                                 pid_checkable(args.pid, args.pid_ns, self.pid_ns), ns,
-                                                key_scope(args.namespace, geometry), block_bytes=args.block_bytes)
+                                                key_scope(args.namespace), self.namespaces.group(ns),
+                                                args.refs_only, block_bytes=args.block_bytes)
         claimed = node.mgr.claim(owner_of(args.namespace, geometry), ns)  # its blocks a restart recovered
         if claimed:
             log.info("namespace %r (%d bytes / %d tokens): %d recovered blocks are its own again",
@@ -147,6 +148,7 @@ class Service:
         node = build_node(self.cfg, args, self.clock)
         if self.remote_tier is not None:
             attach_remote(node, self.cfg.tiers.remote, self.remote_tier, self.namespaces, self.counters, self.clock)
+        node.ns_group = self.namespaces.groups  # read by refs-only engines' lookups (one owner: namespaces)
         self.node = node
         self.blocks = BlockOps(node, self.cfg, self.counters, self.clock, self.engines)
         self.residency = ResidencyOps(node, self.cfg, self.counters, self.clock)

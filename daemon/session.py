@@ -26,6 +26,8 @@ class EngineSession:
     pid_checkable: bool = True  # the pid names a process in the daemon's pid namespace
     ns: int = 0  # key namespace (``namespaces.Namespaces`` id)
     scope: int = 0  # what its keys are mixed with (``namespaces.key_scope``: stable across restarts)
+    group: int = 0  # its name's namespaces (``Namespaces.group``), which a refs-only engine sees
+    refs_only: bool = False  # looks keys up and refs them, never reads or writes bytes (a scheduler)
     block_bytes: int = 0  # this engine's block size (<= the daemon's slot payload; 0: the daemon's)
     refs: Counter = field(default_factory=Counter)
     seqs: dict[int, list[int]] = field(default_factory=dict)

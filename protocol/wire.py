@@ -77,6 +77,9 @@ class RegisterArgs(_Args):
     block_bytes: StrictInt = Field(gt=0, le=1 << 30)
     """Bytes of one block (all layers, K and V, ``block_tokens`` tokens)."""
     block_tokens: StrictInt = Field(default=16, gt=0, le=1 << 20)
+    refs_only: StrictBool = False
+    """The engine only looks keys up, refs and hints (a scheduler): it never allocates, seals
+    or acquires, so it sees the blocks of every geometry of its namespace's name."""
     layout: dict[StrictStr, Union[StrictInt, StrictStr, StrictFloat, StrictBool]] = Field(default_factory=dict)
     """Free-form description (layers, heads, head_dim, dtype) kept for stats."""
     hbm_kind: Literal["daemon", "shm", "cuda_ipc"] = "daemon"

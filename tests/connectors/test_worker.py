@@ -117,5 +117,8 @@ def test_the_scheduler_registers_the_block_size_its_rank_s_worker_will(tp):
               KVCacheGroupSpec([f"window.{i}" for i in range(2)], window)]
     config = KVCacheConfig(num_blocks=blocks, kv_cache_tensors=[], kv_cache_groups=groups)
     kv = {name: torch.zeros(2, blocks, tokens, heads, head_size) for g in groups for name in g.layer_names}
+    kv["shared.0"] = kv["full.1"]  # cross-layer KV sharing: vLLM hands the worker the target's tensor,
+    # and leaves the layer out of the scheduler's groups
     worker = Geometry(kv, blocks)
     assert scheduler_geometry(config) == (len(worker.layers), worker.block_bytes) == (5, worker.block_bytes)
+    assert worker.index["shared.0"] == worker.index["full.1"]  # its load waits on its target's

@@ -144,7 +144,10 @@ def test_one_name_with_two_geometries_is_two_namespaces():
 
 def test_engines_of_two_sizes_in_one_namespace_never_share_blocks(svc, caplog):
     """A 4 KiB engine's ref hit a 2 KiB engine's block of the same key (its slot's tail stale),
-    and its seal folded into that block; now they are blocks of two namespaces."""
+    and its seal folded into that block; now they are blocks of two namespaces. Keys are
+    scoped by the name, so the second size's block of a shared key stays out of the key index
+    (never shared), and its seal leaves its own pins alone (they were dropped: its slot could
+    go to another tenant while the engine still wrote it)."""
     call(svc, "register", "big", pid=0, block_bytes=BB, namespace="m")
     with caplog.at_level("WARNING", logger="kvtier.service"):
         call(svc, "register", "small", pid=0, block_bytes=BB // 2, namespace="m")
@@ -153,15 +156,36 @@ def test_engines_of_two_sizes_in_one_namespace_never_share_blocks(svc, caplog):
     s_blk, slot = ids(r["blocks"])[0], ids(r["slots"])[0]
     svc.node.mgr.hbm.tensor[slot, : BB // 2] = 3
     s_blk = ids(call(svc, "seal", "small", blocks=[s_blk], keys=_keys(77))["blocks"])[0]
+    call(svc, "release", "small", blocks=[s_blk])
     assert ids(call(svc, "ref", "big", keys=_keys(77))["blocks"]) == [-1]  # not its size: a miss
     r = call(svc, "alloc", "big", n=1, pin=True)
     b_blk, slot = ids(r["blocks"])[0], ids(r["slots"])[0]
     svc.node.mgr.hbm.tensor[slot, :BB] = 9
-    b_blk = ids(call(svc, "seal", "big", blocks=[b_blk], keys=_keys(77))["blocks"])[0]
-    assert b_blk != s_blk  # its own block: not folded into the small one
+    got = ids(call(svc, "seal", "big", blocks=[b_blk], keys=_keys(77))["blocks"])[0]
     t = svc.node.mgr.table
+    assert got == b_blk != s_blk and t.pins[b_blk] == 1  # its own block, still pinned by it
+    call(svc, "release", "big", blocks=[b_blk])  # the pin it holds: released without error
     assert (t.nbytes[s_blk], t.nbytes[b_blk]) == (BB // 2, BB)
     assert ids(call(svc, "ref", "small", keys=_keys(77))["blocks"]) == [s_blk]
-    assert ids(call(svc, "ref", "big", keys=_keys(77))["blocks"]) == [b_blk]
+    assert ids(call(svc, "ref", "big", keys=_keys(77))["blocks"]) == [-1]  # kept out of the index
     assert svc.node.mgr.read(b_blk) == bytes([9]) * BB and svc.node.mgr.read(s_blk) == bytes([3]) * (BB // 2)
     assert call(svc, "check", "big") == {"ok": True}
+
+
+def test_a_refs_only_engine_sees_every_geometry_of_its_name_and_touches_no_bytes(svc):
+    """vLLM's scheduler computes its worker's block size from its own KV-cache config; where
+    that differs (cross-layer KV sharing) it still finds and hints the worker's blocks."""
+    call(svc, "register", "worker", pid=0, block_bytes=BB, namespace="m")
+    call(svc, "register", "sched", pid=0, block_bytes=BB - 64, namespace="m", refs_only=True)
+    call(svc, "register", "other", pid=0, block_bytes=BB, namespace="n")
+    blk = _sealed(svc, "worker", 5, 7)
+    _sealed(svc, "other", 6, 8)
+    found = call(svc, "lookup", "sched", keys=_keys(5, 6))
+    assert ids(found["blocks"]) == [blk, -1]  # another name's block: never
+    call(svc, "hint", "sched", blocks=[blk])
+    for op, args in (("alloc", {"n": 1}), ("acquire", {"blocks": [blk]}),
+                     ("seal", {"blocks": [blk], "keys": _keys(9)})):
+        with pytest.raises(P.ProtocolError, match="refs_only") as e:
+            call(svc, op, "sched", **args)
+        assert e.value.code == P.INVALID
+    assert call(svc, "check", "worker") == {"ok": True}
