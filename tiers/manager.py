@@ -31,7 +31,7 @@ from .io_backends import IOBackend
 from .moves import TierMoves
 from .ownership import Unclaimed
 from .slot_index import recovered_entries, sealed_entries, take_index, write_index
-from .types import DRAM, FREE, HBM, NVME, OPEN, SEALED, Tier, TierError, parse_tier
+from .types import DRAM, FREE, HBM, NVME, OPEN, SEALED, UNCLAIMED_NS, Tier, TierError, parse_tier
 
 log = logging.getLogger("kvtier.tiers")
 
@@ -74,8 +74,7 @@ class TierManager(TierMoves):
                 raise
         elif self.nvme is not None:
             take_index(self.nvme)  # these slabs will be overwritten: an old index must not outlive them
-            # the old headers still validate: this run's writes must outrank them at a later scan
-            self.nvme.seq = max(self.nvme.seq, time.time_ns())
+            self.nvme.seq = max(self.nvme.seq, time.time_ns())  # outrank the old headers at a later scan
         self._index_on_close = True
 
     # -- lifecycle ---------------------------------------------------------
@@ -142,8 +141,9 @@ class TierManager(TierMoves):
         if not 0 <= length <= self.block_bytes:
             raise ValueError(f"nbytes {length} out of range")
         existing = t.lookup(key)
-        if existing >= 0 and self.corrupt[existing]:
-            t.detach_key(existing)  # normally done at quarantine already
+        if existing >= 0 and (self.corrupt[existing] or self.namespace[existing] == UNCLAIMED_NS):
+            # (corrupt: done at quarantine already; unclaimed: a live block takes a recovered one's key)
+            t.detach_key(existing)
             existing = -1
         foreign = existing >= 0 and self.namespace[existing] != self.namespace[b]
         if existing >= 0 and not foreign:

@@ -110,3 +110,29 @@ def test_unclaimed_blocks_keep_their_owner_through_another_clean_stop(tmp_path):
         assert b >= 0 and svc.node.mgr.read(b) == bytes([0x33]) * BB
     finally:
         svc.close()
+
+
+def test_a_new_geometry_of_a_name_takes_a_key_an_unclaimed_block_held(tmp_path):
+    """After a restart with another block size under one name (a new KV dtype), the old size's
+    recovered blocks wait unclaimed under keys the new engine seals again: its blocks are
+    indexed (they were kept out of the index, its own refs missing, until NVMe evicted the
+    old ones), and it keeps its pins through the seal."""
+    half = BB // 2
+    svc = _service(tmp_path)
+    call(svc, "register", "old", pid=0, block_bytes=BB, namespace="m")
+    _sealed_on_nvme(svc, "old", 42, 1, BB)
+    svc = _restart(svc, tmp_path, scan=False)
+    try:
+        call(svc, "register", "x", pid=0, block_bytes=BB)  # sizes the slots as before: the slabs are read
+        call(svc, "register", "new", pid=0, block_bytes=half, namespace="m")
+        assert svc.stats()["io"]["recovered_unclaimed"] == 1
+        r = call(svc, "alloc", "new", n=1, seq=42, pin=True)
+        b, slot = ids(r["blocks"])[0], ids(r["slots"])[0]
+        svc.node.mgr.hbm.tensor[slot, :half] = 2
+        assert ids(call(svc, "seal", "new", blocks=[b], keys=_keys(42), seq=42)["blocks"]) == [b]
+        assert svc.node.mgr.table.pins[b] == 1
+        call(svc, "release", "new", blocks=[b])
+        assert ids(call(svc, "ref", "new", keys=_keys(42))["blocks"]) == [b]
+        assert call(svc, "check", "new") == {"ok": True}
+    finally:
+        svc.close()
