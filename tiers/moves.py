@@ -197,11 +197,13 @@ class TierMoves:
         dst_slots = t.assign_slots(io, d)
         assert dst_slots is not None
         tid = next(self._tids) % TID_WRAP + 1  # int32 in the table; a pending tid never comes round again
+        # (an unindexed block's NVMe copy goes out as not sealed: a crash scan must not bring it back
+        # over the indexed block of its key, another namespace's)
         layered = chunks > 1 and (s, d) == (DRAM, HBM)
         progress = np.zeros(1, dtype=np.int64) if layered else None
         xfer = Transfer(
             tid, src, dst, io.copy(), t.slot[s, io].astype(np.int64), dst_slots.astype(np.int64),
-            t.key[io].copy(), t.nbytes[io].astype(np.int64), t.checksum[io].copy(), sealed[need_io].copy(),
+            t.key[io].copy(), t.nbytes[io].astype(np.int64), t.checksum[io].copy(), sealed[need_io] & ~t.detached[io],
             chunks if layered else 1, progress,
             self.nvme.reserve_seqs(io.size) if d == NVME and self.nvme is not None else None,
             self.ns_owner[self.namespace[io]] if d == NVME else None,

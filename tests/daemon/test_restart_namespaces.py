@@ -136,3 +136,24 @@ def test_a_new_geometry_of_a_name_takes_a_key_an_unclaimed_block_held(tmp_path):
         assert call(svc, "check", "new") == {"ok": True}
     finally:
         svc.close()
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["index", "scan"])
+def test_a_block_kept_out_of_the_index_never_comes_back_over_the_indexed_one(tmp_path, scan):
+    """Two geometries of one name seal key 42: the second's block is kept out of the key index,
+    but its NVMe header named the key with a newer sequence, so a crash scan brought it back
+    and dropped the indexed block. Its copy is now written as not sealed: scans discard it."""
+    half = BB // 2
+    svc = _service(tmp_path)
+    call(svc, "register", "big", pid=0, block_bytes=BB, namespace="m")
+    call(svc, "register", "small", pid=0, block_bytes=half, namespace="m")
+    _sealed_on_nvme(svc, "big", 42, 0x11, BB)
+    _sealed_on_nvme(svc, "small", 42, 0x22, half)  # unindexed, its NVMe copy newer
+    svc = _restart(svc, tmp_path, scan)
+    try:
+        call(svc, "register", "big", pid=0, block_bytes=BB, namespace="m")
+        (b,) = ids(call(svc, "ref", "big", keys=_keys(42))["blocks"])
+        assert b >= 0 and svc.node.mgr.read(b) == bytes([0x11]) * BB
+        assert svc.stats()["io"]["recovered_unclaimed"] == 0
+    finally:
+        svc.close()
