@@ -245,10 +245,12 @@ class Service:
     # -- telemetry -----------------------------------------------------------------------
     def ingest(self, msg: Any) -> int:
         """One telemetry message; returns block updates applied (bad ones are counted, not fatal)."""
-        if self.node is None:
+        engine = msg.get("engine") if isinstance(msg, dict) else None
+        session = self.engines.get(engine) if isinstance(engine, str) else None
+        if self.node is None or session is None:  # only a registered engine reports, on its own blocks
             self.counters["telemetry_rejected"] += 1
             return 0
-        return ingest(self.node, self.counters, msg)
+        return ingest(self.node, self.counters, msg, session)
 
     # -- background ------------------------------------------------------------------------
     def background(self, budget_s: float = 0.002) -> bool:

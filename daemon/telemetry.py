@@ -18,10 +18,13 @@ from kvtier.protocol.wire import ProtocolError
 from kvtier.tiers.types import FREE, OPEN
 
 from .node import Node
+from .session import EngineSession
 
 
-def ingest(node: Node, counters: Counter[str], msg: Any) -> int:
-    """One telemetry message; returns block updates applied (bad ones are counted, not fatal)."""
+def ingest(node: Node, counters: Counter[str], msg: Any, session: EngineSession) -> int:
+    """One telemetry message of ``session``'s; returns block updates applied (bad ones are
+    counted, not fatal). Only blocks the engine may see are touched: another namespace's
+    importance, class and access log are not its to set."""
     if not isinstance(msg, dict) or msg.get("v") != P.VERSION:
         counters["telemetry_rejected"] += 1
         return 0
@@ -30,7 +33,7 @@ def ingest(node: Node, counters: Counter[str], msg: Any) -> int:
         t = node.mgr.table
         if blocks.size == 0 or np.any((blocks < 0) | (blocks >= t.max_blocks)):
             raise ProtocolError(P.BAD_REQUEST, "bad blocks")
-        live = t.state[blocks] != FREE
+        live = (t.state[blocks] != FREE) & node.mine(session, blocks)
         kind = msg.get("kind")
         if kind == "attention":
             mass = P.ids(msg.get("mass"), np.float32, node.max_batch_blocks, "mass")

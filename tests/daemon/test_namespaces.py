@@ -189,3 +189,19 @@ def test_a_refs_only_engine_sees_every_geometry_of_its_name_and_touches_no_bytes
             call(svc, op, "sched", **args)
         assert e.value.code == P.INVALID
     assert call(svc, "check", "worker") == {"ok": True}
+
+
+def test_telemetry_touches_only_the_reporting_engine_s_blocks(svc):
+    """Attention reports named any block id: an engine could raise or lower another
+    namespace's blocks' importance (and so their placement). Unregistered senders are refused."""
+    call(svc, "register", "a", pid=0, block_bytes=BB, namespace="model-a")
+    call(svc, "register", "b", pid=0, block_bytes=BB, namespace="model-b")
+    a_blk, b_blk = _sealed(svc, "a", 1, 1), _sealed(svc, "b", 2, 2)
+    imp = svc.node.mgr.table.importance
+    before = imp[[a_blk, b_blk]].copy()
+    msg = {"v": P.VERSION, "kind": "attention", "blocks": P.id_bytes(np.array([a_blk, b_blk])),
+           "mass": np.array([50.0, 50.0], "<f4").tobytes()}
+    assert svc.ingest({**msg, "engine": "a"}) == 1  # its own block only
+    assert imp[b_blk] == before[1] and imp[a_blk] != before[0]
+    rejected = svc.counters["telemetry_rejected"]
+    assert svc.ingest({**msg, "engine": "nobody"}) == 0 and svc.counters["telemetry_rejected"] == rejected + 1

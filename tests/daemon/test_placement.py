@@ -257,9 +257,9 @@ def test_class_telemetry_sets_the_class_of_sealed_blocks_only(svc):
     before = fc[blocks].copy()
     counters: Counter = Counter()
     bad = {"v": P.VERSION, "engine": "e", "kind": "class", "blocks": P.id_bytes(blocks), "cont": 1, "span": 7}
-    ingest(svc.node, counters, bad)  # cont must be a bool
+    ingest(svc.node, counters, bad, svc.engines["e"])  # cont must be a bool
     assert fc[blocks].tolist() == before.tolist() and counters["telemetry_rejected"] == 1
-    ingest(svc.node, counters, {**bad, "cont": True})
+    ingest(svc.node, counters, {**bad, "cont": True}, svc.engines["e"])
     assert fc[blocks[:2]].tolist() == [block_class(False, True, 7)] * 2
     assert fc[blocks[2]] == before[2]  # still open: its class is the engine's at alloc
 

@@ -71,7 +71,7 @@ def test_random_ops_keep_every_invariant(tmp_path, policy, seed):
                     _call(svc, "hint", e, blocks=sorted(set(held[e][:4])), deadline_s=0.01)
                 elif op == "telemetry" and held[e]:
                     bl = np.asarray(sorted(set(held[e][:5])), dtype=np.int64)
-                    svc.ingest({"v": 1, "kind": "attention", "blocks": P.id_bytes(bl),
+                    svc.ingest({"v": 1, "engine": e, "kind": "attention", "blocks": P.id_bytes(bl),
                                 "mass": rng.random(bl.size).astype("<f4").tobytes()})
                 outcomes["ok"] += 1
             except P.ProtocolError as err:
