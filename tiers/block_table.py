@@ -87,6 +87,22 @@ class BlockTable:
         counts both, and every check that would drop or reuse a copy refuses any ``busy``)."""
         return self.busy[blocks] != self.readers[blocks]
 
+    def read_hold(self, blocks: np.ndarray, delta: int) -> None:
+        """Take (+1) or end (-1) a read hold on sealed blocks: it counts in ``busy``, so nothing
+        evicts, drops, demotes or frees them meanwhile; but it is no move, so they may still be
+        pinned and gain copies (a promotion only reads its source too)."""
+        if delta > 0 and np.any(self.state[blocks] != SEALED):
+            raise ValueError("only sealed blocks are read by a remote write")
+        if delta < 0 and np.any(self.readers[blocks] == 0):
+            raise ValueError("unhold of a block that is not held")
+        if delta > 0:
+            self.busy[blocks] += 1
+            self.readers[blocks] += 1
+        else:
+            self.busy[blocks] -= 1
+            self.readers[blocks] -= 1
+        self.refresh_nvme_idle_many(blocks)
+
     def idle_in(self, blocks: np.ndarray, tier: int) -> np.ndarray:
         """Per block: holds a valid copy in ``tier`` and no transfer is moving it."""
         return ((self.copies[blocks] >> tier) & 1 == 1) & ~self.moving(blocks)

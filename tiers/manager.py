@@ -321,25 +321,11 @@ class TierManager(TierMoves):
         return out
 
     def hold(self, blocks: np.ndarray) -> None:
-        """A remote write reads these sealed blocks' bytes: keep every copy where it is.
-
-        A read hold counts in ``busy``, so nothing evicts, drops, demotes or frees the
-        block meanwhile; but it is no move: the block may still be pinned and gain copies
-        (a promotion only reads its source too), so an acquire never waits on a publish."""
-        t = self.table
-        if np.any(t.state[blocks] != SEALED):
-            raise ValueError("only sealed blocks are read by a remote write")
-        t.busy[blocks] += 1
-        t.readers[blocks] += 1
-        t.refresh_nvme_idle_many(blocks)
+        """A remote write reads these sealed blocks' bytes (``BlockTable.read_hold``)."""
+        self.table.read_hold(blocks, +1)
 
     def unhold(self, blocks: np.ndarray) -> None:
-        t = self.table
-        if np.any(t.readers[blocks] == 0):
-            raise ValueError("unhold of a block that is not held")
-        t.busy[blocks] -= 1
-        t.readers[blocks] -= 1
-        t.refresh_nvme_idle_many(blocks)
+        self.table.read_hold(blocks, -1)
 
     # -- reading (tests, CLI) ------------------------------------------------
     def read(self, b: int) -> bytes:
