@@ -154,6 +154,7 @@ class TierClient:
         each other's blocks, keys or reuse. ``refs_only``: this engine only looks keys up,
         refs and hints (a scheduler); it sees every geometry of its namespace's name and may
         not allocate, seal or acquire."""
+        self._new_session(own_region=bool(hbm_shm_name) or hbm_tensor is not None)
         args: dict[str, Any] = {"pid": os.getpid(), "pid_ns": pid_namespace(), "block_bytes": int(block_bytes),
                                 "block_tokens": int(block_tokens), "namespace": namespace,
                                 "layout": layout or {}, "refs_only": bool(refs_only)}
@@ -181,10 +182,24 @@ class TierClient:
                 raise KvtierError(f"cannot map the daemon's CUDA HBM pool: {e}") from None
         # a lease holds HBM slots idle: keep it a small fraction of the pool
         self.lease_size = min(self.lease_size, int(self.info.get("hbm_slots", 0)) // 16)
-        if self.heartbeat_s and self._hb_thread is None:
+        if self.heartbeat_s and (self._hb_thread is None or not self._hb_thread.is_alive()):
+            self._hb_stop.clear()  # a reclaimed session's heartbeat had stopped
             self._hb_thread = threading.Thread(target=self._heartbeat, name="kvtier-heartbeat", daemon=True)
             self._hb_thread.start()
         return self.info
+
+    def _new_session(self, own_region: bool) -> None:
+        """A register starts a session afresh: the daemon has taken back whatever an earlier
+        one of this id held, the leased blocks too (they may be another engine's by now),
+        and a daemon that restarted serves another HBM region than the one mapped before."""
+        self._lease.clear()
+        self._lease_slot.clear()
+        self.reclaimed = ""
+        if not own_region:
+            self.hbm = None
+            if self._shm is not None:
+                release_shm(self._shm, unlink=False)
+                self._shm = None
 
     def _heartbeat(self) -> None:
         sock = self._dealer()
@@ -257,9 +272,11 @@ class TierClient:
     def acquire(self, blocks: Optional[ArrayLike] = None, keys: Optional[ArrayLike] = None,
                 seqs: Optional[Sequence[int]] = None, timeout_s: Optional[float] = None) -> tuple[np.ndarray, np.ndarray]:
         """Pin blocks resident in HBM (promoting as needed); returns (sorted unique blocks, slots)."""
-        wait = (timeout_s if timeout_s is not None else self.timeout_s)
+        # the daemon is told the wait this client will give it: with its own (longer) default an
+        # acquire the client gave up on would complete later and pin blocks the engine never learns of
+        wait = float(timeout_s if timeout_s is not None else self.timeout_s)
         r = self._call("acquire", {"blocks": pack_ids(blocks), "keys": pack_keys(keys),
-                                   "seqs": list(seqs) if seqs is not None else None, "timeout_s": timeout_s},
+                                   "seqs": list(seqs) if seqs is not None else None, "timeout_s": wait},
                        timeout_s=wait + 5.0)
         return unpack_ids(r["blocks"]), unpack_ids(r["slots"])
 

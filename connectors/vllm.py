@@ -20,6 +20,7 @@ the tokens loaded from kvtier, how (``sync``/``async``) and how many failed.
 from __future__ import annotations
 
 import os
+import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -78,13 +79,14 @@ class KVTierMetadata(KVConnectorMetadata):
     preempted: set[str] = field(default_factory=set)
 
 
-def _tp() -> tuple[int, int]:
+def _ranks() -> tuple[int, int]:
+    """(pipeline stage, tensor-parallel rank) of this worker."""
     try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+        from vllm.distributed.parallel_state import get_pipeline_model_parallel_rank, get_tensor_model_parallel_rank
 
-        return int(get_tensor_model_parallel_rank()), int(get_tensor_model_parallel_world_size())
+        return int(get_pipeline_model_parallel_rank()), int(get_tensor_model_parallel_rank())
     except Exception:  # no model-parallel group (the scheduler process)
-        return 0, 1
+        return 0, 0
 
 
 def scheduler_geometry(kv_cache_config: "KVCacheConfig") -> tuple[int, int]:
@@ -107,6 +109,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._block_size = int(vllm_config.cache_config.block_size)
         model = extra.get("namespace") or str(vllm_config.model_config.model)
         world = int(vllm_config.parallel_config.tensor_parallel_size)
+        self._stages = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
         # the KV cache dtype too: an fp8 and a bf16 cache of one model hold different bytes under equal keys
         kv_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
         self._ns_model = f"vllm:{model}:{vllm_config.model_config.dtype}:kv-{kv_dtype}"
@@ -120,22 +123,28 @@ class KVTierConnector(KVConnectorBase_V1):
         self._clients: list[TierClient] = []
         if role == KVConnectorRole.SCHEDULER:
             layers, block_bytes = scheduler_geometry(kv_cache_config)
-            clients = []  # one per rank's namespace: a hit needs every rank's shard
-            for rank in range(world):
-                client = self._client("sched", rank)
-                client.register(block_bytes=block_bytes, block_tokens=self._block_size, refs_only=True,
-                                layout={"layers": layers, "role": "vllm-scheduler"}, namespace=self._namespace(rank))
-                clients.append(client)
+            clients = []  # one per stage's and rank's namespace: a hit needs every one's shard
+            for stage in range(self._stages):
+                for rank in range(world):
+                    client = self._client("sched", stage, rank)
+                    client.register(block_bytes=block_bytes, block_tokens=self._block_size, refs_only=True,
+                                    layout={"layers": layers, "role": "vllm-scheduler"},
+                                    namespace=self._namespace(stage, rank))
+                    clients.append(client)
             self.sched = SchedulerSide(clients, self._block_size, float(extra.get("hint_deadline_s", 0.05)))
 
-    def _namespace(self, rank: int) -> str:
-        """Each model and each tensor-parallel rank has its own key space (a rank holds its own shard).
-        A request's ``cache_salt`` is already part of vLLM's block hashes, so salted
-        requests never share keys with unsalted ones."""
-        return f"{self._ns_model}:tp{rank}/{self._world}"
+    def _namespace(self, stage: int, rank: int) -> str:
+        """Each model, pipeline stage and tensor-parallel rank has its own key space (each holds
+        its own layers or heads: stages of equal layer counts have one geometry, and would
+        otherwise share blocks). A request's ``cache_salt`` is already part of vLLM's block
+        hashes, so salted requests never share keys with unsalted ones."""
+        pp = f":pp{stage}/{self._stages}" if self._stages > 1 else ""
+        return f"{self._ns_model}{pp}:tp{rank}/{self._world}"
 
-    def _client(self, role: str, rank: int) -> TierClient:
-        c = TierClient(runtime_dir=self._runtime_dir, engine_id=f"vllm-{role}{rank}-{os.getpid()}")
+    def _client(self, role: str, stage: int, rank: int) -> TierClient:
+        # unique per process: engines in other containers can have this pid too, and an id names one process
+        engine_id = f"vllm-{role}-pp{stage}-tp{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        c = TierClient(runtime_dir=self._runtime_dir, engine_id=engine_id)
         self._clients.append(c)
         return c
 
@@ -146,10 +155,11 @@ class KVTierConnector(KVConnectorBase_V1):
     # -- worker side ----------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         geo = Geometry(kv_caches, int(self._kv_cache_config.num_blocks))
-        rank, _ = _tp()
-        client = self._client("worker", rank)
+        stage, rank = _ranks()
+        client = self._client("worker", stage, rank)
         client.register(block_bytes=geo.block_bytes, block_tokens=self._block_size,
-                        layout={"layers": len(geo.layers), "role": "vllm-worker"}, namespace=self._namespace(rank))
+                        layout={"layers": len(geo.layers), "role": "vllm-worker"},
+                        namespace=self._namespace(stage, rank))
         self.asyncs = AsyncLoads(client, geo, self._load_timeout_s)
         self.worker = WorkerSide(client, geo, timeout_s=self._load_timeout_s, save_timeout_s=self._save_timeout_s,
                                  idle=self.asyncs.poll)

@@ -49,6 +49,7 @@ class Waiter(Pending):
     deadline: float
     started: float
     blocking: bool
+    generation: np.ndarray  # each block's ``BlockTable.generation`` when the acquire was made
     reply_to: Any = None  # opaque to this module: the server's routing info
     pinned: np.ndarray = field(init=False)  # set by __post_init__
     slots: np.ndarray = field(init=False)  # set by __post_init__
@@ -56,6 +57,18 @@ class Waiter(Pending):
     def __post_init__(self) -> None:
         self.pinned = np.zeros(self.blocks.size, dtype=bool)
         self.slots = np.full(self.blocks.size, -1, dtype=np.int64)
+
+    def vanished(self, mgr: TierManager) -> "tuple[str, str] | None":
+        """(code, message) if a block not pinned yet was freed while the acquire waited.
+        A waiter holds bare ids, not references: a cached block may be dropped, or the engine
+        may free it, and its id go to another block, another namespace's too. Pinning that
+        one would serve its bytes as the block asked for."""
+        todo = ~self.pinned
+        gone = todo & (mgr.table.generation[self.blocks] != self.generation)
+        if not gone.any():
+            return None
+        b = int(self.blocks[np.argmax(gone)])
+        return "invalid", f"block {b} was freed while the acquire waited; look its key up again"
 
     @property
     def done(self) -> bool:
@@ -105,7 +118,7 @@ def progress(w: Waiter, mgr: TierManager, placement: Placement, chunks: int = 1)
     """Pin what is resident, promote what is not (never blocks)."""
     t = mgr.table
     todo = np.flatnonzero(~w.pinned)
-    if todo.size == 0:
+    if todo.size == 0 or w.vanished(mgr) is not None:  # the caller fails it (``failure``)
         return
     blocks = w.blocks[todo]
     ready = t.idle_in(blocks, HBM)
@@ -130,6 +143,11 @@ def unservable(blocks: np.ndarray, mgr: TierManager) -> "tuple[str, str] | None"
         b = int(blocks[np.argmax(failed)])
         return "io_error", f"block {b}: {MAX_IO_FAILURES} reads failed, last: {mgr.last_errors.get(b, '')}"
     return None
+
+
+def failure(w: Waiter, mgr: TierManager) -> "tuple[str, str] | None":
+    """Why an unfinished acquire can never complete, or None."""
+    return w.vanished(mgr) or unservable(w.blocks[~w.pinned], mgr)
 
 
 def unpin_waiter(w: Waiter, mgr: TierManager) -> None:
@@ -256,4 +274,4 @@ class Prefetcher:
         return int(cand.size)
 
 
-__all__ = ["Pending", "AllocWaiter", "Waiter", "progress", "unpin_waiter", "promote_missing", "Prefetcher", "source_tiers"]
+__all__ = ["Pending", "AllocWaiter", "Waiter", "progress", "failure", "unpin_waiter", "promote_missing", "Prefetcher", "source_tiers"]

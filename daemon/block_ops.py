@@ -184,19 +184,35 @@ class BlockOps:
     def op_free(self, session: EngineSession, args: Any) -> dict:
         mgr = self.node.mgr
         blocks = self.node.resolve(session, args, allow_keys=False)
-        for b in blocks.tolist():
-            if session.refs.get(b, 0) <= 0:
-                raise ProtocolError(P.INVALID, f"block {b} is not held by engine {session.engine_id!r}")
+        drops = self._references_named(session, blocks, args.seqs or [])
+        for b, n in drops.items():
+            if session.refs.get(b, 0) < n:
+                raise ProtocolError(P.INVALID, f"block {b} is held {session.refs.get(b, 0)} times by engine "
+                                               f"{session.engine_id!r}; the request frees it {n} times")
             if session.pins[b] > 0:
                 raise ProtocolError(P.INVALID, f"block {b} is pinned; release it before freeing")
-        for b in blocks.tolist():
-            mgr.free(b, allow_pinned=True)  # our pins were checked above; others' pins are theirs
-            session.drop_ref(b)
+        for b, n in drops.items():
+            for _ in range(n):
+                mgr.free(b, allow_pinned=True)  # our pins were checked above; others' pins are theirs
+                session.drop_ref(b)
         for s in args.seqs or []:
             session.seqs.pop(s, None)
         session.forget_blocks(set(blocks.tolist()))
         self.counters["frees"] += int(blocks.size)
         return {"freed": int(blocks.size)}
+
+    @staticmethod
+    def _references_named(session: EngineSession, blocks: np.ndarray, seqs: list[int]) -> Counter:
+        """References a free drops per block: one per place a named sequence holds it (two
+        sequences sharing a prefix block, or one naming a block twice, took one reference
+        each time), and one for a block named on its own. At most what the engine holds: a
+        sequence still lists a block the engine freed by id, as long as it holds it at all."""
+        drops: Counter = Counter()
+        for s in dict.fromkeys(seqs):  # a sequence named twice is freed once
+            drops.update(session.seqs[s])
+        for b in blocks.tolist():
+            drops[b] = max(1, min(drops[b], session.refs.get(b, 0)))
+        return drops
 
     # -- whole-node ------------------------------------------------------------------------
     def op_clear(self, session: Optional[EngineSession], args: Any) -> dict:

@@ -47,6 +47,7 @@ class Fence:
 
     engine_id: str
     pid: Optional[int]  # None: the daemon cannot see this engine's process
+    process: tuple[int, int]  # (pid, pid namespace) it registered with: only that process may lift it early
     pins: np.ndarray  # block ids, one entry per pin
     refs: dict[int, int]  # block -> references it held: freed with the pins, so no open block is orphaned
     since: float

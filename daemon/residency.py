@@ -19,7 +19,7 @@ from kvtier.protocol import wire as P
 from kvtier.protocol.wire import ProtocolError
 from kvtier.tiers.types import HBM, Tier
 
-from .acquire import Waiter, progress, source_tiers, unpin_waiter, unservable
+from .acquire import Waiter, failure, progress, source_tiers, unpin_waiter, unservable
 from .block_ops import refuse_refs_only
 from .node import Node
 from .session import EngineSession
@@ -91,7 +91,7 @@ class ResidencyOps:
         for name, n in zip(HIT_COUNTERS, np.bincount(src[src >= 0], minlength=len(Tier)).tolist()):
             c[name] += n
         timeout = args.timeout_s if args.timeout_s is not None else self.cfg.server.acquire_timeout_s
-        w = Waiter(next(self.tickets), session, blocks, now + timeout, now, args.wait)
+        w = Waiter(next(self.tickets), session, blocks, now + timeout, now, args.wait, t.generation[blocks].copy())
         progress(w, mgr, self.node.placement, self.node.layers)
         self.waiters[w.ticket] = w
         if not args.wait:
@@ -115,7 +115,7 @@ class ResidencyOps:
         progress(w, self.node.mgr, self.node.placement, self.node.layers)
         if w.done:
             return self._finish(w)
-        broken = unservable(w.blocks[~w.pinned], self.node.mgr)
+        broken = failure(w, self.node.mgr)
         if broken is not None:
             unpin_waiter(w, self.node.mgr)
             self.waiters.pop(w.ticket, None)
@@ -148,7 +148,7 @@ class ResidencyOps:
                     progress(w, self.node.mgr, self.node.placement, self.node.layers)
                 continue
             progress(w, self.node.mgr, self.node.placement, self.node.layers)
-            broken = None if w.done else unservable(w.blocks[~w.pinned], self.node.mgr)
+            broken = None if w.done else failure(w, self.node.mgr)
             if w.done:
                 out.append((w, self._finish(w)))
             elif broken is not None:

@@ -117,12 +117,14 @@ class Service:
                                                 "the largest model first")
             if args.hbm_kind == "shm" and args.hbm_name != node.hbm_info()["hbm_name"]:
                 raise ProtocolError(P.CONFLICT, "the daemon already manages another HBM region")
+        process = (int(args.pid), int(args.pid_ns))
+        self._refuse_a_second_process(engine_id, process)
+        geometry = (int(args.block_bytes), int(args.block_tokens))
+        ns = self.namespaces.id(args.namespace, geometry)  # may refuse: before anything of the old session goes
         if engine_id in self.engines:  # a restarted engine: its old holdings are void
             self.reclaim(engine_id, "re-registered")
-        for f in [f for f in self.fences if f.engine_id == engine_id]:
-            self._lift(f)  # the engine starts over: its old client writes no more
-        geometry = (int(args.block_bytes), int(args.block_tokens))
-        ns = self.namespaces.id(args.namespace, geometry)
+        for f in [f for f in self.fences if f.engine_id == engine_id and f.process == process]:
+            self._lift(f)  # the same process starts over: its old client writes no more
         others = self.namespaces.others(args.namespace, geometry)
         if others and not args.refs_only:  # e.g. a vLLM scheduler whose size differs from its worker's: it would see nothing
             log.warning("engine %r registers namespace %r with blocks of %d bytes / %d tokens, other engines "
@@ -132,7 +134,7 @@ class Service:
                                                 self.clock(), node.mgr.table.max_blocks,
                                                 pid_checkable(args.pid, args.pid_ns, self.pid_ns), ns,
                                                 key_scope(args.namespace), self.namespaces.group(ns),
-                                                args.refs_only, block_bytes=args.block_bytes)
+                                                args.refs_only, block_bytes=args.block_bytes, pid_ns=int(args.pid_ns))
         claimed = node.mgr.claim(owner_of(args.namespace, geometry), ns)  # its blocks a restart recovered
         if claimed:
             log.info("namespace %r (%d bytes / %d tokens): %d recovered blocks are its own again",
@@ -143,6 +145,21 @@ class Service:
         return node.hbm_info() | {"heartbeat_timeout_s": self.cfg.server.heartbeat_timeout_s,
                                   "block_bytes": args.block_bytes, "slot_bytes": node.mgr.block_bytes,
                                   "layers": node.layers if same else 1}
+
+    def _refuse_a_second_process(self, engine_id: str, process: tuple[int, int]) -> None:
+        """An engine id names one process. Another process registering a live engine's id
+        would take over its pins and blocks while it still writes their slots, and the old
+        client, whose requests carry only the id, would go on using the new session. A
+        register from the same process (pid and pid namespace), or after the old process
+        is seen dead, or once the old one has been silent a heartbeat timeout, is a restart."""
+        old = self.engines.get(engine_id)
+        if old is None or (old.pid, old.pid_ns) == process:
+            return
+        alive = (pid_alive(old.pid) if old.pid_checkable
+                 else self.clock() - old.last_seen <= self.cfg.server.heartbeat_timeout_s)
+        if alive:
+            raise ProtocolError(P.CONFLICT, f"engine id {engine_id!r} is in use by another live process (pid "
+                                            f"{old.pid}): give each engine a unique id")
 
     def _start_node(self, args: Any) -> Node:
         node = build_node(self.cfg, args, self.clock)
@@ -181,7 +198,8 @@ class Service:
         may_write = why == "timeout" and (not session.pid_checkable or pid_alive(session.pid))
         if may_write and held.size:  # keep what it holds until it surely cannot write any more
             pins = np.repeat(held, session.pins[held])
-            self.fences.append(Fence(engine_id, session.pid if session.pid_checkable else None, pins,
+            self.fences.append(Fence(engine_id, session.pid if session.pid_checkable else None,
+                                     (session.pid, session.pid_ns), pins,
                                      dict(session.refs), self.clock()))
             self.counters["fenced_pins"] += int(pins.size)
             return len(session.refs)

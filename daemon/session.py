@@ -29,6 +29,7 @@ class EngineSession:
     group: int = 0  # its name's namespaces (``Namespaces.group``), which a refs-only engine sees
     refs_only: bool = False  # looks keys up and refs them, never reads or writes bytes (a scheduler)
     block_bytes: int = 0  # this engine's block size (<= the daemon's slot payload; 0: the daemon's)
+    pid_ns: int = 0  # the pid namespace its pid is in (with ``pid``: which process this is)
     refs: Counter = field(default_factory=Counter)
     seqs: dict[int, list[int]] = field(default_factory=dict)
     pins: PinCounts = field(init=False)  # pins per block held by this engine (vectorised on the RPC path)

@@ -47,6 +47,9 @@ class BlockTable:
         self.nbytes = np.zeros(n, dtype=np.uint32)  # valid payload bytes
         self.checksum = np.zeros(n, dtype=np.uint64)  # of sealed bytes
         self.detached = np.zeros(n, dtype=np.bool_)  # sealed, but its key no longer maps to it (quarantined)
+        # bumped each time the id is freed: whoever holds a bare id across owner-loop turns (an
+        # unfinished acquire) tells "the same block" from "another block that took the id"
+        self.generation = np.zeros(n, dtype=np.uint32)
         # -- policy columns (extension point: see ``add_column``) --
         self.importance = np.zeros(n, dtype=np.float32)
         self.extra: dict[str, np.ndarray] = {}
@@ -219,6 +222,7 @@ class BlockTable:
         self.pins[b] = 0
         self.busy[b] = 0
         self.readers[b] = 0
+        self.generation[b: b + 1] += 1  # an array add wraps silently: a waiter lives seconds, not 2^32 reuses
         self.free_blocks.push_back(b)
 
     # -- slots -----------------------------------------------------------
@@ -380,6 +384,7 @@ class BlockTable:
     def metadata_nbytes(self) -> int:
         cols: list[np.ndarray] = [
             self.key, self.state, self.refcount, self.pins, self.busy, self.readers, self.copies, self.detached,
+            self.generation,
             self.slot, self.nbytes, self.checksum, self.importance,
             *self.extra.values(), *self.slot_owner,
         ]
