@@ -17,6 +17,7 @@ model produces the same bits as with ``DynamicCache``.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -136,6 +137,19 @@ class TieredCache(Cache):
     def all_blocks(self) -> list[int]:
         return [b for r in self.rows for b in r.blocks]
 
+    def _each_hold(self) -> list[list[int]]:
+        """Every row's blocks as requests without repeats: rows that share a prefix hold its
+        blocks once each (a pin and a reference per row), and a request names a block once."""
+        out: list[list[int]] = []
+        seen: Counter = Counter()
+        for b in self.all_blocks():
+            k = seen[b]
+            seen[b] += 1
+            if k == len(out):
+                out.append([])
+            out[k].append(b)
+        return out
+
     def feed_tokens(self, token_ids: torch.Tensor) -> None:
         """Token ids of the next forward ([batch, q]); keys then chain over tokens, as in vLLM."""
         for row, ids in zip(self.rows, token_ids.tolist()):
@@ -160,10 +174,11 @@ class TieredCache(Cache):
     # -- residency ----------------------------------------------------------------
     def activate(self) -> None:
         """Acquire (pin) every block of every row; waits for promotions."""
-        blocks = self.all_blocks()
-        if blocks:
-            got, slots = self.client.acquire(blocks=blocks)
-            slot_of = dict(zip(got.tolist(), slots.tolist()))
+        slot_of: dict[int, int] = {}
+        for part in self._each_hold():
+            got, slots = self.client.acquire(blocks=part)
+            slot_of |= dict(zip(got.tolist(), slots.tolist()))
+        if slot_of:
             for row in self.rows:
                 row.slots = [slot_of[b] for b in row.blocks]
             self.acquires += 1
@@ -171,22 +186,23 @@ class TieredCache(Cache):
 
     def deactivate(self) -> None:
         """Release the pins: the daemon may now demote these blocks while the sequence idles."""
-        if self.active and self.all_blocks():
-            self.client.release(blocks=self.all_blocks())
+        if self.active:
+            for part in self._each_hold():
+                self.client.release(blocks=part)
         self.active = False
         self._work = [None] * self.layout.num_layers  # unpinned slots may move: drop the gathered copy
 
     def hint(self, deadline_s: float = 0.0) -> None:
         """Ask the daemon to bring this cache's blocks back before ``deadline_s``."""
-        if self.all_blocks():
-            self.client.hint(blocks=self.all_blocks(), deadline_s=deadline_s)
+        blocks = sorted(set(self.all_blocks()))
+        if blocks:
+            self.client.hint(blocks=blocks, deadline_s=deadline_s)
 
     def close(self) -> None:
         """End of the sequences: release and free every block."""
         self.deactivate()
-        blocks = self.all_blocks()
-        if blocks:
-            self.client.free(blocks=blocks)
+        for part in self._each_hold():
+            self.client.free(blocks=part)
         for row in self.rows:
             row.blocks, row.slots, row.keys = [], [], []
 

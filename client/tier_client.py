@@ -10,6 +10,7 @@ thread on its own socket. Block ids and keys travel as packed arrays. Errors:
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import threading
 import time
@@ -35,6 +36,8 @@ from .replies import (
     pack_keys,
     unpack_ids,
 )
+
+log = logging.getLogger("kvtier.client")
 
 if TYPE_CHECKING:  # torch is loaded when a region is mapped, so the CLI and a stats call never pay for it
     from multiprocessing.shared_memory import SharedMemory
@@ -76,6 +79,8 @@ class TierClient:
         self.lease_size = lease_size
         self.info: dict = {}
         self.reclaimed = ""  # why, once the daemon took this engine's blocks back
+        self._registration: dict[str, Any] = {}  # the last register's arguments (``reattach``)
+        self._next_reattach = 0.0
         self.hbm: Optional["torch.Tensor"] = None
         self._shm: Optional[SharedMemory] = None
         self._hb_stop = threading.Event()
@@ -155,6 +160,9 @@ class TierClient:
         refs and hints (a scheduler); it sees every geometry of its namespace's name and may
         not allocate, seal or acquire."""
         self._new_session(own_region=bool(hbm_shm_name) or hbm_tensor is not None)
+        self._registration = {"block_bytes": block_bytes, "block_tokens": block_tokens, "layout": layout,
+                              "hbm_tensor": hbm_tensor, "hbm_shm_name": hbm_shm_name, "hbm_slots": hbm_slots,
+                              "namespace": namespace, "refs_only": refs_only}
         args: dict[str, Any] = {"pid": os.getpid(), "pid_ns": pid_namespace(), "block_bytes": int(block_bytes),
                                 "block_tokens": int(block_tokens), "namespace": namespace,
                                 "layout": layout or {}, "refs_only": bool(refs_only)}
@@ -187,6 +195,22 @@ class TierClient:
             self._hb_thread = threading.Thread(target=self._heartbeat, name="kvtier-heartbeat", daemon=True)
             self._hb_thread.start()
         return self.info
+
+    def reattach(self, every_s: float = 1.0) -> bool:
+        """Registered now? Once the daemon has reclaimed this engine (it restarted, or heard no
+        heartbeat), register again as before, at most once per ``every_s``: an engine that
+        carries on without kvtier meanwhile (recomputing) picks it up again when it is back."""
+        if self.info and not self.reclaimed:
+            return True
+        if not self._registration or time.monotonic() < self._next_reattach:
+            return False
+        self._next_reattach = time.monotonic() + every_s
+        try:
+            self.register(**self._registration)
+        except KvtierError as e:
+            log.info("kvtier: register again failed (%s); retrying in %.0f s", e, every_s)
+            return False
+        return True
 
     def _new_session(self, own_region: bool) -> None:
         """A register starts a session afresh: the daemon has taken back whatever an earlier

@@ -13,15 +13,19 @@ became full (to save), as plain lists: vLLM block ids and vLLM block hashes.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
 
+from kvtier.client.replies import KvtierError
 from kvtier.client.tier_client import TierClient
 
 from .keys import block_keys
+
+log = logging.getLogger("kvtier.connectors.vllm")
 
 TIER_SOURCES = ("device", "host", "disk")  # kvtier tier -> vLLM CacheHitSource value
 SYNC_TIERS = 2  # tiers below this (staging, DRAM) load in the forward; NVMe and remote-only load async
@@ -89,10 +93,13 @@ class SchedulerSide:
                 if len(self.branches) > MAX_TRACKED:
                     self.branches.popitem(last=False)
                 keys = block_keys(hashes[:i + 1])
-                for c in self.clients:
-                    ids, _ = c.lookup(keys)
-                    if np.any(ids >= 0):
-                        c.report_segment(ids[ids >= 0], "system")
+                try:
+                    for c in self.clients:
+                        ids, _ = c.lookup(keys)
+                        if np.any(ids >= 0):
+                            c.report_segment(ids[ids >= 0], "system")
+                except KvtierError as e:  # a placement hint, nothing more: lost with the daemon
+                    log.debug("kvtier: tagging a shared prefix failed: %s", e)
             shared = max(shared, self.branches.get(h, 0))
         return shared
 
@@ -113,15 +120,21 @@ class SchedulerSide:
         st.tiers = []
         st.load_async = False
         st.cont, st.span = start >= 2, max(len(hashes) - start, 0)
-        if limit <= start:
+        if limit <= start or not all([c.reattach() for c in self.clients]):
+            return 0, False  # (no daemon: vLLM computes everything, it never stops for kvtier)
+        try:
+            ids, tiers = self.lookup(block_keys(hashes[start:limit]))
+        except KvtierError as e:
+            log.warning("kvtier: lookup failed (%s); vLLM computes the prompt", e)
             return 0, False
-        ids, tiers = self.lookup(block_keys(hashes[start:limit]))
         miss = np.flatnonzero(np.any(ids < 0, axis=0))
         p = int(miss[0]) if miss.size else int(ids.shape[1])
         st.cont, st.span = start + p >= 2, max(len(hashes) - start - p, 0)
-        if p:
-            for c, rank_ids in zip(self.clients, ids):
-                c.hint(blocks=rank_ids[:p], deadline_s=self.hint_deadline_s)  # promotions start now
+        try:
+            for c, rank_ids in zip(self.clients, ids[:, :p] if p else []):
+                c.hint(blocks=rank_ids, deadline_s=self.hint_deadline_s)  # promotions start now
+        except KvtierError as e:  # a hint only saves time: the load finds its blocks without it
+            log.debug("kvtier: hint failed: %s", e)
         st.saved_upto = start + p
         st.tiers = tiers[:p].tolist()
         st.load_async = bool(np.any((tiers[:p] < 0) | (tiers[:p] >= SYNC_TIERS)))

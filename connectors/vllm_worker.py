@@ -42,6 +42,12 @@ from .vllm_scheduler import Transfer
 
 log = logging.getLogger("kvtier.connectors.vllm")
 
+# steps after a failed sync load whose saves are dropped: vLLM learns of the failure only from
+# this step's output, and with async scheduling the next step is already scheduled by then;
+# blocks computed meanwhile (the request's next chunk, another request sharing the bad blocks)
+# attend to bytes that were never loaded, and a seal would keep them for every later request
+TAINTED_STEPS = 2
+
 
 @dataclass
 class _Layer:
@@ -128,27 +134,36 @@ class WorkerSide:
         self.idle = idle                    # run while a sync load waits (async loads finish meanwhile)
         self.load: Optional[_Load] = None
         self.errors: set[int] = set()       # vLLM blocks that could not be loaded (reported once)
-        self.failed_reqs: set[str] = set()  # requests of this step whose load failed: nothing of theirs is saved
         self.queue: deque[_Save] = deque()  # saves waiting for staging room, in order
         self.saving: set[str] = set()       # requests that handed us saves: vLLM holds their blocks until we say
         self.finishing: set[str] = set()    # ... and that vLLM has finished
         self.stats = {"loaded_blocks": 0, "saved_blocks": 0, "failed_blocks": 0, "load_wait_s": 0.0,
                       "save_queued_blocks": 0, "save_dropped_blocks": 0}
-        # the daemon reports layer-wise progress in the parts of the first engine's geometry: ours only if equal
-        self.layerwise = int(client.info.get("layers", 1)) == len(geometry.layers)
+        self.step = 0
+        self.tainted_until = -1  # the last step whose saves are dropped (``TAINTED_STEPS``)
         max_batch = max(1, int(client.info.get("hbm_slots", 2)) // 2)
         self.save_batch = max_batch
 
+    @property
+    def layerwise(self) -> bool:
+        """The daemon reports layer-wise progress in the parts of the first engine's geometry: ours only if equal."""
+        return int(self.client.info.get("layers", 1)) == len(self.geo.layers)
+
     # -- load ---------------------------------------------------------------------
     def start(self, loads: list[Transfer]) -> None:
-        self.failed_reqs = set()
+        self.step += 1
+        self.client.reattach()  # a daemon that restarted (or reclaimed us) is taken up again
         if not loads:
             self.load = None
             return
         vids = [b for t in loads for b in t.block_ids]
         hashes = [h for t in loads for h in t.hashes]
         keys, inverse = np.unique(block_keys(hashes), return_inverse=True)  # sessions may share blocks
-        refs = self.client.ref(keys)
+        try:
+            refs = self.client.ref(keys)
+        except KvtierError as e:  # no daemon: vLLM recomputes, it never stops for kvtier
+            log.warning("kvtier: load of %d blocks failed to start (%s); vLLM recomputes them", keys.size, e)
+            refs = np.full(keys.size, -1, dtype=np.int64)
         handle = None
         pos = np.zeros(0, dtype=np.int64)
         failed = bool(np.any(refs < 0))
@@ -196,7 +211,9 @@ class WorkerSide:
             self._fail()
             return False
         hbm = self.client.hbm
-        assert hbm is not None
+        if hbm is None:  # reclaimed meanwhile: the slots are not ours to read
+            self._fail()
+            return False
         rows = [hbm[int(sl)] for sl in slots.tolist()]
         if not all(torch.equal(self.geo.trailer(layer, r), ld.want[i]) for i, r in enumerate(rows)):
             log.warning("kvtier: a block's stored hash does not match (a 64-bit key collision); recomputed")
@@ -212,8 +229,8 @@ class WorkerSide:
         if ld is None:
             return
         ld.failed = True
+        self.tainted_until = self.step + TAINTED_STEPS - 1
         self.errors.update(ld.vids.tolist())
-        self.failed_reqs.update(t.req_id for t in ld.transfers)
         self.stats["failed_blocks"] += int(ld.vids.numel())
 
     def finish_load(self) -> None:
@@ -244,9 +261,11 @@ class WorkerSide:
         """Queue this step's new full blocks and save what the staging pool has room for."""
         now = time.monotonic()
         added = 0
+        tainted = self.step <= self.tainted_until
         for t in saves:
             self.saving.add(t.req_id)
-            if t.req_id in self.failed_reqs:
+            if tainted:  # computed while a failed load's blocks may have been read
+                self.stats["save_dropped_blocks"] += len(t.block_ids)
                 continue
             for vid, h, seg in zip(t.block_ids, t.hashes, t.segment or ["user"] * len(t.block_ids)):
                 self.queue.append(_Save(t.req_id, vid, h, seg, now, t.cont, t.span))
@@ -290,7 +309,14 @@ class WorkerSide:
     def _save_batch(self, batch: list[_Save]) -> bool:
         """True when the batch is done with (saved, or failed for good); False: no room yet."""
         hbm = self.client.hbm
-        assert hbm is not None
+        if hbm is None:  # reclaimed: nothing to stage into until ``reattach``
+            self.stats["save_dropped_blocks"] += len(batch)
+            return True
+        keys_all = block_keys([q.hash for q in batch])
+        _, first = np.unique(keys_all, return_index=True)
+        if first.size < len(batch):  # one hash twice in a batch (identical prompts): saved once
+            self.stats["save_dropped_blocks"] += len(batch) - first.size
+            batch = [batch[i] for i in np.sort(first).tolist()]
         try:
             blocks, slots = self.client.alloc(len(batch), pin=True, wait=False)
         except RequestRejected as e:

@@ -68,6 +68,21 @@ def test_batch_of_sequences(model, engine):
     tc.close()
 
 
+def test_batch_rows_sharing_a_prompt_hold_and_give_back_their_shared_blocks(model, engine):
+    client, layout = engine
+    row = torch.randint(0, 512, (1, 21), generator=torch.Generator().manual_seed(2))
+    ref, tc = DynamicCache(config=model.config), TieredCache(client, layout, batch_size=2)
+    nxt = step_both(model, torch.cat([row, row]), ref, tc)  # one prompt twice: the rows' first blocks fold
+    assert tc.rows[0].blocks[0] == tc.rows[1].blocks[0]
+    tc.deactivate()  # a pin per row, released per row
+    tc.activate()
+    for _ in range(3):
+        nxt = step_both(model, nxt, ref, tc)
+    tc.close()
+    (me,) = [e for e in client.stats()["engines"] if e["engine"] == client.engine_id]
+    assert me["live_blocks"] == 0 and me["pins"] == 0
+
+
 @pytest.mark.parametrize("sample", [False, True])
 def test_generate(model, engine, sample):
     client, layout = engine

@@ -73,9 +73,48 @@ def test_a_block_kvtier_does_not_hold_is_reported_and_saves_of_that_request_are_
     ws.finish_load()
     assert ws.take_errors() == {3, 4}
     ws.save([Transfer("r", [5], HS[5:])])  # computed on top of a failed load: not saved
-    ws.save([Transfer("s", [6], HS[4:5])])
+    ws.save([Transfer("s", [6], HS[4:5])])  # another request's, same step: it may share the failed blocks
     got, _ = c.lookup([block_key(HS[5]), block_key(HS[4])])
-    assert got[0] == -1 and got[1] >= 0
+    assert (got == -1).all()
+
+
+def test_saves_are_dropped_until_vllm_has_heard_of_a_failed_load(worker):
+    """vLLM learns of a failed load from the step's output, and with async scheduling the next
+    step is already scheduled: blocks computed in both may attend to bytes never loaded. A seal
+    would keep them for every later request (a correct re-save folds into the sealed copy)."""
+    kv, ws, c = worker
+    ws.start([Transfer("a", [1, 2], HS[:2])])  # kvtier holds neither: the load fails
+    ws.finish_load()
+    assert ws.take_errors() == {1, 2}
+    for t in kv.values():
+        t[:, 3] = 666.0  # another request computed block 3 on top of the failed blocks
+    ws.save([Transfer("b", [3], HS[2:3])])
+    ws.start([])  # the next step, scheduled before vLLM processed the failure
+    ws.finish_load()
+    for t in kv.values():
+        t[:, 4] = 777.0
+    ws.save([Transfer("a", [4], HS[3:4])])
+    ws.start([])  # vLLM has rewound both requests: what they compute now is sound
+    ws.finish_load()
+    for t in kv.values():
+        t[:, 3] = 1.0
+    ws.save([Transfer("b", [3], HS[2:3])])
+    got, _ = c.lookup([block_key(h) for h in HS[2:4]])
+    assert got[0] >= 0 and got[1] == -1
+    for t in kv.values():
+        t[:, 10] = 0
+    assert _load(ws, kv, [Transfer("c", [10], HS[2:3])]) == set()
+    assert all(bool((t[:, 10] == 1.0).all()) for t in kv.values())  # the recomputed bytes, not 666
+
+
+def test_one_hash_twice_in_a_save_batch_is_saved_once_and_nothing_leaks(worker):
+    kv, ws, c = worker
+    ws.save([Transfer("a", [1], HS[:1]), Transfer("b", [2], HS[:1])])  # identical prompts, one step
+    assert ws.stats["saved_blocks"] == 1 and ws.stats["save_dropped_blocks"] == 1
+    (me,) = [e for e in c.stats()["engines"] if e["engine"] == c.engine_id]
+    assert me["live_blocks"] == 0 and me["pins"] == 0  # the sealed block is cached, no one holds it
+    assert _load(ws, kv, [Transfer("c", [9], HS[:1])]) == set()
+    assert all(torch.equal(t[:, 9], t[:, 1]) for t in kv.values())
 
 
 def test_a_second_model_with_its_own_geometry_shares_the_daemon(worker):

@@ -1,0 +1,62 @@
+"""The engine-side client keeps nothing of a session the daemon has ended, and the daemon
+is never left holding what the client gave up on."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.bench.spawn import DaemonProcess
+from kvtier.client.tier_client import RequestRejected
+
+
+def _mine(client) -> dict:
+    (me,) = [e for e in client.stats()["engines"] if e["engine"] == client.engine_id]
+    return me
+
+
+def test_a_second_register_starts_afresh_with_no_stale_lease(tmp_path):
+    d = DaemonProcess(tmp_path, f"tiers.hbm_bytes={64 * 4096}", "tiers.dram_bytes=65536", "tiers.nvme_bytes=0",
+                      "tiers.max_blocks=64")
+    a, b = d.client(heartbeat_s=None), d.client(heartbeat_s=None)
+    try:
+        a.register(block_bytes=4096)
+        b.register(block_bytes=4096)
+        a.alloc(1)  # the client leases a few more blocks than it hands out
+        a.register(block_bytes=4096)  # the daemon takes back everything of the first session
+        theirs, _ = b.alloc(60, seq=1)  # another engine gets the freed ids
+        mine, _ = a.alloc(1, seq=1)
+        assert not set(mine.tolist()) & (set(theirs.tolist()) | set(b._lease))
+        assert _mine(a)["live_blocks"] == 1 + len(a._lease)  # what it holds: this session's blocks only
+        a.acquire(seqs=[1])
+        a.release(seqs=[1])
+        a.check()
+    finally:
+        a.close()
+        b.close()
+        assert d.stop() == 0
+
+
+def test_a_blocking_acquire_the_client_gives_up_on_leaves_no_pins(tmp_path):
+    d = DaemonProcess(tmp_path, "tiers.hbm_bytes=16384", "tiers.dram_bytes=65536", "tiers.nvme_bytes=0",
+                      "server.acquire_timeout_s=60")
+    a, b = d.client(timeout_s=1.0), d.client()
+    try:
+        a.register(block_bytes=4096)
+        b.register(block_bytes=4096)
+        x, _ = a.alloc(1, seq=1)
+        a.seal(x, [42])
+        a.free(seqs=[1])  # a cached block of key 42
+        b.alloc(4, seq=1, pin=True)  # all of HBM, pinned: key 42's block waits in DRAM
+        got = a.ref([42], seq=2)
+        with pytest.raises(RequestRejected) as e:  # the daemon was told the client's wait
+            a.acquire(blocks=got)
+        assert e.value.code == "timeout"
+        b.release(seqs=[1])  # room now: nothing finishes the given-up acquire behind the client's back
+        a.ping()
+        assert _mine(a)["pins"] == 0
+        a.free(seqs=[2])
+        a.check()
+    finally:
+        a.close()
+        b.close()
+        assert d.stop() == 0
