@@ -137,6 +137,12 @@ class TieredCache(Cache):
     def all_blocks(self) -> list[int]:
         return [b for r in self.rows for b in r.blocks]
 
+    def _settle(self) -> None:
+        """On a GPU the model's reads and writes of the pool are queued on the current stream:
+        they finish before a seal or a release lets the daemon move or reuse a slot."""
+        if self.pool.is_cuda:
+            torch.cuda.current_stream(self.pool.device).synchronize()
+
     def _each_hold(self) -> list[list[int]]:
         """Every row's blocks as requests without repeats: rows that share a prefix hold its
         blocks once each (a pin and a reference per row), and a request names a block once."""
@@ -187,6 +193,7 @@ class TieredCache(Cache):
     def deactivate(self) -> None:
         """Release the pins: the daemon may now demote these blocks while the sequence idles."""
         if self.active:
+            self._settle()
             for part in self._each_hold():
                 self.client.release(blocks=part)
         self.active = False
@@ -290,6 +297,7 @@ class TieredCache(Cache):
                 parent = chain_key(parent, payload, self.namespace)
                 keys.append(parent)
             blocks = [row.blocks[j] for j in todo]
+            self._settle()  # the step's writes are in the slots before the daemon may move them
             canon = self.client.seal(blocks, keys, seq=self.seq_ids[i]).tolist()
             for j, b, c in zip(todo, blocks, canon):
                 if c != b:  # an identical block existed: ours was folded into it; pin and map the shared one

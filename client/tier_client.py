@@ -4,11 +4,15 @@ One DEALER socket for RPC (guarded by a lock, so engine threads may share a
 client), one PUSH socket for fire-and-forget telemetry, and a heartbeat
 thread on its own socket. Block ids and keys travel as packed arrays. Errors:
 ``DaemonUnavailable`` (no daemon, or it went away), ``RequestTimeout`` and
-``RequestRejected`` (with the daemon's error code).
+``RequestRejected`` (with the daemon's error code). A request that changes what the
+engine holds and gets no reply ends the session on the client's side: the daemon may
+still carry it out, so the next call raises ``EngineReclaimed`` until ``reattach`` (or
+``register``) starts a new session, which takes back everything the old one held.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -23,8 +27,9 @@ import zmq
 
 from kvtier.protocol import wire as P
 from kvtier.protocol.runtime import default_runtime_dir, pid_namespace, read_info, read_token
-from kvtier.protocol.shm import attach_shm, release_shm
+from kvtier.protocol.shm import release_shm
 
+from .region import map_daemon_region
 from .replies import (
     AcquireHandle,
     DaemonUnavailable,
@@ -38,6 +43,9 @@ from .replies import (
 )
 
 log = logging.getLogger("kvtier.client")
+
+# requests that change what an engine holds: one whose reply is lost leaves the session unknown
+SESSION_OPS = frozenset({"alloc", "seal", "ref", "free", "acquire", "release"})
 
 if TYPE_CHECKING:  # torch is loaded when a region is mapped, so the CLI and a stats call never pay for it
     from multiprocessing.shared_memory import SharedMemory
@@ -109,7 +117,7 @@ class TierClient:
         payload = P.pack({"v": P.VERSION, "id": rid, "op": op, "engine": self.engine_id,
                           "args": {k: v for k, v in (args or {}).items() if v is not None}})
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        with self._lock if sock is None else _nolock():
+        with self._lock if sock is None else contextlib.nullcontext():
             s = sock or self._sock
             s.send_multipart([b"", payload])
             end = time.monotonic() + timeout
@@ -126,6 +134,8 @@ class TierClient:
                         self._sock = self._dealer()
                     if self.endpoint.startswith("ipc://") and not os.path.exists(self.endpoint[6:]):
                         raise DaemonUnavailable(f"the daemon at {self.endpoint} went away") from None
+                    if op in SESSION_OPS and self.info:
+                        self._forget_session(f"{op} got no reply within {timeout} s: what it changed is unknown")
                     raise RequestTimeout(f"{op}: no reply within {timeout} s") from None
                 reply = msgpack.unpackb(frames[-1], raw=False)
                 if reply.get("id") == rid:
@@ -140,10 +150,18 @@ class TierClient:
 
     def _reclaimed(self, message: str) -> None:
         """The daemon no longer knows us after we registered: stop writing anything."""
-        self.reclaimed = message or "reclaimed by the daemon"
-        self.hbm = None  # slot_view raises from now on; the segment stays mapped until close
-        self._hb_stop.set()
+        self._forget_session(message or "reclaimed by the daemon")
         raise EngineReclaimed("unknown_engine", self.reclaimed)
+
+    def _forget_session(self, why: str) -> None:
+        """This session is over for the client: no slot is written, no call made, until a
+        register starts a new one (the daemon then takes back all the old one held). Also
+        after a request that changes what the engine holds got no reply: the daemon may
+        still carry it out later (references and pins nobody would ever release), and a new
+        session is the one state both sides agree on."""
+        self.reclaimed = why
+        self.hbm = None  # slot_view raises from now on; the segment stays mapped until close
+        self._hb_stop.set()  # a daemon that never hears from us again reclaims the session itself
 
     # -- session -------------------------------------------------------------------
     def ping(self) -> dict:
@@ -174,20 +192,8 @@ class TierClient:
             args |= {"hbm_kind": "cuda_ipc", "hbm_handle": export_handle(hbm_tensor), "hbm_slots": int(hbm_slots)}
             self.hbm = hbm_tensor
         self.info = self._call("register", args)
-        slots, stride = self.info.get("hbm_slots", 0), self.info.get("slot_stride", 0)
-        if self.hbm is None and self.info.get("hbm_kind") == "shm" and self.info.get("hbm_name"):
-            import torch
-
-            self._shm = attach_shm(self.info["hbm_name"])
-            self.hbm = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=slots * stride).view(slots, stride) \
-                if slots else torch.empty(0, stride, dtype=torch.uint8)
-        elif self.hbm is None and self.info.get("hbm_kind") == "cuda" and self.info.get("hbm_handle"):
-            from kvtier.protocol.cuda_ipc import import_handle  # the daemon's own device pool, mapped over CUDA IPC
-
-            try:
-                self.hbm = import_handle(self.info["hbm_handle"])[: slots * stride].view(slots, stride)
-            except Exception as e:
-                raise KvtierError(f"cannot map the daemon's CUDA HBM pool: {e}") from None
+        if self.hbm is None:
+            self.hbm, self._shm = map_daemon_region(self.info)
         # a lease holds HBM slots idle: keep it a small fraction of the pool
         self.lease_size = min(self.lease_size, int(self.info.get("hbm_slots", 0)) // 16)
         if self.heartbeat_s and (self._hb_thread is None or not self._hb_thread.is_alive()):
@@ -395,14 +401,6 @@ class TierClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _nolock:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 __all__ = ["pack_keys", "TierClient", "AcquireHandle", "KvtierError", "DaemonUnavailable", "RequestTimeout",

@@ -128,6 +128,7 @@ class AsyncLoads:
         for li in layers:
             for vid, r in zip(p.vids, rows):
                 self.geo.load(li, vid, r)
+        self.geo.settle()  # the copies are done before the release hands the slots back
         return True
 
     def _fail(self, rid: str, vids: list[int], refs: np.ndarray) -> None:

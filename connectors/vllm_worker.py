@@ -96,6 +96,14 @@ class Geometry:
         x = self.layers[layer]
         x.tensor.select(x.bdim, vid).copy_(self.view_part(layer, row))
 
+    def settle(self) -> None:
+        """Wait for this process's copies between vLLM's KV and the staging slots. On a GPU
+        they are queued on the current stream; a seal or a release hands the slot to the
+        daemon, which may then demote or reuse it before the queued copy ran."""
+        t = self.layers[0].tensor
+        if t.is_cuda:
+            torch.cuda.current_stream(t.device).synchronize()
+
     def trailer(self, layer: int, row: torch.Tensor) -> torch.Tensor:
         off = layer * self.part + self.layers[layer].nbytes
         return row[off:off + DIGEST_BYTES]
@@ -243,6 +251,7 @@ class WorkerSide:
         try:
             if ld.handle is not None:  # our pins: wait for the acquire to settle, then let them go
                 ld.handle.wait(self.timeout_s)
+                self.geo.settle()  # the copies out of the staging slots are done before they go
                 self.client.release(blocks=np.unique(ld.blocks))
                 if not ld.failed:
                     self.stats["loaded_blocks"] += int(ld.vids.numel())
@@ -337,6 +346,7 @@ class WorkerSide:
             for layer in range(len(self.geo.layers)):
                 self.geo.save(layer, q.vid, row)
                 self.geo.trailer(layer, row).copy_(trailer[i])
+        self.geo.settle()  # every byte is in the slots before the daemon may move them
         try:
             canon = self.client.seal(blocks, block_keys(hashes))
             self.client.release(blocks=canon[canon == blocks])  # a folded block's pins went with it

@@ -274,4 +274,5 @@ class Prefetcher:
         return int(cand.size)
 
 
-__all__ = ["Pending", "AllocWaiter", "Waiter", "progress", "failure", "unpin_waiter", "promote_missing", "Prefetcher", "source_tiers"]
+__all__ = ["Pending", "AllocWaiter", "Waiter", "progress", "failure", "unpin_waiter", "promote_missing", "Prefetcher",
+           "source_tiers"]

@@ -3,10 +3,14 @@ is never left holding what the client gave up on."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 
 from kvtier.bench.spawn import DaemonProcess
-from kvtier.client.tier_client import RequestRejected
+from kvtier.client.tier_client import EngineReclaimed, RequestRejected, RequestTimeout
 
 
 def _mine(client) -> dict:
@@ -59,4 +63,30 @@ def test_a_blocking_acquire_the_client_gives_up_on_leaves_no_pins(tmp_path):
     finally:
         a.close()
         b.close()
+        assert d.stop() == 0
+
+
+def test_a_request_whose_reply_is_lost_ends_the_session_and_a_new_one_holds_nothing_of_it(tmp_path):
+    d = DaemonProcess(tmp_path, "tiers.hbm_bytes=16384", "tiers.dram_bytes=65536", "tiers.nvme_bytes=0")
+    a = d.client(timeout_s=0.5)
+    try:
+        a.register(block_bytes=4096)
+        x, _ = a.alloc(1, seq=1)
+        a.seal(x, [7])
+        os.kill(d.proc.pid, signal.SIGSTOP)  # the daemon stalls past the client's timeout
+        try:
+            with pytest.raises(RequestTimeout):
+                a.acquire(seqs=[1])
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)  # ... then carries the acquire out: a pin nobody knows of
+        with pytest.raises(EngineReclaimed):  # the client does not go on as if nothing happened
+            a.release(seqs=[1])
+        deadline = time.monotonic() + 10
+        while not a.reattach() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        me = _mine(a)
+        assert me["pins"] == 0 and me["live_blocks"] == len(a._lease)  # the old session's holdings are gone
+        a.check()
+    finally:
+        a.close()
         assert d.stop() == 0

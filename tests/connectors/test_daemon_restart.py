@@ -13,6 +13,8 @@ from kvtier.bench.spawn import DaemonProcess
 from kvtier.connectors.vllm_scheduler import SchedulerSide, Transfer
 from kvtier.connectors.vllm_worker import Geometry, WorkerSide
 
+from .test_worker import _load as _step  # one vLLM step: start, every layer, finish
+
 NB, BS, H, D, L = 16, 8, 2, 4, 3
 HS = [hashlib.sha256(f"block-{i}".encode()).digest() for i in range(4)]
 SIZES = (f"tiers.hbm_bytes={8 * 4096 * 2}", f"tiers.dram_bytes={4 * 4096 * 2}", f"tiers.nvme_bytes={32 * 4096 * 3}")
@@ -20,14 +22,6 @@ SIZES = (f"tiers.hbm_bytes={8 * 4096 * 2}", f"tiers.dram_bytes={4 * 4096 * 2}", 
 
 def _request(rid: str, blocks: int = 3) -> SimpleNamespace:
     return SimpleNamespace(request_id=rid, block_hashes=HS[:blocks], num_tokens=blocks * BS + 1)
-
-
-def _step(ws: WorkerSide, kv: dict, loads: list) -> set[int]:
-    ws.start(loads)
-    for name in kv:
-        ws.wait_layer(name)
-    ws.finish_load()
-    return ws.take_errors()
 
 
 def test_the_connector_computes_while_the_daemon_is_away_and_takes_it_up_again(tmp_path):

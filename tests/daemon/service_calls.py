@@ -10,6 +10,16 @@ from kvtier.daemon.service import Service
 from kvtier.protocol import wire as P
 
 
+class Clock:
+    """A settable clock for ``Service(clock=...)``: tests move time by hand."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
 def call(svc: Service, op: str, engine: str = "e", **args: Any) -> Any:
     """Encode, decode and handle one request exactly as the server would."""
     req, a = P.decode_request(P.pack({"v": 1, "id": 1, "op": op, "engine": engine, "args": args}), 1 << 20)

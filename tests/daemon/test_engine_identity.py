@@ -15,17 +15,9 @@ from kvtier.daemon.service import Service
 from kvtier.protocol import wire as P
 from kvtier.tiers.types import DRAM, HBM
 
-from .service_calls import call, ids
+from .service_calls import Clock, call, ids
 
 BB = 4096
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @pytest.fixture
