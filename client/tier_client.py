@@ -88,6 +88,7 @@ class TierClient:
         self.info: dict = {}
         self.reclaimed = ""  # why, once the daemon took this engine's blocks back
         self._registration: dict[str, Any] = {}  # the last register's arguments (``reattach``)
+        self.session = 0  # counts registers: what a session's handles check before they call
         self._next_reattach = 0.0
         self.hbm: Optional["torch.Tensor"] = None
         self._shm: Optional[SharedMemory] = None
@@ -107,8 +108,10 @@ class TierClient:
               sock: Optional[zmq.Socket] = None) -> dict:
         if self.closed:
             raise KvtierError("client is closed")
-        if self.reclaimed and op != "register":
+        if self.reclaimed and op not in P.NO_ENGINE_OPS:  # ping, stats and a new register still go
             raise EngineReclaimed("unknown_engine", self.reclaimed)
+        if self.endpoint.startswith("ipc://") and not os.path.exists(self.endpoint[6:]):
+            raise DaemonUnavailable(f"no daemon at {self.endpoint}")  # at once: an engine never waits on none
         rid = next(self._ids)
         if op in P.ADMIN_OPS or op == "stats":  # the owner's capability, where this process can read it
             token = read_token(self.runtime_dir)
@@ -129,9 +132,9 @@ class TierClient:
                     s.setsockopt(zmq.RCVTIMEO, int(left * 1000) + 1)
                     frames = s.recv_multipart()
                 except zmq.Again:
-                    if sock is None:  # resynchronise: a late reply must not be read as the next one's
-                        s.close(0)
-                        self._sock = self._dealer()
+                    # the socket stays: a late reply is skipped by its id, and one connection keeps
+                    # requests in order, so a lost request reaches the daemon before the register
+                    # that starts the next session (a new socket's register could overtake it)
                     if self.endpoint.startswith("ipc://") and not os.path.exists(self.endpoint[6:]):
                         raise DaemonUnavailable(f"the daemon at {self.endpoint} went away") from None
                     if op in SESSION_OPS and self.info:
@@ -161,7 +164,8 @@ class TierClient:
         session is the one state both sides agree on."""
         self.reclaimed = why
         self.hbm = None  # slot_view raises from now on; the segment stays mapped until close
-        self._hb_stop.set()  # a daemon that never hears from us again reclaims the session itself
+        # (heartbeats pause while ``reclaimed`` is set: a daemon that never hears from us again
+        # reclaims the session itself)
 
     # -- session -------------------------------------------------------------------
     def ping(self) -> dict:
@@ -192,12 +196,12 @@ class TierClient:
             args |= {"hbm_kind": "cuda_ipc", "hbm_handle": export_handle(hbm_tensor), "hbm_slots": int(hbm_slots)}
             self.hbm = hbm_tensor
         self.info = self._call("register", args)
+        self.reclaimed = ""
         if self.hbm is None:
             self.hbm, self._shm = map_daemon_region(self.info)
         # a lease holds HBM slots idle: keep it a small fraction of the pool
         self.lease_size = min(self.lease_size, int(self.info.get("hbm_slots", 0)) // 16)
-        if self.heartbeat_s and (self._hb_thread is None or not self._hb_thread.is_alive()):
-            self._hb_stop.clear()  # a reclaimed session's heartbeat had stopped
+        if self.heartbeat_s and self._hb_thread is None:  # one thread for every session: it skips gaps
             self._hb_thread = threading.Thread(target=self._heartbeat, name="kvtier-heartbeat", daemon=True)
             self._hb_thread.start()
         return self.info
@@ -224,7 +228,9 @@ class TierClient:
         and a daemon that restarted serves another HBM region than the one mapped before."""
         self._lease.clear()
         self._lease_slot.clear()
-        self.reclaimed = ""
+        self.info = {}
+        self.reclaimed = "not registered: a register is under way or failed"  # ``reattach`` tries again
+        self.session += 1  # handles of the old session never act in this one
         if not own_region:
             self.hbm = None
             if self._shm is not None:
@@ -235,14 +241,14 @@ class TierClient:
         sock = self._dealer()
         try:
             while not self._hb_stop.wait(self.heartbeat_s):
+                if self.reclaimed:  # no session now (``reattach`` or ``register`` starts the next)
+                    continue
                 try:
                     self._call("heartbeat", timeout_s=max(1.0, self.heartbeat_s or 1.0), sock=sock)
                 except RequestTimeout:
                     sock.close(0)
                     sock = self._dealer()
-                except EngineReclaimed:
-                    return  # the next call on the client raises it too
-                except KvtierError:
+                except KvtierError:  # reclaimed (the next call on the client raises it too), or no daemon
                     pass
         finally:
             sock.close(0)
@@ -315,7 +321,16 @@ class TierClient:
         r = self._call("acquire", {"blocks": pack_ids(blocks), "keys": pack_keys(keys),
                                    "seqs": list(seqs) if seqs is not None else None, "timeout_s": timeout_s,
                                    "wait": False})
-        return AcquireHandle(self._call, r, 0)
+        return AcquireHandle(self._session_call(self.session), r, 0)
+
+    def _session_call(self, session: int) -> Any:
+        """The RPC for a handle of ``session``: refused once another session began (a restarted
+        daemon numbers its tickets afresh, so an old ticket could name a new session's acquire)."""
+        def call(op: str, args: Optional[dict] = None, **kw: Any) -> dict:
+            if session != self.session:
+                raise EngineReclaimed("unknown_engine", f"{op}: the session this was started in is over")
+            return self._call(op, args, **kw)
+        return call
 
     def release(self, blocks: Optional[ArrayLike] = None, seqs: Optional[Sequence[int]] = None) -> int:
         return self._call("release", {"blocks": pack_ids(blocks), "seqs": list(seqs) if seqs else None})["released"]

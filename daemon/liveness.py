@@ -38,7 +38,18 @@ def pid_alive(pid: int) -> bool:
         return False
     except (PermissionError, OverflowError):
         return True
-    return True
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """Has ``pid`` exited, its parent not yet reaped it? It writes nothing any more, though
+    ``kill(pid, 0)`` still finds it (no /proc: judged alive, as before)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2: stat.rfind(b")") + 3] == b"Z"  # the state follows "(comm) "
 
 
 @dataclass

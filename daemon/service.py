@@ -159,7 +159,9 @@ class Service:
                  else self.clock() - old.last_seen <= self.cfg.server.heartbeat_timeout_s)
         if alive:
             raise ProtocolError(P.CONFLICT, f"engine id {engine_id!r} is in use by another live process (pid "
-                                            f"{old.pid}): give each engine a unique id")
+                                            f"{old.pid}): give each engine a unique id (a process the daemon "
+                                            "cannot see counts as live until it has been silent "
+                                            f"{self.cfg.server.heartbeat_timeout_s:g} s)")
 
     def _start_node(self, args: Any) -> Node:
         node = build_node(self.cfg, args, self.clock)

@@ -90,3 +90,34 @@ def test_a_request_whose_reply_is_lost_ends_the_session_and_a_new_one_holds_noth
     finally:
         a.close()
         assert d.stop() == 0
+
+
+def test_a_failed_register_leaves_the_client_unregistered_and_old_handles_dead(tmp_path):
+    d = DaemonProcess(tmp_path, "tiers.hbm_bytes=16384", "tiers.dram_bytes=65536", "tiers.nvme_bytes=0")
+    a, b = d.client(heartbeat_s=None), d.client(heartbeat_s=None)
+    try:
+        a.register(block_bytes=4096)
+        b.register(block_bytes=4096)
+        x, _ = a.alloc(1, seq=1)
+        a.seal(x, [5])
+        a.free(seqs=[1])
+        b.alloc(4, seq=1, pin=True)  # HBM full: key 5's block waits in DRAM
+        handle = a.acquire_async(blocks=a.ref([5], seq=2))
+        assert not handle.done
+        with pytest.raises(RequestRejected) as e:  # larger than the daemon's slots: refused
+            a.register(block_bytes=8192)
+        assert e.value.code == "conflict"
+        assert a.info == {} and a.reclaimed  # not the old session, whatever the daemon still holds
+        with pytest.raises(EngineReclaimed):
+            a.ref([5])
+        assert a.ping()["pong"]  # what needs no session still goes
+        a.register(block_bytes=4096)  # a new session: the old one's handle never acts in it
+        with pytest.raises(EngineReclaimed):
+            handle.poll()
+        b.release(seqs=[1])
+        assert _mine(a)["pins"] == 0 and _mine(a)["live_blocks"] == len(a._lease)
+        a.check()
+    finally:
+        a.close()
+        b.close()
+        assert d.stop() == 0

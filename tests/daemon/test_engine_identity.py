@@ -4,6 +4,9 @@ was made for (not whatever takes its id), and a free drops every reference it na
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -124,6 +127,22 @@ def test_a_dead_process_id_is_taken_over_at_once(env):
     call(svc, "alloc", "e", n=2, seq=1, pin=True)
     _register(svc, "e")
     assert svc.node.mgr.table.n_live_entries() == 0
+
+
+def test_an_exited_process_not_yet_reaped_gives_its_id_up(env):
+    svc, _ = env
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        for _ in range(100):  # exited, not reaped: kill(pid, 0) still finds it
+            if open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+            time.sleep(0.05)
+        _register(svc, "e", pid=child.pid)
+        call(svc, "alloc", "e", n=2, seq=1, pin=True)
+        _register(svc, "e")  # a restart of the engine: not refused as a second live process
+        assert svc.node.mgr.table.n_live_entries() == 0
+    finally:
+        child.wait()
 
 
 def test_a_register_refused_late_leaves_the_old_session_whole(env, monkeypatch):
