@@ -26,7 +26,7 @@ import numpy as np
 import zmq
 
 from kvtier.protocol import wire as P
-from kvtier.protocol.runtime import default_runtime_dir, pid_namespace, read_info, read_token
+from kvtier.protocol.runtime import default_runtime_dir, pid_namespace, read_token
 from kvtier.protocol.shm import release_shm
 
 from .region import map_daemon_region
@@ -41,6 +41,7 @@ from .replies import (
     pack_keys,
     unpack_ids,
 )
+from .telemetry import TelemetrySender, resolve_endpoints
 
 log = logging.getLogger("kvtier.client")
 
@@ -62,24 +63,14 @@ class TierClient:
         self.runtime_dir = runtime_dir or default_runtime_dir()
         self.engine_id = engine_id or f"engine-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.timeout_s = timeout_s
-        if endpoint is None:
-            try:
-                info = read_info(self.runtime_dir)
-            except FileNotFoundError:
-                raise DaemonUnavailable(f"no kvtier daemon in {self.runtime_dir} (start one with `kvtier serve`)") \
-                    from None
-            endpoint = info["rpc"]
-            self.telemetry_endpoint: Optional[str] = info.get("telemetry")
-            self.events_endpoint: Optional[str] = info.get("events")
-        else:
-            self.telemetry_endpoint = endpoint.replace("rpc.sock", "telemetry.sock") if "rpc.sock" in endpoint else None
-            self.events_endpoint = endpoint.replace("rpc.sock", "events.sock") if "rpc.sock" in endpoint else None
+        ends = resolve_endpoints(endpoint, self.runtime_dir)
+        endpoint, self.telemetry_endpoint, self.events_endpoint = ends.rpc, ends.telemetry, ends.events
         if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://"):]):
             raise DaemonUnavailable(f"no daemon socket at {endpoint}")
         self.endpoint = endpoint
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._dealer()
-        self._push: Optional[zmq.Socket] = None
+        self.telemetry = TelemetrySender(self.ctx, self.telemetry_endpoint, self.engine_id)
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._lease: list[int] = []
@@ -358,35 +349,19 @@ class TierClient:
         """Ask the daemon to verify its metadata invariants (raises RequestRejected if broken)."""
         return self._call("check")
 
-    # -- telemetry ---------------------------------------------------------------------------
-    def _telemetry(self, msg: dict) -> None:
-        if self._push is None:
-            if not self.telemetry_endpoint:
-                raise KvtierError("no telemetry endpoint known")
-            self._push = self.ctx.socket(zmq.PUSH)
-            self._push.setsockopt(zmq.LINGER, 1000)
-            self._push.setsockopt(zmq.SNDHWM, 10000)
-            self._push.connect(self.telemetry_endpoint)
-        try:
-            self._push.send(msgpack.packb(msg, use_bin_type=True), zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # fire-and-forget: a full queue drops telemetry, never blocks the engine
-
+    # -- telemetry (fire-and-forget) -----------------------------------------------------------
     def report_attention(self, blocks: ArrayLike, mass: "np.ndarray | Sequence[float]") -> None:
         """Attention mass per block of one sequence for the last step (fire-and-forget)."""
-        self._telemetry({"v": P.VERSION, "engine": self.engine_id, "kind": "attention", "blocks": pack_ids(blocks),
-                         "mass": np.ascontiguousarray(mass, dtype="<f4").tobytes()})
+        self.telemetry.send("attention", blocks, mass=np.ascontiguousarray(mass, dtype="<f4").tobytes())
 
     def report_segment(self, blocks: ArrayLike, tag: str) -> None:
-        self._telemetry({"v": P.VERSION, "engine": self.engine_id, "kind": "segment", "blocks": pack_ids(blocks),
-                         "tag": tag})
+        self.telemetry.send("segment", blocks, tag=tag)
 
     def report_class(self, blocks: ArrayLike, cont: bool, span: int) -> None:
         """The request features of sealed blocks the daemon cannot see itself (an engine that
         does not alloc by ``seq``): does the request continue a conversation, and how many new
         blocks it adds. The predictor's class of each block follows them."""
-        self._telemetry({"v": P.VERSION, "engine": self.engine_id, "kind": "class", "blocks": pack_ids(blocks),
-                         "cont": bool(cont), "span": int(span)})
+        self.telemetry.send("class", blocks, cont=bool(cont), span=int(span))
 
     # -- teardown ----------------------------------------------------------------------------
     def close(self, unregister: bool = True) -> None:
@@ -407,9 +382,8 @@ class TierClient:
         if self._shm is not None:
             release_shm(self._shm, unlink=False)
             self._shm = None
-        for s in (self._sock, self._push):
-            if s is not None:
-                s.close(0)
+        self._sock.close(0)
+        self.telemetry.close()
 
     def __enter__(self) -> "TierClient":
         return self
