@@ -36,6 +36,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.client.tier_client import TierClient
 
 from .keys import DIGEST_BYTES
+from .tp_taint import tensor_parallel_agreement
 from .vllm_async import AsyncLoads
 from .vllm_scheduler import SchedulerSide, Transfer
 from .vllm_worker import Geometry, WorkerSide
@@ -162,7 +163,7 @@ class KVTierConnector(KVConnectorBase_V1):
                         namespace=self._namespace(stage, rank))
         self.asyncs = AsyncLoads(client, geo, self._load_timeout_s)
         self.worker = WorkerSide(client, geo, timeout_s=self._load_timeout_s, save_timeout_s=self._save_timeout_s,
-                                 idle=self.asyncs.poll)
+                                 idle=self.asyncs.poll, agree=tensor_parallel_agreement())
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self.worker is not None and isinstance(kv_connector_metadata, KVTierMetadata):

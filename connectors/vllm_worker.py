@@ -38,6 +38,7 @@ from kvtier.client.tier_client import TierClient
 from kvtier.protocol.wire import NO_SPACE
 
 from .keys import DIGEST_BYTES, block_keys, digests
+from .tp_taint import Agreement
 from .vllm_scheduler import Transfer
 
 log = logging.getLogger("kvtier.connectors.vllm")
@@ -47,7 +48,6 @@ log = logging.getLogger("kvtier.connectors.vllm")
 # blocks computed meanwhile (the request's next chunk, another request sharing the bad blocks)
 # attend to bytes that were never loaded, and a seal would keep them for every later request
 TAINTED_STEPS = 2
-
 
 @dataclass
 class _Layer:
@@ -134,12 +134,14 @@ class _Save:
 
 class WorkerSide:
     def __init__(self, client: TierClient, geometry: Geometry, timeout_s: float = 30.0,
-                 save_timeout_s: float = 10.0, idle: Optional[Callable[[], None]] = None) -> None:
+                 save_timeout_s: float = 10.0, idle: Optional[Callable[[], None]] = None,
+                 agree: Optional[Agreement] = None) -> None:
         self.client = client
         self.geo = geometry
         self.timeout_s = timeout_s
         self.save_timeout_s = save_timeout_s
         self.idle = idle                    # run while a sync load waits (async loads finish meanwhile)
+        self.agree = agree                  # tensor-parallel peers' load failures (``Agreement``)
         self.load: Optional[_Load] = None
         self.errors: set[int] = set()       # vLLM blocks that could not be loaded (reported once)
         self.queue: deque[_Save] = deque()  # saves waiting for staging room, in order
@@ -149,6 +151,7 @@ class WorkerSide:
                       "save_queued_blocks": 0, "save_dropped_blocks": 0}
         self.step = 0
         self.tainted_until = -1  # the last step whose saves are dropped (``TAINTED_STEPS``)
+        self.failed_step = -1    # the last step whose load failed on this rank
         max_batch = max(1, int(client.info.get("hbm_slots", 2)) // 2)
         self.save_batch = max_batch
 
@@ -237,6 +240,7 @@ class WorkerSide:
         if ld is None:
             return
         ld.failed = True
+        self.failed_step = self.step
         self.tainted_until = self.step + TAINTED_STEPS - 1
         self.errors.update(ld.vids.tolist())
         self.stats["failed_blocks"] += int(ld.vids.numel())
@@ -266,8 +270,22 @@ class WorkerSide:
         return out
 
     # -- save ---------------------------------------------------------------------
+    def agree_on_taint(self) -> None:
+        """Once a step, on every rank after its loads: a failure on any rank taints all of them.
+        A collective that fails taints too (its peers may have failed)."""
+        if self.agree is None:
+            return
+        try:
+            any_failed = self.agree(self.failed_step == self.step)
+        except Exception as e:  # noqa: BLE001 - a broken group must not stop the engine's step
+            log.warning("kvtier: tensor-parallel taint agreement failed (%s); this step's saves are dropped", e)
+            any_failed = True
+        if any_failed:
+            self.tainted_until = max(self.tainted_until, self.step + TAINTED_STEPS - 1)
+
     def save(self, saves: list[Transfer]) -> None:
         """Queue this step's new full blocks and save what the staging pool has room for."""
+        self.agree_on_taint()
         now = time.monotonic()
         added = 0
         tainted = self.step <= self.tainted_until

@@ -1,0 +1,44 @@
+"""Tensor-parallel ranks agree, once a step, on whether any rank's KV load failed.
+
+A rank whose own load failed drops the saves of the steps that may have read the bytes it
+never loaded (``vllm_worker.TAINTED_STEPS``). Its peers' loads may have succeeded, but the
+all-reduce after attention mixes every rank's heads into every rank's activations, so the
+KV they compute for that request in those steps is as wrong as the failed rank's: sealed,
+it would be served to every later request with that prefix. One collective at the same
+point of every rank's step (``WorkerSide.save``) makes the taint the group's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+# (did this rank's load fail this step?) -> did any rank's
+Agreement = Callable[[bool], bool]
+
+
+def any_rank_failed(group: Any) -> Agreement:
+    """An ``Agreement`` by one MAX all-reduce of a flag over ``group`` (a torch.distributed
+    process group: vLLM's tensor-parallel CPU group, so no device sync)."""
+    def agree(failed: bool) -> bool:
+        flag = torch.tensor([int(failed)], dtype=torch.int32)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+    return agree
+
+
+def tensor_parallel_agreement() -> Optional[Agreement]:
+    """The ``Agreement`` of this vLLM worker's tensor-parallel group, or None at TP 1.
+    Pipeline stages are not joined: a stage reaches its save before it sends the next stage
+    its activations, so a collective across stages would deadlock. A failed load on one
+    stage still taints later stages' KV of that request (README, "Left")."""
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+    except Exception:  # noqa: BLE001 - no model-parallel group (not a vLLM worker)
+        return None
+    if int(group.world_size) <= 1:
+        return None
+    return any_rank_failed(group.cpu_group)
