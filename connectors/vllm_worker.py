@@ -49,6 +49,7 @@ log = logging.getLogger("kvtier.connectors.vllm")
 # attend to bytes that were never loaded, and a seal would keep them for every later request
 TAINTED_STEPS = 2
 
+
 @dataclass
 class _Layer:
     name: str
