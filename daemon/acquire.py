@@ -16,13 +16,12 @@ from typing import Any, Optional
 
 import numpy as np
 
+from kvtier.tiers.integrity import MAX_READ_FAILURES
 from kvtier.tiers.manager import TierManager
 from kvtier.tiers.types import DRAM, HBM, Tier
 
 from .placement import Placement
 from .session import EngineSession
-
-MAX_IO_FAILURES = 3  # failed reads of one block before its acquire gives up with an error
 
 
 class Pending:
@@ -92,7 +91,7 @@ def promote_missing(mgr: TierManager, placement: Placement, blocks: np.ndarray, 
     promotions started.
     """
     t = mgr.table
-    idle = ~t.moving(blocks) & ~mgr.corrupt[blocks] & (mgr.io_failures[blocks] < MAX_IO_FAILURES)
+    idle = ~t.moving(blocks) & ~mgr.corrupt[blocks] & (mgr.io_failures[blocks] < MAX_READ_FAILURES)
     missing = blocks[idle & ((t.copies[blocks] >> HBM) & 1 == 0)]
     if budget is not None:
         missing = missing[:budget]
@@ -114,21 +113,29 @@ def promote_missing(mgr: TierManager, placement: Placement, blocks: np.ndarray, 
     return started
 
 
-def progress(w: Waiter, mgr: TierManager, placement: Placement, chunks: int = 1) -> None:
-    """Pin what is resident, promote what is not (never blocks)."""
-    t = mgr.table
+def pin_landed(w: Waiter, mgr: TierManager) -> np.ndarray:
+    """Pin the waiter's blocks that are resident in HBM now; returns those still missing.
+    Run for every waiter as soon as completions land, before anything may make room: a
+    landed block is not pinned yet, so another waiter's promotion could evict it and reuse
+    its slot, which a layer-wise acquire has already been told to read."""
     todo = np.flatnonzero(~w.pinned)
     if todo.size == 0 or w.vanished(mgr) is not None:  # the caller fails it (``failure``)
-        return
+        return w.blocks[:0]
     blocks = w.blocks[todo]
-    ready = t.idle_in(blocks, HBM)
+    ready = mgr.table.idle_in(blocks, HBM)
     if ready.any():
         idx = todo[ready]
         w.slots[idx] = mgr.pin_many(w.blocks[idx])
         w.pinned[idx] = True
         w.session.pins.add(w.blocks[idx])
-    if not ready.all():
-        promote_missing(mgr, placement, blocks[~ready], chunks=chunks)
+    return blocks[~ready]
+
+
+def progress(w: Waiter, mgr: TierManager, placement: Placement, chunks: int = 1) -> None:
+    """Pin what is resident, promote what is not (never blocks)."""
+    missing = pin_landed(w, mgr)
+    if missing.size:
+        promote_missing(mgr, placement, missing, chunks=chunks)
 
 
 def unservable(blocks: np.ndarray, mgr: TierManager) -> "tuple[str, str] | None":
@@ -137,11 +144,11 @@ def unservable(blocks: np.ndarray, mgr: TierManager) -> "tuple[str, str] | None"
     if bad.any():
         b = int(blocks[np.argmax(bad)])
         return "corrupt", f"block {b}: its only copy failed its checksum ({mgr.last_errors.get(b, '')}); not served"
-    failed = mgr.io_failures[blocks] >= MAX_IO_FAILURES
+    failed = mgr.io_failures[blocks] >= MAX_READ_FAILURES
     failed &= (mgr.table.copies[blocks] & 1) == 0
     if failed.any():
         b = int(blocks[np.argmax(failed)])
-        return "io_error", f"block {b}: {MAX_IO_FAILURES} reads failed, last: {mgr.last_errors.get(b, '')}"
+        return "io_error", f"block {b}: {MAX_READ_FAILURES} reads failed, last: {mgr.last_errors.get(b, '')}"
     return None
 
 
@@ -166,7 +173,9 @@ class Prefetcher:
     def __init__(self, budget_bytes_per_s: float, block_bytes: int, max_blocks: int) -> None:
         self.budget_bytes_per_s = float(budget_bytes_per_s)
         self.block_bytes = block_bytes
-        self._heap: list[tuple[float, int, np.ndarray]] = []
+        # (deadline, order, blocks, their generations): a hinted id freed meanwhile is skipped,
+        # not promoted as whatever block took the id
+        self._heap: list[tuple[float, int, np.ndarray, np.ndarray]] = []
         self._seq = itertools.count()
         self._tokens = 0.0
         self._last: Optional[float] = None
@@ -209,9 +218,9 @@ class Prefetcher:
             if state == 2:
                 self.speculative_wasted += 1
 
-    def hint(self, blocks: np.ndarray, deadline: float) -> None:
+    def hint(self, blocks: np.ndarray, deadline: float, generations: np.ndarray) -> None:
         if blocks.size:
-            heapq.heappush(self._heap, (deadline, next(self._seq), blocks))
+            heapq.heappush(self._heap, (deadline, next(self._seq), blocks, generations))
             self.hinted += int(blocks.size)
 
     def __len__(self) -> int:
@@ -230,9 +239,11 @@ class Prefetcher:
         started = 0
         t = mgr.table
         while self._heap:
-            deadline, _, blocks = self._heap[0]
-            alive = blocks[t.state[blocks] != 0]
-            wanted = alive[t.idle_outside(alive, HBM)]
+            deadline, _, blocks, gens = self._heap[0]
+            same = t.generation[blocks] == gens
+            alive, gens = blocks[same], gens[same]
+            keep = t.idle_outside(alive, HBM)
+            wanted, gens = alive[keep], gens[keep]
             if wanted.size == 0:
                 heapq.heappop(self._heap)
                 continue
@@ -242,7 +253,7 @@ class Prefetcher:
                 break  # no budget or no room: retry on the next idle turn
             self._tokens = max(0.0, self._tokens - n * self.block_bytes)
             started += n
-            heapq.heapreplace(self._heap, (deadline, next(self._seq), wanted))  # re-filtered next turn
+            heapq.heapreplace(self._heap, (deadline, next(self._seq), wanted, gens))  # re-filtered next turn
         self.started += started
         return started
 
@@ -274,5 +285,5 @@ class Prefetcher:
         return int(cand.size)
 
 
-__all__ = ["Pending", "AllocWaiter", "Waiter", "progress", "failure", "unpin_waiter", "promote_missing", "Prefetcher",
-           "source_tiers"]
+__all__ = ["Pending", "AllocWaiter", "Waiter", "pin_landed", "progress", "failure", "unpin_waiter",
+           "promote_missing", "Prefetcher", "source_tiers"]

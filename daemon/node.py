@@ -109,6 +109,13 @@ class Node:
         for pol in self.placement.policies.values():
             pol.set_weights(blocks, w)
 
+    def layer_parts(self, block_bytes: int, layout: dict) -> int:
+        """Layer parts an engine may read a promotion by: layer-wise progress is counted in
+        the first engine's layer parts, so only an engine of that geometry gets them; any
+        other reads whole blocks (1 part)."""
+        same = block_bytes == self.mgr.block_bytes and layout.get("layers", 1) == self.layers
+        return self.layers if same else 1
+
     def hbm_info(self) -> dict:
         """What an engine needs to map HBM: the region's kind, name or handle, and geometry."""
         mgr = self.mgr

@@ -19,7 +19,7 @@ from kvtier.protocol import wire as P
 from kvtier.protocol.wire import ProtocolError
 from kvtier.tiers.types import HBM, Tier
 
-from .acquire import Waiter, failure, progress, source_tiers, unpin_waiter, unservable
+from .acquire import Waiter, failure, pin_landed, progress, source_tiers, unpin_waiter, unservable
 from .block_ops import refuse_refs_only
 from .node import Node
 from .session import EngineSession
@@ -130,10 +130,18 @@ class ResidencyOps:
         """Per block of a waiting acquire: pinned, layers landed so far, and its HBM slot
         (reserved already for blocks in flight, so layer l may be read once it landed)."""
         t = self.node.mgr.table
-        layers = self.node.mgr.parts_ready(w.blocks, self.node.layers)
+        parts = self.node.layer_parts(w.session.block_bytes, w.session.layout)  # what register told it
+        layers = self.node.mgr.parts_ready(w.blocks, self.node.layers) * parts // self.node.layers
+        layers[~w.pinned & t.idle_in(w.blocks, HBM)] = 0  # resident but not ours yet: it may still go
         slots = np.where(w.pinned, w.slots, np.where(layers > 0, t.slot[HBM, w.blocks], -1))
-        return {"done": False, "ticket": w.ticket, "ready": w.pinned.tobytes(), "layers": self.node.layers,
+        return {"done": False, "ticket": w.ticket, "ready": w.pinned.tobytes(), "layers": parts,
                 "layers_ready": P.id_bytes(layers), "slots": P.id_bytes(slots)}
+
+    def pin_landed(self) -> None:
+        """Every waiter pins its blocks that landed in HBM (``acquire.pin_landed``): called
+        right after transfer completions are applied, before any room is made."""
+        for w in self.waiters.values():
+            pin_landed(w, self.node.mgr)
 
     def advance_waiters(self) -> list[tuple[Waiter, Any]]:
         """Progress blocking acquires: (waiter, result dict or ProtocolError) for each finished."""
@@ -184,7 +192,7 @@ class ResidencyOps:
     def op_hint(self, session: EngineSession, args: Any) -> dict:
         blocks = self.node.resolve(session, args)
         due = self.clock() + float(args.deadline_s)
-        self.node.prefetcher.hint(blocks, due)
+        self.node.prefetcher.hint(blocks, due, self.node.mgr.table.generation[blocks].copy())
         # protect through the deadline plus a grace period, then they compete like any block
         self.node.placement.protect(blocks, due + max(1.0, float(args.deadline_s)))
         return {"hinted": int(blocks.size)}

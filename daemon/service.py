@@ -140,11 +140,9 @@ class Service:
             log.info("namespace %r (%d bytes / %d tokens): %d recovered blocks are its own again",
                      args.namespace, *geometry, claimed)
         self.counters["registers"] += 1
-        # layer-wise readiness is in the first engine's layer parts: only an engine of that geometry may use it
-        same = args.block_bytes == node.mgr.block_bytes and args.layout.get("layers", 1) == node.layers
         return node.hbm_info() | {"heartbeat_timeout_s": self.cfg.server.heartbeat_timeout_s,
                                   "block_bytes": args.block_bytes, "slot_bytes": node.mgr.block_bytes,
-                                  "layers": node.layers if same else 1}
+                                  "layers": node.layer_parts(args.block_bytes, args.layout)}
 
     def _refuse_a_second_process(self, engine_id: str, process: tuple[int, int]) -> None:
         """An engine id names one process. Another process registering a live engine's id
@@ -278,6 +276,8 @@ class Service:
         if self.node is None:
             return False
         did = bool(self.node.mgr.poll())
+        if did and self.residency is not None:  # landed blocks go to their waiters before any room is made
+            self.residency.pin_landed()
         if self.node.remote is not None:
             did = bool(self.node.remote.poll()) or did
             did = bool(self.node.remote.publish(self.clock())) or did

@@ -7,6 +7,11 @@ corrupt (never served) and its key is detached from the key index: a lookup
 then misses, so the engine recomputes, and its next seal of the key makes a
 fresh block instead of folding into the bad one. The corrupt block itself
 stays until its holders let go, so nobody's reference dangles.
+
+Reads that fail outright (EIO, a short read) ``MAX_READ_FAILURES`` times in a row
+give the block up the same way, short of marking it corrupt: its acquires fail, and
+its key is detached so that the engine's recomputed seal is kept, not folded into a
+block nobody can read.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from .nvme import NvmeStore
 from .types import CorruptBlockError, Tier
 
 READ_ATTEMPTS = 2  # a synchronous NVMe read (``TierManager.read``): once, then once more
+MAX_READ_FAILURES = 3  # failed promotions of one block in a row before it is given up
 
 
 def quarantine(t: BlockTable, corrupt: np.ndarray, counters: Counter[str],
@@ -35,6 +41,15 @@ def quarantine(t: BlockTable, corrupt: np.ndarray, counters: Counter[str],
         t.detach_key(b)
         counters["keys_detached"] += 1
     counters["corrupt_copies"] += 1
+
+
+def count_read_failure(t: BlockTable, io_failures: np.ndarray, counters: Counter[str], b: int) -> None:
+    """A promotion of ``b`` failed (its source copy stays): at the limit with no HBM copy,
+    its key goes (``BlockTable.detach_key``), so a re-seal makes a readable block."""
+    io_failures[b] = min(255, int(io_failures[b]) + 1)
+    if io_failures[b] >= MAX_READ_FAILURES and not t.has_copy(b, Tier.HBM) and not t.detached[b]:
+        t.detach_key(b)
+        counters["keys_detached"] += 1
 
 
 def read_nvme_verified(nvme: NvmeStore, counters: Counter[str], b: int, slot: int, length: int,

@@ -21,7 +21,7 @@ import torch
 
 from .backoff import WriteBackoff
 from .block_table import BlockTable
-from .integrity import quarantine
+from .integrity import count_read_failure, quarantine
 from .io_backends import IOBackend, select_backend
 from .mover import Completion, Mover, Transfer
 from .nvme import NvmeStore
@@ -284,7 +284,7 @@ class TierMoves:
         if d == HBM:  # failed ones too: a read that failed its checksum (or half-landed) left its
             # namespace's bytes in the slot, which an engine of another namespace must get zeroed
             self.hbm_slot_ns[t.slot[HBM, blocks]] = self.namespace[blocks]
-        self.io_failures[good] = 0  # failures count consecutive attempts only
+        self.io_failures[good] = 0  # failures count consecutive reads only
         if c.checksums is not None:  # open blocks written back: checksum now known
             t.checksum[good] = c.checksums[c.ok]
         drop_src = good[~p.keep_source[c.ok]]
@@ -295,7 +295,8 @@ class TierMoves:
         for b in bad.tolist():
             msg = c.errors.get(b, "transfer failed")
             self.last_errors[b] = msg
-            self.io_failures[b] = min(255, int(self.io_failures[b]) + 1)
+            if d < s:  # a read: a failed write-back leaves a readable copy where it was
+                count_read_failure(t, self.io_failures, self.counters, b)
             if p.src == Tier.NVME and "failed its checksum" in msg:
                 self._quarantine(b)
         self.counters[f"errors_{path}"] += int(bad.size)

@@ -127,6 +127,8 @@ class HbmPool(SlotPool):
         """Zero whole slots (before they hold another namespace's block)."""
         idx = torch.as_tensor(np.asarray(slots, dtype=np.int64), device=self.tensor.device)
         self.tensor.index_fill_(0, idx, 0)
+        if self.tensor.is_cuda:  # queued on this process's stream: done before the slot goes to an
+            torch.cuda.current_stream(self.tensor.device).synchronize()  # engine, which writes it from its own
 
     def host_slot(self, slot: int) -> np.ndarray:
         """The whole slot (stride bytes, page aligned) of a host-memory pool, for direct I/O."""

@@ -1,0 +1,182 @@
+"""What an acquire is told stays true, and a block that cannot be read gives its key up.
+
+An in-process ``Service`` over real pools and slab files, driven turn by turn as the
+server's owner loop drives it; the disk fails through ``FaultyBackend``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvtier.daemon.config import load_config
+from kvtier.daemon.service import Service
+from kvtier.protocol import wire as P
+from kvtier.tiers.integrity import MAX_READ_FAILURES
+from kvtier.tiers.types import DRAM, HBM, NVME
+
+from .service_calls import call, ids
+
+BB = 4096
+
+
+def _service(tmp_path, hbm: int, dram: int, nvme: int, *extra: str) -> Service:
+    cfg = load_config(environ={}, overrides=[
+        f"tiers.hbm_bytes={hbm * BB}", f"tiers.dram_bytes={dram * BB}", f"tiers.nvme_bytes={nvme * BB}",
+        f'tiers.nvme_dir="{tmp_path}/nvme"', f'server.runtime_dir="{tmp_path}/run"', "metrics.enabled=false",
+        *extra])
+    return Service(cfg)
+
+
+def _tick(svc: Service) -> list:
+    """One turn of the owner loop, as ``Server._tick`` runs it."""
+    svc.background()
+    out = svc.advance()
+    svc.maintain()
+    return out
+
+
+def _sealed(svc: Service, engine: str, key: int, fill: int, seq: int = 0) -> int:
+    r = call(svc, "alloc", engine, n=1, seq=seq, pin=True)
+    b, slot = ids(r["blocks"])[0], ids(r["slots"])[0]
+    svc.node.mgr.hbm.host_view(slot)[:] = fill
+    c = ids(call(svc, "seal", engine, blocks=[b], keys=P.id_bytes(np.array([key], dtype=np.uint64), np.uint64))
+            ["blocks"])[0]
+    call(svc, "release", engine, blocks=[c])
+    return c
+
+
+def test_a_slot_reported_to_a_layer_wise_acquire_is_never_given_to_another_block(tmp_path):
+    """B is told every layer of Y landed in slot S. In the same owner-loop turn, A's earlier
+    acquire needed a slot: it evicted Y (landed, not pinned yet) and promoted tenant-a's X
+    into S, so B read tenant-a's bytes as Y's KV."""
+    svc = _service(tmp_path, hbm=4, dram=8, nvme=16)
+    try:
+        for engine, ns in (("A", "tenant-a"), ("B", "tenant-b")):
+            call(svc, "register", engine, pid=0, block_bytes=BB, namespace=ns, layout={"layers": 4})
+        mgr = svc.node.mgr
+        x, y = _sealed(svc, "A", 1, 0xAA), _sealed(svc, "B", 2, 0xBB)
+        mgr.demote([x, y], HBM, DRAM)
+        mgr.wait()
+        _tick(svc)
+        call(svc, "alloc", "A", n=3, seq=5, pin=True)  # A's running sequence: one HBM slot left
+        mgr.demote([x], DRAM, NVME)  # a watermark demotion moves X on to the disk
+        call(svc, "acquire", "A", blocks=[x], timeout_s=30, wait=True)  # waits: X is moving
+        ticket = call(svc, "acquire", "B", blocks=[y], timeout_s=30, wait=False)["ticket"]
+        mgr.mover.drain()  # both transfers done on the mover threads, applied in one turn
+        r = call(svc, "acquire_poll", "B", ticket=ticket)
+        told = {i: s for i, (n, s) in enumerate(zip(ids(r["layers_ready"]), ids(r["slots"]))) if n > 0}
+        for _ in range(3):
+            _tick(svc)
+            mgr.wait()
+        for slot in told.values():  # whatever B was told it may read is still Y's
+            assert int(mgr.table.slot_owner[HBM][slot]) == y
+            assert bool((mgr.hbm.host_view(slot) == 0xBB).all())
+        r = call(svc, "acquire_poll", "B", ticket=ticket)
+        assert r["done"] and bool((mgr.hbm.host_view(ids(r["slots"])[0]) == 0xBB).all())
+        assert call(svc, "check", "x")["ok"]
+    finally:
+        svc.close()
+
+
+@pytest.fixture
+def faulty(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTIER_FAULTS", "mode=eio")
+    svc = _service(tmp_path, 4, 4, 16, 'tiers.io_backend="faulty"')
+    call(svc, "register", "A", pid=0, block_bytes=BB, namespace="m")
+    yield svc
+    svc.close()
+
+
+def test_a_block_whose_reads_keep_failing_gives_its_key_to_a_fresh_seal(faulty):
+    """A burst of read errors used to leave the key on a block no acquire would read again,
+    and the engine's recomputed seal of the key folded into it: unservable for good."""
+    svc = faulty
+    mgr = svc.node.mgr
+    k = _sealed(svc, "A", 7, 0xAA, seq=1)
+    mgr.demote([k], HBM, NVME)
+    mgr.wait()
+    mgr.backend.fail_reads = 2 * MAX_READ_FAILURES  # each promotion reads, then reads once more
+    ticket = call(svc, "acquire", "A", blocks=[k], timeout_s=30, wait=False)["ticket"]
+    with pytest.raises(P.ProtocolError) as e:
+        for _ in range(50):
+            mgr.wait()
+            _tick(svc)
+            call(svc, "acquire_poll", "A", ticket=ticket)
+    assert e.value.code == "io_error" and mgr.backend.fail_reads == 0
+    assert ids(call(svc, "lookup", "A", keys=P.id_bytes(np.array([7], dtype=np.uint64), np.uint64))["blocks"]) == [-1]
+    fresh = _sealed(svc, "A", 7, 0xAC, seq=2)  # the engine recomputed it
+    assert fresh != k
+    r = call(svc, "acquire", "A", blocks=[fresh], wait=False)
+    assert r["done"] and bool((mgr.hbm.host_view(ids(r["slots"])[0]) == 0xAC).all())
+    assert call(svc, "check", "x")["ok"]
+
+
+def test_failed_write_backs_never_make_a_readable_block_unservable(faulty):
+    svc = faulty
+    mgr = svc.node.mgr
+    k = _sealed(svc, "A", 8, 0xAB, seq=1)
+    mgr.demote([k], HBM, DRAM)
+    mgr.wait()
+    mgr.backend.fail_writes = MAX_READ_FAILURES + 1
+    for _ in range(MAX_READ_FAILURES + 1):  # the disk refuses every write-back: DRAM keeps its copy
+        mgr.demote([k], DRAM, NVME)
+        mgr.wait()
+    assert mgr.counters["errors_dram->nvme"] == MAX_READ_FAILURES + 1 and mgr.table.has_copy(k, DRAM)
+    ticket = call(svc, "acquire", "A", blocks=[k], timeout_s=30, wait=False)["ticket"]
+    for _ in range(20):
+        mgr.wait()
+        _tick(svc)
+        r = call(svc, "acquire_poll", "A", ticket=ticket)
+        if r["done"]:
+            break
+    assert r["done"] and bool((mgr.hbm.host_view(ids(r["slots"])[0]) == 0xAB).all())
+    assert call(svc, "check", "x")["ok"]
+
+
+def test_a_hint_whose_block_was_freed_promotes_nothing_else(tmp_path):
+    """The prefetcher held bare ids: a hinted block dropped from the cache, its id taken by
+    another tenant's block, and the hint promoted that one instead (a copy for nobody)."""
+    svc = _service(tmp_path, 4, 4, 0, "tiers.max_blocks=1")  # one id: a freed one is reused at once
+    try:
+        for engine, ns in (("A", "tenant-a"), ("B", "tenant-b")):
+            call(svc, "register", engine, pid=0, block_bytes=BB, namespace=ns)
+        mgr = svc.node.mgr
+        k = _sealed(svc, "A", 3, 0xAA)
+        mgr.demote([k], HBM, DRAM)
+        mgr.wait()
+        call(svc, "hint", "A", blocks=[k], deadline_s=30.0)
+        call(svc, "free", "A", blocks=[k])
+        call(svc, "clear", "x")  # the cached block is dropped: its id is free
+        other = _sealed(svc, "B", 4, 0xBB)
+        assert other == k  # the id went to tenant-b's block
+        mgr.demote([other], HBM, DRAM)
+        mgr.wait()
+        for _ in range(5):
+            _tick(svc)
+            mgr.wait()
+        assert not mgr.table.has_copy(other, HBM) and svc.node.prefetcher.started == 0
+        assert call(svc, "check", "x")["ok"]
+    finally:
+        svc.close()
+
+
+def test_an_engine_of_another_geometry_is_polled_in_the_parts_register_told_it(tmp_path):
+    """Register tells an engine whose layers differ from the first engine's that it reads
+    whole blocks (1 part); its polls counted the first engine's layers."""
+    svc = _service(tmp_path, 4, 4, 0)
+    try:
+        call(svc, "register", "A", pid=0, block_bytes=BB, namespace="m", layout={"layers": 4})
+        told = call(svc, "register", "B", pid=0, block_bytes=BB, namespace="n", layout={"layers": 2})
+        assert told["layers"] == 1
+        mgr = svc.node.mgr
+        y = _sealed(svc, "B", 5, 0xBB)
+        mgr.demote([y], HBM, DRAM)
+        mgr.wait()
+        _tick(svc)
+        ticket = call(svc, "acquire", "B", blocks=[y], wait=False)["ticket"]
+        mgr.mover.drain()  # landed, not applied: the poll reports progress, not a pin
+        r = call(svc, "acquire_poll", "B", ticket=ticket)
+        assert r["layers"] == 1 and ids(r["layers_ready"]) == [1]
+    finally:
+        svc.close()
