@@ -49,8 +49,12 @@ class TelemetrySender:
         self.endpoint = endpoint
         self.engine_id = engine_id
         self._push: Optional[zmq.Socket] = None
+        self.closed = False
 
     def send(self, kind: str, blocks: Any, **fields: Any) -> None:
+        msg = {"v": P.VERSION, "engine": self.engine_id, "kind": kind, "blocks": pack_ids(blocks), **fields}
+        if self.closed:
+            raise KvtierError("client is closed")
         if self._push is None:
             if not self.endpoint:
                 raise KvtierError("no telemetry endpoint known")
@@ -58,13 +62,13 @@ class TelemetrySender:
             self._push.setsockopt(zmq.LINGER, 1000)
             self._push.setsockopt(zmq.SNDHWM, 10000)
             self._push.connect(self.endpoint)
-        msg = {"v": P.VERSION, "engine": self.engine_id, "kind": kind, "blocks": pack_ids(blocks), **fields}
         try:
             self._push.send(msgpack.packb(msg, use_bin_type=True), zmq.NOBLOCK)
         except zmq.Again:
             pass  # fire-and-forget: a full queue drops telemetry, never blocks the engine
 
     def close(self) -> None:
+        self.closed = True
         if self._push is not None:
             self._push.close(0)
             self._push = None

@@ -119,15 +119,19 @@ def pin_landed(w: Waiter, mgr: TierManager) -> np.ndarray:
     landed block is not pinned yet, so another waiter's promotion could evict it and reuse
     its slot, which a layer-wise acquire has already been told to read."""
     todo = np.flatnonzero(~w.pinned)
-    if todo.size == 0 or w.vanished(mgr) is not None:  # the caller fails it (``failure``)
+    if todo.size == 0:
         return w.blocks[:0]
     blocks = w.blocks[todo]
-    ready = mgr.table.idle_in(blocks, HBM)
+    t = mgr.table
+    same = t.generation[blocks] == w.generation[todo]  # a block freed meanwhile is never pinned ...
+    ready = same & t.idle_in(blocks, HBM)  # ... but its siblings are, until the failure is handled
     if ready.any():
         idx = todo[ready]
         w.slots[idx] = mgr.pin_many(w.blocks[idx])
         w.pinned[idx] = True
         w.session.pins.add(w.blocks[idx])
+    if not same.all():  # the caller fails it (``failure``) and unpins: promote nothing more
+        return w.blocks[:0]
     return blocks[~ready]
 
 
@@ -240,15 +244,20 @@ class Prefetcher:
         t = mgr.table
         while self._heap:
             deadline, _, blocks, gens = self._heap[0]
-            same = t.generation[blocks] == gens
-            alive, gens = blocks[same], gens[same]
-            keep = t.idle_outside(alive, HBM)
-            wanted, gens = alive[keep], gens[keep]
+            # the same blocks as hinted, outside HBM, idle, and readable (a corrupt block or one
+            # whose reads keep failing is never promoted: kept, it would hold the queue's head)
+            keep = (t.generation[blocks] == gens) & ~mgr.corrupt[blocks] & \
+                (mgr.io_failures[blocks] < MAX_READ_FAILURES)
+            keep[keep] = t.idle_outside(blocks[keep], HBM)
+            wanted, gens = blocks[keep], gens[keep]
             if wanted.size == 0:
                 heapq.heappop(self._heap)
                 continue
             allowed = int(self._tokens // self.block_bytes) if deadline > now else wanted.size
             n = promote_missing(mgr, placement, wanted, budget=allowed, urgent=False) if allowed > 0 else 0
+            if n == 0 and deadline <= now:  # no room for a hint already due: its acquire promotes
+                heapq.heappop(self._heap)
+                continue
             if n == 0:
                 break  # no budget or no room: retry on the next idle turn
             self._tokens = max(0.0, self._tokens - n * self.block_bytes)

@@ -275,9 +275,11 @@ class Service:
         """Idle-time work in small slices; returns True if anything was done."""
         if self.node is None:
             return False
-        did = bool(self.node.mgr.poll())
-        if did and self.residency is not None:  # landed blocks go to their waiters before any room is made
-            self.residency.pin_landed()
+        try:
+            did = bool(self.node.mgr.poll())
+        finally:  # landed blocks go to their waiters before any room is made (a listener's error too)
+            if self.residency is not None:
+                self.residency.pin_landed()
         if self.node.remote is not None:
             did = bool(self.node.remote.poll()) or did
             did = bool(self.node.remote.publish(self.clock())) or did

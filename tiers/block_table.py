@@ -199,15 +199,17 @@ class BlockTable:
         self.state[b] = SEALED
         self.detached[b] = True
 
-    def detach_key(self, b: int) -> None:
+    def detach_key(self, b: int) -> bool:
         """Unindex a sealed block's key but keep the block (its holders keep their
         reference): a lookup misses, and the next seal of the key makes a new block
-        instead of folding into this one. Used for a block whose only copy is bad."""
+        instead of folding into this one. Used for a block whose only copy is bad.
+        False where there was nothing to detach (open, or detached already)."""
         if self.state[b] != SEALED or self.detached[b]:
-            return
+            return False
         if self.keys.get(int(self.key[b])) == b:
             self.keys.pop(int(self.key[b]))
         self.detached[b] = True
+        return True
 
     def release_block(self, b: int) -> None:
         """Return every slot and the entry itself; key is unindexed (if it is still ours)."""

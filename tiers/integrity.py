@@ -38,8 +38,7 @@ def quarantine(t: BlockTable, corrupt: np.ndarray, counters: Counter[str],
         emit("removed", b, Tier.NVME)
     else:
         corrupt[b] = True
-        t.detach_key(b)
-        counters["keys_detached"] += 1
+        counters["keys_detached"] += int(t.detach_key(b))
     counters["corrupt_copies"] += 1
 
 
@@ -47,9 +46,8 @@ def count_read_failure(t: BlockTable, io_failures: np.ndarray, counters: Counter
     """A promotion of ``b`` failed (its source copy stays): at the limit with no HBM copy,
     its key goes (``BlockTable.detach_key``), so a re-seal makes a readable block."""
     io_failures[b] = min(255, int(io_failures[b]) + 1)
-    if io_failures[b] >= MAX_READ_FAILURES and not t.has_copy(b, Tier.HBM) and not t.detached[b]:
-        t.detach_key(b)
-        counters["keys_detached"] += 1
+    if io_failures[b] >= MAX_READ_FAILURES and not t.has_copy(b, Tier.HBM):
+        counters["keys_detached"] += int(t.detach_key(b))
 
 
 def read_nvme_verified(nvme: NvmeStore, counters: Counter[str], b: int, slot: int, length: int,

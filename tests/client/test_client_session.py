@@ -10,7 +10,7 @@ import time
 import pytest
 
 from kvtier.bench.spawn import DaemonProcess
-from kvtier.client.tier_client import EngineReclaimed, RequestRejected, RequestTimeout
+from kvtier.client.tier_client import EngineReclaimed, KvtierError, RequestRejected, RequestTimeout
 
 
 def _mine(client) -> dict:
@@ -120,4 +120,19 @@ def test_a_failed_register_leaves_the_client_unregistered_and_old_handles_dead(t
     finally:
         a.close()
         b.close()
+        assert d.stop() == 0
+
+
+def test_telemetry_after_close_is_refused_and_opens_no_socket(tmp_path):
+    d = DaemonProcess(tmp_path, f"tiers.hbm_bytes={8 * 4096}", "tiers.dram_bytes=0", "tiers.nvme_bytes=0")
+    c = d.client(heartbeat_s=None)
+    try:
+        c.register(block_bytes=4096)
+        c.report_segment([0], "system")  # opens the telemetry socket
+        c.close()
+        with pytest.raises(KvtierError, match="closed"):
+            c.report_segment([0], "system")
+        assert c.telemetry._push is None
+    finally:
+        c.close()
         assert d.stop() == 0

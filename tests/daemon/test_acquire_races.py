@@ -180,3 +180,96 @@ def test_an_engine_of_another_geometry_is_polled_in_the_parts_register_told_it(t
         assert r["layers"] == 1 and ids(r["layers_ready"]) == [1]
     finally:
         svc.close()
+
+
+def _told_slots(r: dict) -> list[int]:
+    return [s for n, s in zip(ids(r["layers_ready"]), ids(r["slots"])) if n > 0]
+
+
+def test_a_landed_block_is_pinned_even_when_a_sibling_of_its_acquire_was_freed(tmp_path):
+    """The acquire fails at its next poll, but until then the slot it was told is its own."""
+    svc = _service(tmp_path, hbm=4, dram=8, nvme=16)
+    try:
+        for engine, ns in (("A", "tenant-a"), ("B", "tenant-b")):
+            call(svc, "register", engine, pid=0, block_bytes=BB, namespace=ns, layout={"layers": 4})
+        mgr = svc.node.mgr
+        y, z = _sealed(svc, "B", 2, 0xBB), _sealed(svc, "B", 3, 0xBC)
+        mgr.demote([y, z], HBM, DRAM)
+        mgr.wait()
+        _tick(svc)
+        call(svc, "alloc", "A", n=3, seq=5, pin=True)  # one HBM slot: y is promoted, z waits
+        ticket = call(svc, "acquire", "B", blocks=[y, z], timeout_s=30, wait=False)["ticket"]
+        mgr.mover.drain()
+        told = _told_slots(call(svc, "acquire_poll", "B", ticket=ticket))
+        assert told
+        call(svc, "free", "B", blocks=[z])
+        call(svc, "clear", "x")  # z is dropped: its id is freed
+        _tick(svc)  # y lands
+        with pytest.raises(P.ProtocolError):  # no room: the told slot is not up for grabs
+            call(svc, "alloc", "A", n=1, seq=5, pin=True)
+        for slot in told:
+            assert int(mgr.table.slot_owner[HBM][slot]) == y and bool((mgr.hbm.host_view(slot) == 0xBB).all())
+        with pytest.raises(P.ProtocolError) as e:
+            call(svc, "acquire_poll", "B", ticket=ticket)
+        assert "freed while the acquire waited" in str(e.value)
+        assert int(mgr.table.pins[y]) == 0 and call(svc, "check", "x")["ok"]  # the failure unpinned y
+    finally:
+        svc.close()
+
+
+def test_a_listener_error_while_completions_apply_still_pins_what_landed(tmp_path):
+    svc = _service(tmp_path, hbm=4, dram=8, nvme=16)
+    try:
+        for engine, ns in (("A", "tenant-a"), ("B", "tenant-b")):
+            call(svc, "register", engine, pid=0, block_bytes=BB, namespace=ns, layout={"layers": 4})
+        mgr = svc.node.mgr
+        y = _sealed(svc, "B", 2, 0xBB)
+        mgr.demote([y], HBM, DRAM)
+        mgr.wait()
+        _tick(svc)
+        call(svc, "alloc", "A", n=3, seq=5, pin=True)
+        ticket = call(svc, "acquire", "B", blocks=[y], timeout_s=30, wait=False)["ticket"]
+        mgr.mover.drain()
+        told = _told_slots(call(svc, "acquire_poll", "B", ticket=ticket))
+
+        def faulty_listener(kind: str, b: int, tier: int) -> None:  # a bug in a listener (injected)
+            if kind == "stored" and b == y:
+                raise RuntimeError("listener bug")
+        mgr.listeners.append(faulty_listener)
+        with pytest.raises(RuntimeError):
+            svc.background()  # the server logs it and goes on with the next request
+        mgr.listeners.remove(faulty_listener)
+        with pytest.raises(P.ProtocolError):
+            call(svc, "alloc", "A", n=1, seq=5, pin=True)
+        for slot in told:
+            assert int(mgr.table.slot_owner[HBM][slot]) == y
+        assert call(svc, "acquire_poll", "B", ticket=ticket)["done"]
+    finally:
+        svc.close()
+
+
+def test_a_hint_of_an_unreadable_block_does_not_hold_up_the_hints_behind_it(faulty):
+    svc = faulty
+    mgr = svc.node.mgr
+    k = _sealed(svc, "A", 7, 0xAA, seq=1)
+    mgr.demote([k], HBM, NVME)
+    mgr.wait()
+    mgr.backend.fail_reads = 2 * MAX_READ_FAILURES
+    ticket = call(svc, "acquire", "A", blocks=[k], timeout_s=30, wait=False)["ticket"]
+    with pytest.raises(P.ProtocolError):
+        for _ in range(50):
+            mgr.wait()
+            _tick(svc)
+            call(svc, "acquire_poll", "A", ticket=ticket)
+    assert mgr.counters["keys_detached"] == 1
+    m = _sealed(svc, "A", 8, 0xBB, seq=2)
+    mgr.demote([m], HBM, DRAM)
+    mgr.wait()
+    call(svc, "hint", "A", blocks=[k], deadline_s=60.0)  # first in the queue, never readable
+    call(svc, "hint", "A", blocks=[m], deadline_s=120.0)
+    for _ in range(20):
+        _tick(svc)
+        mgr.wait()
+        if mgr.table.has_copy(m, HBM):
+            break
+    assert mgr.table.has_copy(m, HBM) and len(svc.node.prefetcher) == 0
