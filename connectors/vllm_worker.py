@@ -153,6 +153,7 @@ class WorkerSide:
         self.step = 0
         self.tainted_until = -1  # the last step whose saves are dropped (``TAINTED_STEPS``)
         self.failed_step = -1    # the last step whose load failed on this rank
+        self.reported_step = -1  # the last step whose load errors vLLM has taken (``take_errors``)
         max_batch = max(1, int(client.info.get("hbm_slots", 2)) // 2)
         self.save_batch = max_batch
 
@@ -242,7 +243,10 @@ class WorkerSide:
             return
         ld.failed = True
         self.failed_step = self.step
-        self.tainted_until = self.step + TAINTED_STEPS - 1
+        # found after vLLM took this step's errors (with speculative decoding it saves, and so
+        # finishes loads, after that): reported a step later, so one more step is tainted
+        late = self.reported_step == self.step
+        self.tainted_until = max(self.tainted_until, self.step + TAINTED_STEPS - 1 + int(late))
         self.errors.update(ld.vids.tolist())
         self.stats["failed_blocks"] += int(ld.vids.numel())
 
@@ -267,6 +271,7 @@ class WorkerSide:
         self.load = None
 
     def take_errors(self) -> set[int]:
+        self.reported_step = self.step
         out, self.errors = self.errors, set()
         return out
 

@@ -8,8 +8,6 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 from kvtier.bench.spawn import DaemonProcess
 
 RANK = r"""
@@ -70,8 +68,8 @@ def _run_ranks(tmp_path, failing: int) -> dict[int, dict]:
         d.stop()
 
 
-@pytest.mark.parametrize("failing", [0, 1])
-def test_a_load_failed_on_one_rank_drops_every_rank_s_saves_of_the_tainted_steps(tmp_path, failing):
+def test_a_load_failed_on_one_rank_drops_every_rank_s_saves_of_the_tainted_steps(tmp_path):
+    failing = 1  # rank 0, whose own load succeeds, is the one that used to keep its saves
     ranks = _run_ranks(tmp_path, failing)
     assert ranks[failing]["errors"] == [2]
     assert ranks[1 - failing]["errors"] == []  # its own load succeeded ...

@@ -161,3 +161,25 @@ def test_the_scheduler_registers_the_block_size_its_rank_s_worker_will(tp):
     worker = Geometry(kv, blocks)
     assert scheduler_geometry(config) == (len(worker.layers), worker.block_bytes) == (5, worker.block_bytes)
     assert worker.index["shared.0"] == worker.index["full.1"]  # its load waits on its target's
+
+
+def test_a_failure_found_after_vllm_took_the_step_s_errors_taints_one_step_more(worker):
+    """With speculative decoding vLLM takes a step's load errors before ``wait_for_save``
+    finishes the step's loads: a failure found there reaches vLLM a step later."""
+    kv, ws, c = worker
+    ws.save([Transfer("a", [1], HS[:1])])
+    ws.start([Transfer("b", [15], [block_key(HS[0])])])  # same 64-bit key, another hash
+    assert ws.take_errors() == set()  # vLLM asks before the deferred save
+    ws.finish_load()  # the mismatch is found here
+    saves = [[Transfer("c", [3], HS[1:2])], [Transfer("c", [4], HS[2:3])], [Transfer("d", [5], HS[3:4])]]
+    ws.save(saves[0])
+    for s in saves[1:]:
+        assert ws.take_errors() in (set(), {15})
+        ws.start([])
+        ws.finish_load()
+        ws.save(s)
+    ws.start([])
+    ws.finish_load()
+    ws.save([Transfer("e", [6], HS[4:5])])
+    got, _ = c.lookup([block_key(h) for h in HS[1:5]])
+    assert (got[:3] == -1).all() and got[3] >= 0  # this step, and the two vLLM scheduled before it heard
