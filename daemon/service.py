@@ -277,9 +277,11 @@ class Service:
             return False
         try:
             did = bool(self.node.mgr.poll())
-        finally:  # landed blocks go to their waiters before any room is made (a listener's error too)
-            if self.residency is not None:
-                self.residency.pin_landed()
+        except Exception:  # a listener's error: what was applied still goes to its waiters
+            self._pin_landed()
+            raise
+        if did:
+            self._pin_landed()
         if self.node.remote is not None:
             did = bool(self.node.remote.poll()) or did
             did = bool(self.node.remote.publish(self.clock())) or did
@@ -288,6 +290,11 @@ class Service:
             self.node.placement.drain(64)
             did = True
         return did
+
+    def _pin_landed(self) -> None:
+        """Blocks that just landed go to the acquires waiting on them, before any room is made."""
+        if self.residency is not None and self.residency.waiters:
+            self.residency.pin_landed()
 
     def advance(self) -> list[tuple[Any, Any]]:
         """Waiting acquires and allocs that finished: (waiter, result or ProtocolError),
