@@ -46,37 +46,46 @@ def _sealed(svc: Service, engine: str, key: int, fill: int, seq: int = 0) -> int
     return c
 
 
-def test_a_slot_reported_to_a_layer_wise_acquire_is_never_given_to_another_block(tmp_path):
+@pytest.fixture
+def tenants(tmp_path):
+    """Engines A and B in namespaces of their own, reading promotions layer by layer."""
+    svc = _service(tmp_path, hbm=4, dram=8, nvme=16)
+    for engine, ns in (("A", "tenant-a"), ("B", "tenant-b")):
+        call(svc, "register", engine, pid=0, block_bytes=BB, namespace=ns, layout={"layers": 4})
+    yield svc
+    svc.close()
+
+
+def _to_dram(svc: Service, *blocks: int) -> None:
+    svc.node.mgr.demote(list(blocks), HBM, DRAM)
+    svc.node.mgr.wait()
+    _tick(svc)
+
+
+def test_a_slot_reported_to_a_layer_wise_acquire_is_never_given_to_another_block(tenants):
     """B is told every layer of Y landed in slot S. In the same owner-loop turn, A's earlier
     acquire needed a slot: it evicted Y (landed, not pinned yet) and promoted tenant-a's X
     into S, so B read tenant-a's bytes as Y's KV."""
-    svc = _service(tmp_path, hbm=4, dram=8, nvme=16)
-    try:
-        for engine, ns in (("A", "tenant-a"), ("B", "tenant-b")):
-            call(svc, "register", engine, pid=0, block_bytes=BB, namespace=ns, layout={"layers": 4})
-        mgr = svc.node.mgr
-        x, y = _sealed(svc, "A", 1, 0xAA), _sealed(svc, "B", 2, 0xBB)
-        mgr.demote([x, y], HBM, DRAM)
-        mgr.wait()
+    svc = tenants
+    mgr = svc.node.mgr
+    x, y = _sealed(svc, "A", 1, 0xAA), _sealed(svc, "B", 2, 0xBB)
+    _to_dram(svc, x, y)
+    call(svc, "alloc", "A", n=3, seq=5, pin=True)  # A's running sequence: one HBM slot left
+    mgr.demote([x], DRAM, NVME)  # a watermark demotion moves X on to the disk
+    call(svc, "acquire", "A", blocks=[x], timeout_s=30, wait=True)  # waits: X is moving
+    ticket = call(svc, "acquire", "B", blocks=[y], timeout_s=30, wait=False)["ticket"]
+    mgr.mover.drain()  # both transfers done on the mover threads, applied in one turn
+    r = call(svc, "acquire_poll", "B", ticket=ticket)
+    told = {i: s for i, (n, s) in enumerate(zip(ids(r["layers_ready"]), ids(r["slots"]))) if n > 0}
+    for _ in range(3):
         _tick(svc)
-        call(svc, "alloc", "A", n=3, seq=5, pin=True)  # A's running sequence: one HBM slot left
-        mgr.demote([x], DRAM, NVME)  # a watermark demotion moves X on to the disk
-        call(svc, "acquire", "A", blocks=[x], timeout_s=30, wait=True)  # waits: X is moving
-        ticket = call(svc, "acquire", "B", blocks=[y], timeout_s=30, wait=False)["ticket"]
-        mgr.mover.drain()  # both transfers done on the mover threads, applied in one turn
-        r = call(svc, "acquire_poll", "B", ticket=ticket)
-        told = {i: s for i, (n, s) in enumerate(zip(ids(r["layers_ready"]), ids(r["slots"]))) if n > 0}
-        for _ in range(3):
-            _tick(svc)
-            mgr.wait()
-        for slot in told.values():  # whatever B was told it may read is still Y's
-            assert int(mgr.table.slot_owner[HBM][slot]) == y
-            assert bool((mgr.hbm.host_view(slot) == 0xBB).all())
-        r = call(svc, "acquire_poll", "B", ticket=ticket)
-        assert r["done"] and bool((mgr.hbm.host_view(ids(r["slots"])[0]) == 0xBB).all())
-        assert call(svc, "check", "x")["ok"]
-    finally:
-        svc.close()
+        mgr.wait()
+    for slot in told.values():  # whatever B was told it may read is still Y's
+        assert int(mgr.table.slot_owner[HBM][slot]) == y
+        assert bool((mgr.hbm.host_view(slot) == 0xBB).all())
+    r = call(svc, "acquire_poll", "B", ticket=ticket)
+    assert r["done"] and bool((mgr.hbm.host_view(ids(r["slots"])[0]) == 0xBB).all())
+    assert call(svc, "check", "x")["ok"]
 
 
 @pytest.fixture
@@ -88,22 +97,30 @@ def faulty(tmp_path, monkeypatch):
     svc.close()
 
 
-def test_a_block_whose_reads_keep_failing_gives_its_key_to_a_fresh_seal(faulty):
-    """A burst of read errors used to leave the key on a block no acquire would read again,
-    and the engine's recomputed seal of the key folded into it: unservable for good."""
-    svc = faulty
+def _unreadable(svc: Service, key: int) -> int:
+    """A sealed block on NVMe only, whose reads failed for as many promotions as the limit
+    (each promotion reads, then reads once more): its acquire got ``io_error``."""
     mgr = svc.node.mgr
-    k = _sealed(svc, "A", 7, 0xAA, seq=1)
+    k = _sealed(svc, "A", key, 0xAA, seq=1)
     mgr.demote([k], HBM, NVME)
     mgr.wait()
-    mgr.backend.fail_reads = 2 * MAX_READ_FAILURES  # each promotion reads, then reads once more
+    mgr.backend.fail_reads = 2 * MAX_READ_FAILURES
     ticket = call(svc, "acquire", "A", blocks=[k], timeout_s=30, wait=False)["ticket"]
     with pytest.raises(P.ProtocolError) as e:
         for _ in range(50):
             mgr.wait()
             _tick(svc)
             call(svc, "acquire_poll", "A", ticket=ticket)
-    assert e.value.code == "io_error" and mgr.backend.fail_reads == 0
+    assert e.value.code == "io_error" and mgr.backend.fail_reads == 0  # the disk is well again
+    return k
+
+
+def test_a_block_whose_reads_keep_failing_gives_its_key_to_a_fresh_seal(faulty):
+    """A burst of read errors used to leave the key on a block no acquire would read again,
+    and the engine's recomputed seal of the key folded into it: unservable for good."""
+    svc = faulty
+    mgr = svc.node.mgr
+    k = _unreadable(svc, 7)
     assert ids(call(svc, "lookup", "A", keys=P.id_bytes(np.array([7], dtype=np.uint64), np.uint64))["blocks"]) == [-1]
     fresh = _sealed(svc, "A", 7, 0xAC, seq=2)  # the engine recomputed it
     assert fresh != k
@@ -171,9 +188,7 @@ def test_an_engine_of_another_geometry_is_polled_in_the_parts_register_told_it(t
         assert told["layers"] == 1
         mgr = svc.node.mgr
         y = _sealed(svc, "B", 5, 0xBB)
-        mgr.demote([y], HBM, DRAM)
-        mgr.wait()
-        _tick(svc)
+        _to_dram(svc, y)
         ticket = call(svc, "acquire", "B", blocks=[y], wait=False)["ticket"]
         mgr.mover.drain()  # landed, not applied: the poll reports progress, not a pin
         r = call(svc, "acquire_poll", "B", ticket=ticket)
@@ -186,81 +201,58 @@ def _told_slots(r: dict) -> list[int]:
     return [s for n, s in zip(ids(r["layers_ready"]), ids(r["slots"])) if n > 0]
 
 
-def test_a_landed_block_is_pinned_even_when_a_sibling_of_its_acquire_was_freed(tmp_path):
+def test_a_landed_block_is_pinned_even_when_a_sibling_of_its_acquire_was_freed(tenants):
     """The acquire fails at its next poll, but until then the slot it was told is its own."""
-    svc = _service(tmp_path, hbm=4, dram=8, nvme=16)
-    try:
-        for engine, ns in (("A", "tenant-a"), ("B", "tenant-b")):
-            call(svc, "register", engine, pid=0, block_bytes=BB, namespace=ns, layout={"layers": 4})
-        mgr = svc.node.mgr
-        y, z = _sealed(svc, "B", 2, 0xBB), _sealed(svc, "B", 3, 0xBC)
-        mgr.demote([y, z], HBM, DRAM)
-        mgr.wait()
-        _tick(svc)
-        call(svc, "alloc", "A", n=3, seq=5, pin=True)  # one HBM slot: y is promoted, z waits
-        ticket = call(svc, "acquire", "B", blocks=[y, z], timeout_s=30, wait=False)["ticket"]
-        mgr.mover.drain()
-        told = _told_slots(call(svc, "acquire_poll", "B", ticket=ticket))
-        assert told
-        call(svc, "free", "B", blocks=[z])
-        call(svc, "clear", "x")  # z is dropped: its id is freed
-        _tick(svc)  # y lands
-        with pytest.raises(P.ProtocolError):  # no room: the told slot is not up for grabs
-            call(svc, "alloc", "A", n=1, seq=5, pin=True)
-        for slot in told:
-            assert int(mgr.table.slot_owner[HBM][slot]) == y and bool((mgr.hbm.host_view(slot) == 0xBB).all())
-        with pytest.raises(P.ProtocolError) as e:
-            call(svc, "acquire_poll", "B", ticket=ticket)
-        assert "freed while the acquire waited" in str(e.value)
-        assert int(mgr.table.pins[y]) == 0 and call(svc, "check", "x")["ok"]  # the failure unpinned y
-    finally:
-        svc.close()
+    svc = tenants
+    mgr = svc.node.mgr
+    y, z = _sealed(svc, "B", 2, 0xBB), _sealed(svc, "B", 3, 0xBC)
+    _to_dram(svc, y, z)
+    call(svc, "alloc", "A", n=3, seq=5, pin=True)  # one HBM slot: y is promoted, z waits
+    ticket = call(svc, "acquire", "B", blocks=[y, z], timeout_s=30, wait=False)["ticket"]
+    mgr.mover.drain()
+    told = _told_slots(call(svc, "acquire_poll", "B", ticket=ticket))
+    assert told
+    call(svc, "free", "B", blocks=[z])
+    call(svc, "clear", "x")  # z is dropped: its id is freed
+    _tick(svc)  # y lands
+    with pytest.raises(P.ProtocolError):  # no room: the told slot is not up for grabs
+        call(svc, "alloc", "A", n=1, seq=5, pin=True)
+    for slot in told:
+        assert int(mgr.table.slot_owner[HBM][slot]) == y and bool((mgr.hbm.host_view(slot) == 0xBB).all())
+    with pytest.raises(P.ProtocolError) as e:
+        call(svc, "acquire_poll", "B", ticket=ticket)
+    assert "freed while the acquire waited" in str(e.value)
+    assert int(mgr.table.pins[y]) == 0 and call(svc, "check", "x")["ok"]  # the failure unpinned y
 
 
-def test_a_listener_error_while_completions_apply_still_pins_what_landed(tmp_path):
-    svc = _service(tmp_path, hbm=4, dram=8, nvme=16)
-    try:
-        for engine, ns in (("A", "tenant-a"), ("B", "tenant-b")):
-            call(svc, "register", engine, pid=0, block_bytes=BB, namespace=ns, layout={"layers": 4})
-        mgr = svc.node.mgr
-        y = _sealed(svc, "B", 2, 0xBB)
-        mgr.demote([y], HBM, DRAM)
-        mgr.wait()
-        _tick(svc)
-        call(svc, "alloc", "A", n=3, seq=5, pin=True)
-        ticket = call(svc, "acquire", "B", blocks=[y], timeout_s=30, wait=False)["ticket"]
-        mgr.mover.drain()
-        told = _told_slots(call(svc, "acquire_poll", "B", ticket=ticket))
+def test_a_listener_error_while_completions_apply_still_pins_what_landed(tenants):
+    svc = tenants
+    mgr = svc.node.mgr
+    y = _sealed(svc, "B", 2, 0xBB)
+    _to_dram(svc, y)
+    call(svc, "alloc", "A", n=3, seq=5, pin=True)
+    ticket = call(svc, "acquire", "B", blocks=[y], timeout_s=30, wait=False)["ticket"]
+    mgr.mover.drain()
+    told = _told_slots(call(svc, "acquire_poll", "B", ticket=ticket))
 
-        def faulty_listener(kind: str, b: int, tier: int) -> None:  # a bug in a listener (injected)
-            if kind == "stored" and b == y:
-                raise RuntimeError("listener bug")
-        mgr.listeners.append(faulty_listener)
-        with pytest.raises(RuntimeError):
-            svc.background()  # the server logs it and goes on with the next request
-        mgr.listeners.remove(faulty_listener)
-        with pytest.raises(P.ProtocolError):
-            call(svc, "alloc", "A", n=1, seq=5, pin=True)
-        for slot in told:
-            assert int(mgr.table.slot_owner[HBM][slot]) == y
-        assert call(svc, "acquire_poll", "B", ticket=ticket)["done"]
-    finally:
-        svc.close()
+    def faulty_listener(kind: str, b: int, tier: int) -> None:  # a bug in a listener (injected)
+        if kind == "stored" and b == y:
+            raise RuntimeError("listener bug")
+    mgr.listeners.append(faulty_listener)
+    with pytest.raises(RuntimeError):
+        svc.background()  # the server logs it and goes on with the next request
+    mgr.listeners.remove(faulty_listener)
+    with pytest.raises(P.ProtocolError):
+        call(svc, "alloc", "A", n=1, seq=5, pin=True)
+    for slot in told:
+        assert int(mgr.table.slot_owner[HBM][slot]) == y
+    assert call(svc, "acquire_poll", "B", ticket=ticket)["done"]
 
 
 def test_a_hint_of_an_unreadable_block_does_not_hold_up_the_hints_behind_it(faulty):
     svc = faulty
     mgr = svc.node.mgr
-    k = _sealed(svc, "A", 7, 0xAA, seq=1)
-    mgr.demote([k], HBM, NVME)
-    mgr.wait()
-    mgr.backend.fail_reads = 2 * MAX_READ_FAILURES
-    ticket = call(svc, "acquire", "A", blocks=[k], timeout_s=30, wait=False)["ticket"]
-    with pytest.raises(P.ProtocolError):
-        for _ in range(50):
-            mgr.wait()
-            _tick(svc)
-            call(svc, "acquire_poll", "A", ticket=ticket)
+    k = _unreadable(svc, 7)
     assert mgr.counters["keys_detached"] == 1
     m = _sealed(svc, "A", 8, 0xBB, seq=2)
     mgr.demote([m], HBM, DRAM)
