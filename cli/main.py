@@ -70,7 +70,7 @@ def _expected(e: BaseException) -> bool:
 def _one_line(e: BaseException) -> str:
     """The message of ``e`` on one line (config errors list one problem a line)."""
     if isinstance(e, OSError) and e.strerror:
-        text = f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+        text = f"{e.filename}: {e.strerror}" if e.filename else e.strerror  # the path is the subject
     else:
         text = str(e) or type(e).__name__
     return "; ".join(part.strip() for part in text.splitlines() if part.strip())

@@ -90,7 +90,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config_path = resolve_config_path(args.config)
     cfg = load_config(config_path, overrides=overrides)
     summary = _setup_logging(args.log_level, getattr(args, "log_format", "text"))
-    server = Server(cfg, config_path=config_path, overrides=overrides)  # reload re-reads the discovered file too
+    server = Server(cfg, config_path=config_path, overrides=overrides, discovered=args.config is None)
     server.install_signals()
     summary.info("%s", server.start_summary(config_sources(config_path, overrides=overrides)))
     server.serve_forever()

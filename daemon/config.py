@@ -137,7 +137,9 @@ class PolicyConfig(_Section):
         from kvtier.policy import POLICIES
 
         if v not in POLICIES:
-            raise ValueError(f"unknown policy {v!r}; choose from {sorted(POLICIES)}")
+            daemon = sorted(k for k, c in POLICIES.items()
+                            if not getattr(c, "offline", False) and not getattr(c, "replay_only", False))
+            raise ValueError(f"unknown policy {v!r}; the daemon runs {daemon} (the others are for `kvtier replay`)")
         if getattr(POLICIES[v], "offline", False):
             raise ValueError(f"policy {v!r} needs the future and runs only in replay")
         if getattr(POLICIES[v], "replay_only", False):

@@ -69,6 +69,11 @@ class SnapshotCollector(Collector):
         if "max" in s.get("blocks", {}):
             yield _gauge("kvtier_blocks_capacity", "Size of the block table (most blocks tracked at once)",
                          s["blocks"]["max"])
+        events = CounterMetricFamily("kvtier_tier_events", "Data-plane events by kind (corrupt_copies, keys_detached, "
+                                     "nvme_read_retries, nvme_write_backoffs, ...)", labels=["event"])
+        for name, n in s.get("io", {}).get("events", {}).items():
+            events.add_metric([name], n)
+        yield events
         direct = s.get("io", {}).get("nvme_direct_io")
         if direct is not None:
             yield _gauge("kvtier_nvme_direct_io", "1 while the NVMe tier does O_DIRECT I/O, 0 once it fell back "

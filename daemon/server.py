@@ -30,7 +30,7 @@ from kvtier.protocol.runtime import EVENTS_TOPIC, INFO_FILE, TOKEN_FILE, endpoin
 from kvtier.protocol.wire import ProtocolError
 
 from .acquire import Pending
-from .config import ConfigError, KvtierConfig
+from .config import ConfigError, KvtierConfig, resolve_config_path
 from .dirlock import DirLock
 from .events import encode_batch, seq_frame
 from .metrics import Exporter
@@ -42,9 +42,11 @@ STALL_S = 1.0  # a loop turn this late means the owner was away: engines are not
 
 
 class Server:
-    def __init__(self, cfg: KvtierConfig, config_path: Optional[str] = None, overrides: Sequence[str] = ()) -> None:
+    def __init__(self, cfg: KvtierConfig, config_path: Optional[str] = None, overrides: Sequence[str] = (),
+                 discovered: bool = False) -> None:
         self.cfg = cfg
         self.config_path = config_path
+        self.discovered = discovered  # no --config: each reload looks for the file again
         self.overrides = list(overrides)
         self.service = Service(cfg, admin_token=secrets.token_hex(32))
         self.stop_requested = False
@@ -267,6 +269,8 @@ class Server:
         Every changed key is named: ``keys`` took effect, ``restart`` waits for a restart
         ([server], [tiers], [metrics], and policy.name once a node runs); ``changed`` lists
         the reconfigured sections."""
+        if self.discovered:  # a file created (or removed) since the start is what reload reads
+            self.config_path = resolve_config_path(None)
         plan = plan_reload(self.cfg, self.config_path, overrides=self.overrides)
         new, notes = plan.config, []
         if new.policy.name != self.cfg.policy.name and self.service.node is not None:

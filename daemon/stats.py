@@ -53,7 +53,10 @@ def snapshot(cfg: KvtierConfig, counters: Counter[str], engines: dict[str, Engin
                  "recovered_blocks": mgr.recovered,  # cached blocks found on NVMe at start ...
                  "recovered_from": mgr.recovered_from,  # ... from a clean stop's "index", or a "scan"
                  # ... of which still waiting for their namespace's engines to register
-                 "recovered_unclaimed": mgr.unclaimed.count(mgr.table, mgr.namespace)}
+                 "recovered_unclaimed": mgr.unclaimed.count(mgr.table, mgr.namespace),
+                 # the data plane's other counts: corrupt copies, keys detached, read retries,
+                 # NVMe write backoffs and skips, seals folded, slots zeroed, ...
+                 "events": {k: int(v) for k, v in sorted(mgr.counters.items()) if "->" not in k}}
     paths: dict[str, dict[str, float]] = {}
     for name, v in mgr.counters.items():
         for kind in ("moves", "bytes", "errors", "clean", "busy_ns"):
@@ -78,11 +81,11 @@ def snapshot(cfg: KvtierConfig, counters: Counter[str], engines: dict[str, Engin
                        "speculative_wasted": pf.speculative_wasted}
     out["remote"] = node.remote.stats() if node.remote is not None else {"enabled": False}
     out["importance_mean"] = float(np.mean(t.importance[used])) if used.any() else 0.0
-    scores = node.scores  # live blocks per segment tag (untagged: "")
+    scores = node.scores  # tracked (live and cached) blocks per segment tag (untagged: "")
     counts = np.bincount(scores.segment[used], minlength=len(scores.segment_names))
     out["segments"] = {name or "untagged": int(n) for name, n in zip(scores.segment_names, counts)}
     classes = np.bincount(node.placement.feature_class[used], minlength=N_FEATURE_CLASSES)
-    out["feature_classes"] = classes.tolist()  # live blocks per predictor feature class (tail*8 + cont*4 + span)
+    out["feature_classes"] = classes.tolist()  # the same per predictor feature class (tail*8 + cont*4 + span)
     return out
 
 

@@ -55,3 +55,21 @@ def test_kvtier_reload_lists_keys_against_a_live_daemon(tmp_path):
         assert line.endswith("the daemon keeps its running config")
     finally:
         assert d.stop() == 0
+
+
+def test_reload_without_config_finds_a_file_created_after_the_start(tmp_path):
+    """Without ``--config`` the daemon found no file at start: ``systemctl reload`` after
+    writing one (the Deploy section's flow) must read it, not keep the shipped default."""
+    xdg = tmp_path / "xdg"
+    d = DaemonProcess(tmp_path, "tiers.hbm_bytes=65536", "tiers.dram_bytes=65536", "tiers.nvme_bytes=0",
+                      env={"XDG_CONFIG_HOME": str(xdg), "KVTIER_CONFIG": ""})
+    rt = str(d.runtime_dir)
+    try:
+        (xdg / "kvtier").mkdir(parents=True)
+        (xdg / "kvtier" / "kvtier.toml").write_text("[scoring]\nema = 0.6\n")
+        r = kvtier("reload", "--runtime-dir", rt, timeout=30)
+        assert (r.returncode, r.stdout) == (0, "scoring.ema: applied\n"), r.stderr
+        with d.client(heartbeat_s=None) as c:
+            assert c.stats()["config_hot"]["scoring"]["ema"] == 0.6
+    finally:
+        assert d.stop() == 0

@@ -56,6 +56,7 @@ SNAPSHOT = {
     "blocks": {"live": 2, "cached": 3, "pinned": 0, "max": 64},
     "service": {"acquires": 0, "acquires_on_time": 0, CLEARED_COUNTER: 5},
     "placement": {"dropped": 2}, "engines": [], "prefetch_on_time_ratio": 1.0,
+    "io": {"events": {"keys_detached": 2, "nvme_write_backoffs": 1}},
 }
 
 
@@ -70,6 +71,7 @@ def test_snapshot_families():
     assert s["kvtier_blocks_capacity"] == 64 and 'kvtier_blocks{"kind": "max"}' not in s
     assert s['kvtier_blocks{"kind": "cached"}'] == 3
     assert s["kvtier_blocks_dropped_total"] == 7  # evicted from the last tier + dropped by clear
+    assert s['kvtier_tier_events_total{"event": "nvme_write_backoffs"}'] == 1
     assert s[f'kvtier_build_info{{"version": "{__version__}"}}'] == 1
     assert "process_cpu_seconds_total" in s and any(k.startswith("python_info") for k in s)
     e.publish(SNAPSHOT | {"service": {"acquires": 4, "acquires_on_time": 3}, "prefetch_on_time_ratio": 0.75})
