@@ -106,7 +106,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
-        self._runtime_dir: Optional[str] = extra.get("runtime_dir") or os.environ.get("KVTIER_RUNTIME_DIR") or None
+        self._runtime_dir: Optional[str] = extra.get("runtime_dir") or None  # else $KVTIER_RUNTIME_DIR, ...
         self._block_size = int(vllm_config.cache_config.block_size)
         model = extra.get("namespace") or str(vllm_config.model_config.model)
         world = int(vllm_config.parallel_config.tensor_parallel_size)

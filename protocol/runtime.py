@@ -40,11 +40,19 @@ def _xdg(env: str) -> str | None:
     return base if base and os.path.isabs(base) else None
 
 
+RUNTIME_DIR_ENV = "KVTIER_RUNTIME_DIR"
+
+
 def default_runtime_dir() -> str:
-    """Per-user runtime directory (sockets): $XDG_RUNTIME_DIR/kvtier or /tmp/kvtier-UID.
+    """Runtime directory (sockets) when none is named: ``$KVTIER_RUNTIME_DIR`` (one variable
+    that points the daemon, the CLI, clients and the vLLM connector at one directory, e.g.
+    /run/kvtier), else per user: $XDG_RUNTIME_DIR/kvtier or /tmp/kvtier-UID.
 
     The fallback sits directly in the sticky /tmp: no one else can rename or
     remove it there, and ``ensure_private_dir`` refuses it if someone else made it."""
+    named = os.environ.get(RUNTIME_DIR_ENV)
+    if named:
+        return named
     base = _xdg("XDG_RUNTIME_DIR")
     if base and os.path.isdir(base):  # set but missing (su, sudo, cron): fall back
         return os.path.join(base, "kvtier")
@@ -70,6 +78,10 @@ def _mkdir_p(p: Path) -> None:
     """``mkdir -p`` with the leaf 0700; a file where a parent should be is ENOTDIR naming ``p``."""
     try:
         os.mkdir(p, 0o700)
+    except NotADirectoryError:  # a parent exists as something else than a directory
+        blocker = next((q for q in reversed(p.parents) if q.exists() and not q.is_dir()), p.parent)
+        raise NotADirectoryError(errno.ENOTDIR, f"{os.strerror(errno.ENOTDIR)} ({blocker} is in the way)",
+                                 str(p)) from None
     except FileNotFoundError:
         try:
             os.makedirs(p.parent, exist_ok=True)

@@ -79,6 +79,7 @@ def test_private_dir_is_left_as_it_is(tmp_path: Path) -> None:
 
 
 def test_defaults_without_xdg_follow_the_standard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVTIER_RUNTIME_DIR", raising=False)
     monkeypatch.delenv("XDG_DATA_HOME", raising=False)
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -87,6 +88,7 @@ def test_defaults_without_xdg_follow_the_standard(tmp_path: Path, monkeypatch: p
 
 
 def test_defaults_with_xdg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVTIER_RUNTIME_DIR", raising=False)
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     assert Path(default_data_dir()) == tmp_path / "data" / "kvtier"
@@ -107,3 +109,19 @@ def test_private_file_is_written_new_and_never_through_a_link(tmp_path: Path) ->
     info = d / "daemon.json"
     assert not info.is_symlink() and info.read_bytes() == b'{"pid": 1}' and _mode(info) == 0o600
     assert sorted(x.name for x in d.iterdir()) == ["daemon.json"]
+
+
+def test_one_variable_points_every_process_at_one_runtime_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.daemon.config import load_config
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setenv("KVTIER_RUNTIME_DIR", str(tmp_path / "shared"))
+    assert default_runtime_dir() == str(tmp_path / "shared")  # clients, the CLI and the vLLM connector
+    assert load_config(environ={}).server.runtime_dir == str(tmp_path / "shared")  # the daemon's default
+
+
+def test_a_file_where_a_parent_should_be_is_named(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(NotADirectoryError) as ei:
+        ensure_private_dir(tmp_path / "afile" / "sub" / "kvtier")
+    assert f"{tmp_path / 'afile'} is in the way" in str(ei.value)
