@@ -31,6 +31,7 @@ from pydantic_settings import (
     InitSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
     TomlConfigSettingsSource,
 )
 
@@ -95,6 +96,16 @@ class Environment(EnvSettingsSource):
 
     def _load_env_vars(self) -> Mapping[str, Optional[str]]:  # the base reads os.environ
         return {k.lower(): v for k, v in self._environ.items()}
+
+    def __call__(self) -> dict[str, Any]:
+        try:
+            return super().__call__()
+        except SettingsError as e:  # it names the section only: name the variables set under it
+            m = re.search(r'field "([^"]+)"', str(e))
+            under = f"{ENV_PREFIX}{m.group(1)}{ENV_NESTING}".upper() if m else ""
+            names = [n for n in self.names if n.upper().startswith(under)] or self.names
+            raise ConfigError(f"environment {', '.join(names)}: not a valid value (a table or a list is JSON, "
+                              f"e.g. KVTIER_SCORING__SEGMENT_WEIGHTS='{{\"system\": 2.0}}')") from None
 
     def where(self, loc: Sequence[str]) -> str:
         name = next((n for n in self.names if _overlaps(n[len(ENV_PREFIX):].lower().split(ENV_NESTING), loc)), None)

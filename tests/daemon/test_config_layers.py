@@ -59,3 +59,11 @@ def test_a_password_given_with_set_is_never_printed_in_an_error():
     with pytest.raises(ConfigError) as e:
         load_config(environ={}, overrides=["tiers.remote.password.x=hunter2"])
     assert "hunter2" not in str(e.value)
+
+
+@pytest.mark.parametrize("name,value", [("KVTIER_SCORING__SEGMENT_WEIGHTS", "system=2"),
+                                        ("KVTIER_TIERS__REMOTE__NODES", "redis-0:6379")])
+def test_a_table_or_list_variable_that_is_not_json_is_named(name, value):
+    with pytest.raises(ConfigError) as e:
+        load_config(environ={name: value, "KVTIER_POLICY__SAMPLES": "8"})
+    assert f"environment {name}:" in str(e.value) and "KVTIER_POLICY__SAMPLES" not in str(e.value)
