@@ -243,10 +243,7 @@ class WorkerSide:
             return
         ld.failed = True
         self.failed_step = self.step
-        # found after vLLM took this step's errors (with speculative decoding it saves, and so
-        # finishes loads, after that): reported a step later, so one more step is tainted
-        late = self.reported_step == self.step
-        self.tainted_until = max(self.tainted_until, self.step + TAINTED_STEPS - 1 + int(late))
+        self._taint_this_step()
         self.errors.update(ld.vids.tolist())
         self.stats["failed_blocks"] += int(ld.vids.numel())
 
@@ -287,7 +284,15 @@ class WorkerSide:
             log.warning("kvtier: tensor-parallel taint agreement failed (%s); this step's saves are dropped", e)
             any_failed = True
         if any_failed:
-            self.tainted_until = max(self.tainted_until, self.step + TAINTED_STEPS - 1)
+            self._taint_this_step()
+
+    def _taint_this_step(self) -> None:
+        """Drop saves from this step for ``TAINTED_STEPS`` steps. A failure found after vLLM took
+        this step's errors (with speculative decoding it saves, and so finishes loads, after
+        that) is reported a step later, so one more step is tainted; every rank of a
+        tensor-parallel group runs in the same order, so they all taint the same steps."""
+        late = self.reported_step == self.step
+        self.tainted_until = max(self.tainted_until, self.step + TAINTED_STEPS - 1 + int(late))
 
     def save(self, saves: list[Transfer]) -> None:
         """Queue this step's new full blocks and save what the staging pool has room for."""

@@ -171,15 +171,30 @@ def test_a_failure_found_after_vllm_took_the_step_s_errors_taints_one_step_more(
     ws.start([Transfer("b", [15], [block_key(HS[0])])])  # same 64-bit key, another hash
     assert ws.take_errors() == set()  # vLLM asks before the deferred save
     ws.finish_load()  # the mismatch is found here
-    saves = [[Transfer("c", [3], HS[1:2])], [Transfer("c", [4], HS[2:3])], [Transfer("d", [5], HS[3:4])]]
-    ws.save(saves[0])
-    for s in saves[1:]:
-        assert ws.take_errors() in (set(), {15})
+    got = _save_one_block_a_step_from_here(ws, c)
+    assert (got[:3] == -1).all() and got[3] >= 0  # this step, and the two vLLM scheduled before it heard
+
+
+def test_a_tensor_parallel_peer_s_late_failure_taints_the_same_steps_here(worker):
+    """A rank whose own load went well drops the steps the failing rank drops, one late step
+    included: ranks that disagree would save different halves of one block."""
+    kv, ws, c = worker
+    ws.start([])
+    peer_failed_at = ws.step
+    ws.agree = lambda mine: ws.step == peer_failed_at  # the group's verdict: a peer failed this step
+    assert ws.take_errors() == set()
+    ws.finish_load()
+    got = _save_one_block_a_step_from_here(ws, c)
+    assert (got[:3] == -1).all() and got[3] >= 0
+
+
+def _save_one_block_a_step_from_here(ws, c):
+    """Saves HS[1..4], one a step, in vLLM's speculative-decoding order; what kvtier holds."""
+    ws.save([Transfer("c", [3], HS[1:2])])
+    for s in [[Transfer("c", [4], HS[2:3])], [Transfer("d", [5], HS[3:4])], [Transfer("e", [6], HS[4:5])]]:
+        ws.take_errors()
         ws.start([])
         ws.finish_load()
         ws.save(s)
-    ws.start([])
-    ws.finish_load()
-    ws.save([Transfer("e", [6], HS[4:5])])
     got, _ = c.lookup([block_key(h) for h in HS[1:5]])
-    assert (got[:3] == -1).all() and got[3] >= 0  # this step, and the two vLLM scheduled before it heard
+    return got
