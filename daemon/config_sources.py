@@ -104,8 +104,18 @@ class Environment(EnvSettingsSource):
             m = re.search(r'field "([^"]+)"', str(e))
             under = f"{ENV_PREFIX}{m.group(1)}{ENV_NESTING}".upper() if m else ""
             names = [n for n in self.names if n.upper().startswith(under)] or self.names
+            if len(self.names) > 1:  # of those, the ones that fail on their own
+                names = [n for n in names if self._fails_alone(n)] or names
             raise ConfigError(f"environment {', '.join(names)}: not a valid value (a table or a list is JSON, "
                               f"e.g. KVTIER_SCORING__SEGMENT_WEIGHTS='{{\"system\": 2.0}}')") from None
+
+    def _fails_alone(self, name: str) -> bool:
+        """Whether this variable, read on its own, is what pydantic-settings cannot decode."""
+        try:
+            Environment(self.settings_cls, {name: self._environ[name]})()
+        except ConfigError:
+            return True
+        return False
 
     def where(self, loc: Sequence[str]) -> str:
         name = next((n for n in self.names if _overlaps(n[len(ENV_PREFIX):].lower().split(ENV_NESTING), loc)), None)

@@ -64,6 +64,8 @@ def test_a_password_given_with_set_is_never_printed_in_an_error():
 @pytest.mark.parametrize("name,value", [("KVTIER_SCORING__SEGMENT_WEIGHTS", "system=2"),
                                         ("KVTIER_TIERS__REMOTE__NODES", "redis-0:6379")])
 def test_a_table_or_list_variable_that_is_not_json_is_named(name, value):
+    valid_sibling = {"KVTIER_SCORING__EMA": "0.5", "KVTIER_TIERS__REMOTE__TIMEOUT_S": "2.0"}
     with pytest.raises(ConfigError) as e:
-        load_config(environ={name: value, "KVTIER_POLICY__SAMPLES": "8"})
-    assert f"environment {name}:" in str(e.value) and "KVTIER_POLICY__SAMPLES" not in str(e.value)
+        load_config(environ={name: value, "KVTIER_POLICY__SAMPLES": "8", **valid_sibling})
+    assert f"environment {name}:" in str(e.value)
+    assert not any(v in str(e.value) for v in ["KVTIER_POLICY__SAMPLES", *valid_sibling])
