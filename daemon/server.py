@@ -269,10 +269,13 @@ class Server:
         Every changed key is named: ``keys`` took effect, ``restart`` waits for a restart
         ([server], [tiers], [metrics], and policy.name once a node runs); ``changed`` lists
         the reconfigured sections."""
+        notes = []
         if self.discovered:  # a file created (or removed) since the start is what reload reads
-            self.config_path = resolve_config_path(None)
+            was, self.config_path = self.config_path, resolve_config_path(None)
+            if self.config_path != was:
+                notes.append(_config_file_moved(was, self.config_path))
         plan = plan_reload(self.cfg, self.config_path, overrides=self.overrides)
-        new, notes = plan.config, []
+        new = plan.config
         if new.policy.name != self.cfg.policy.name and self.service.node is not None:
             notes.append(f"policy.name {new.policy.name!r} takes effect on restart; "
                          f"running {self.cfg.policy.name!r} with the new parameters")
@@ -284,8 +287,8 @@ class Server:
                 plan.restart.append(key)
         self.service.apply_hot(new, plan.sections)
         self.cfg = new
-        log.info("reloaded: %s; needs a restart: %s", ", ".join(plan.applied) or "no changes",
-                 ", ".join(plan.restart) or "nothing")
+        log.info("reloaded: %s; needs a restart: %s%s", ", ".join(plan.applied) or "no changes",
+                 ", ".join(plan.restart) or "nothing", "".join(f"; {n}" for n in notes))
         return {"changed": plan.sections, "keys": plan.applied, "restart": plan.restart, "notes": notes}
 
     # -- stop --------------------------------------------------------------------------
@@ -340,3 +343,10 @@ class Server:
 
 
 __all__ = ["Server"]
+
+
+def _config_file_moved(was: Optional[str], now: Optional[str]) -> str:
+    """Why a reload without ``--config`` read another file than the last one (or none)."""
+    if now is None:
+        return f"config file {was} is gone: reloaded from the shipped default (and environment, --set)"
+    return f"config file is now {now} (" + (f"was {was})" if was else "none was found before)")

@@ -66,10 +66,19 @@ def test_reload_without_config_finds_a_file_created_after_the_start(tmp_path):
     rt = str(d.runtime_dir)
     try:
         (xdg / "kvtier").mkdir(parents=True)
-        (xdg / "kvtier" / "kvtier.toml").write_text("[scoring]\nema = 0.6\n")
+        path = xdg / "kvtier" / "kvtier.toml"
+        path.write_text("[scoring]\nema = 0.6\n")
         r = kvtier("reload", "--runtime-dir", rt, timeout=30)
-        assert (r.returncode, r.stdout) == (0, "scoring.ema: applied\n"), r.stderr
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.splitlines() == ["scoring.ema: applied",
+                                         f"note: config file is now {path} (none was found before)"]
         with d.client(heartbeat_s=None) as c:
             assert c.stats()["config_hot"]["scoring"]["ema"] == 0.6
+        path.unlink()  # gone: the reload says so, not a silent return to the defaults
+        r = kvtier("reload", "--runtime-dir", rt, timeout=30)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.splitlines()[-1] == (f"note: config file {path} is gone: reloaded from the shipped "
+                                              "default (and environment, --set)")
+        assert "scoring.ema: applied" in r.stdout
     finally:
         assert d.stop() == 0
