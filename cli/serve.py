@@ -184,7 +184,17 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if pf:
         con.print(f"prefetch: hinted {pf['hinted']}  started {pf['started']}  queued {pf['queued']}  "
                   f"speculative used/wasted/started {pf['speculative_used']}/{pf['speculative_wasted']}/{pf['speculated']}")
+    events = events_line(s)
+    if events:
+        con.print(events)
     return 0
+
+
+def events_line(stats: dict) -> str:
+    """The data plane's nonzero event counts (corrupt copies, keys detached, read retries, ...)
+    on one line; empty when there are none, the healthy answer."""
+    events = {k: v for k, v in (stats.get("io") or {}).get("events", {}).items() if v}
+    return "data-plane events: " + "  ".join(f"{k} {v}" for k, v in events.items()) if events else ""
 
 
 def cmd_reload(args: argparse.Namespace) -> int:

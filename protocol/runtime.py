@@ -51,6 +51,9 @@ def default_runtime_dir() -> str:
     The fallback sits directly in the sticky /tmp: no one else can rename or
     remove it there, and ``ensure_private_dir`` refuses it if someone else made it."""
     named = os.environ.get(RUNTIME_DIR_ENV)
+    if named and not os.path.isabs(named):  # each process would resolve it from its own cwd
+        raise UnsafeDirError(errno.EINVAL, f"{RUNTIME_DIR_ENV} must be an absolute path; processes started "
+                             "in other directories would not find each other", named)
     if named:
         return named
     base = _xdg("XDG_RUNTIME_DIR")

@@ -37,6 +37,24 @@ def test_clear_drops_every_cached_block_of_a_live_daemon(tmp_path):
         assert d.stop() == 0
 
 
+def test_stats_names_the_data_plane_s_events_once_there_are_some(tmp_path):
+    d = DaemonProcess(tmp_path, *SMALL)
+    try:
+        rt = str(d.runtime_dir)
+        with d.client(heartbeat_s=None) as c:
+            c.register(block_bytes=4096)
+            first, _ = c.alloc(1, seq=1)
+            c.seal(first, np.array([11], dtype=np.uint64), seq=1)
+            r = kvtier("stats", "--runtime-dir", rt, timeout=30)
+            assert r.returncode == 0 and "data-plane events" not in r.stdout, r.stderr
+            second, _ = c.alloc(1, seq=2)
+            assert c.seal(second, np.array([11], dtype=np.uint64), seq=2).tolist() == first.tolist()
+            r = kvtier("stats", "--runtime-dir", rt, timeout=30)
+            assert r.returncode == 0 and "data-plane events: seal_dedup 1" in r.stdout, r.stderr
+    finally:
+        assert d.stop() == 0
+
+
 def test_config_show_toml_round_trips(tmp_path, capsys, monkeypatch):
     for name in [n for n in os.environ if n.startswith("KVTIER_")]:
         monkeypatch.delenv(name)

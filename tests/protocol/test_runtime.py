@@ -118,6 +118,9 @@ def test_one_variable_points_every_process_at_one_runtime_dir(tmp_path: Path, mo
     monkeypatch.setenv("KVTIER_RUNTIME_DIR", str(tmp_path / "shared"))
     assert default_runtime_dir() == str(tmp_path / "shared")  # clients, the CLI and the vLLM connector
     assert load_config(environ={}).server.runtime_dir == str(tmp_path / "shared")  # the daemon's default
+    monkeypatch.setenv("KVTIER_RUNTIME_DIR", "relative/kvtier")
+    with pytest.raises(UnsafeDirError, match="KVTIER_RUNTIME_DIR must be an absolute path"):
+        default_runtime_dir()
 
 
 def test_a_file_where_a_parent_should_be_is_named(tmp_path: Path) -> None:
