@@ -31,6 +31,9 @@ from .types import DRAM, FREE, HBM, NVME, OPEN, ORPHAN_OWNER, SEALED, UNCLAIMED_
 EventListener = Callable[[str, int, int], None]  # (kind, block, tier)
 FailureListener = Callable[[np.ndarray, int], None]  # (blocks a failed move left in tier, tier)
 log = logging.getLogger("kvtier.tiers")
+# counted by the tiers (and placement's NVMe skips): in stats io.events and kvtier_tier_events_total
+DATA_PLANE_EVENTS = ("corrupt_copies", "keys_detached", "nvme_read_retries", "nvme_write_backoffs",
+                     "nvme_backoff_skips", "seal_dedup", "slots_zeroed")
 TID_WRAP = (1 << 31) - 1  # transfer ids cycle through 1 .. 2^31-1: 4 B a block, not 8
 
 
@@ -83,7 +86,8 @@ class TierMoves:
         self._pending: dict[int, _Pending] = {}
         self._unapplied: deque[Completion] = deque()  # taken from the mover by a poll that raised
         self._deferred: Optional[list[BaseException]] = None  # listener errors while a group is applied
-        self.counters: Counter[str] = Counter()
+        # the data plane's events start at 0, so a scrape shows them (and rate() works) before the first
+        self.counters: Counter[str] = Counter(dict.fromkeys(DATA_PLANE_EVENTS, 0))
         self.last_errors: dict[int, str] = {}
         self.listeners: list[EventListener] = []
         self.failure_listeners: list[FailureListener] = []  # e.g. placement: the victims are still resident

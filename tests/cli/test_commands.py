@@ -10,6 +10,7 @@ import numpy as np
 from kvtier.bench.spawn import DaemonProcess
 from kvtier.cli.main import main
 from kvtier.daemon.config import load_config
+from kvtier.tiers.moves import DATA_PLANE_EVENTS
 
 from .helpers import kvtier
 
@@ -47,6 +48,7 @@ def test_stats_names_the_data_plane_s_events_once_there_are_some(tmp_path):
             c.seal(first, np.array([11], dtype=np.uint64), seq=1)
             r = kvtier("stats", "--runtime-dir", rt, timeout=30)
             assert r.returncode == 0 and "data-plane events" not in r.stdout, r.stderr
+            assert c.stats()["io"]["events"] == dict.fromkeys(sorted(DATA_PLANE_EVENTS), 0)  # scraped from the start
             second, _ = c.alloc(1, seq=2)
             assert c.seal(second, np.array([11], dtype=np.uint64), seq=2).tolist() == first.tolist()
             r = kvtier("stats", "--runtime-dir", rt, timeout=30)
