@@ -1,4 +1,4 @@
-"""Tensor-parallel ranks agree, once a step, on whether any rank's KV load failed.
+"""Tensor-parallel ranks agree, once a step, on which steps' saves a failed KV load taints.
 
 A rank whose own load failed drops the saves of the steps that may have read the bytes it
 never loaded (``vllm_worker.TAINTED_STEPS``). Its peers' loads may have succeeded, but the
@@ -14,17 +14,19 @@ from typing import Any, Callable, Optional
 
 import torch
 
-# (did this rank's load fail this step?) -> did any rank's
-Agreement = Callable[[bool], bool]
+# (the last step whose saves this rank drops) -> the group's last such step
+Agreement = Callable[[int], int]
 
 
-def any_rank_failed(group: Any) -> Agreement:
-    """An ``Agreement`` by one MAX all-reduce of a flag over ``group`` (a torch.distributed
-    process group: vLLM's tensor-parallel CPU group, so no device sync)."""
-    def agree(failed: bool) -> bool:
-        flag = torch.tensor([int(failed)], dtype=torch.int32)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
-        return bool(flag.item())
+def latest_taint(group: Any) -> Agreement:
+    """An ``Agreement`` by one MAX all-reduce over ``group`` (a torch.distributed process group:
+    vLLM's tensor-parallel CPU group, so no device sync). The failing rank's own window is
+    what every rank adopts: it alone knows whether its failure reached vLLM this step or
+    the next (``WorkerSide._taint_this_step``)."""
+    def agree(tainted_until: int) -> int:
+        last = torch.tensor([tainted_until], dtype=torch.int64)
+        torch.distributed.all_reduce(last, op=torch.distributed.ReduceOp.MAX, group=group)
+        return int(last.item())
     return agree
 
 
@@ -41,4 +43,4 @@ def tensor_parallel_agreement() -> Optional[Agreement]:
         return None
     if int(group.world_size) <= 1:
         return None
-    return any_rank_failed(group.cpu_group)
+    return latest_taint(group.cpu_group)

@@ -142,7 +142,7 @@ class WorkerSide:
         self.timeout_s = timeout_s
         self.save_timeout_s = save_timeout_s
         self.idle = idle                    # run while a sync load waits (async loads finish meanwhile)
-        self.agree = agree                  # tensor-parallel peers' load failures (``Agreement``)
+        self.agree = agree                  # tensor-parallel peers' taint windows (``Agreement``)
         self.load: Optional[_Load] = None
         self.errors: set[int] = set()       # vLLM blocks that could not be loaded (reported once)
         self.queue: deque[_Save] = deque()  # saves waiting for staging room, in order
@@ -152,7 +152,6 @@ class WorkerSide:
                       "save_queued_blocks": 0, "save_dropped_blocks": 0}
         self.step = 0
         self.tainted_until = -1  # the last step whose saves are dropped (``TAINTED_STEPS``)
-        self.failed_step = -1    # the last step whose load failed on this rank
         self.reported_step = -1  # the last step whose load errors vLLM has taken (``take_errors``)
         max_batch = max(1, int(client.info.get("hbm_slots", 2)) // 2)
         self.save_batch = max_batch
@@ -242,7 +241,6 @@ class WorkerSide:
         if ld is None:
             return
         ld.failed = True
-        self.failed_step = self.step
         self._taint_this_step()
         self.errors.update(ld.vids.tolist())
         self.stats["failed_blocks"] += int(ld.vids.numel())
@@ -274,23 +272,21 @@ class WorkerSide:
 
     # -- save ---------------------------------------------------------------------
     def agree_on_taint(self) -> None:
-        """Once a step, on every rank after its loads: a failure on any rank taints all of them.
-        A collective that fails taints too (its peers may have failed)."""
+        """Once a step, on every rank after its loads: every rank drops the saves of the steps
+        any rank's failure taints (the failing rank's window, late step and all). A collective
+        that fails taints this step too (its peers may have failed)."""
         if self.agree is None:
             return
         try:
-            any_failed = self.agree(self.failed_step == self.step)
+            self.tainted_until = max(self.tainted_until, self.agree(self.tainted_until))
         except Exception as e:  # noqa: BLE001 - a broken group must not stop the engine's step
             log.warning("kvtier: tensor-parallel taint agreement failed (%s); this step's saves are dropped", e)
-            any_failed = True
-        if any_failed:
             self._taint_this_step()
 
     def _taint_this_step(self) -> None:
         """Drop saves from this step for ``TAINTED_STEPS`` steps. A failure found after vLLM took
         this step's errors (with speculative decoding it saves, and so finishes loads, after
-        that) is reported a step later, so one more step is tainted; every rank of a
-        tensor-parallel group runs in the same order, so they all taint the same steps."""
+        that) is reported a step later, so one more step is tainted."""
         late = self.reported_step == self.step
         self.tainted_until = max(self.tainted_until, self.step + TAINTED_STEPS - 1 + int(late))
 

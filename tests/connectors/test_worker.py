@@ -175,19 +175,6 @@ def test_a_failure_found_after_vllm_took_the_step_s_errors_taints_one_step_more(
     assert (got[:3] == -1).all() and got[3] >= 0  # this step, and the two vLLM scheduled before it heard
 
 
-def test_a_tensor_parallel_peer_s_late_failure_taints_the_same_steps_here(worker):
-    """A rank whose own load went well drops the steps the failing rank drops, one late step
-    included: ranks that disagree would save different halves of one block."""
-    kv, ws, c = worker
-    ws.start([])
-    peer_failed_at = ws.step
-    ws.agree = lambda mine: ws.step == peer_failed_at  # the group's verdict: a peer failed this step
-    assert ws.take_errors() == set()
-    ws.finish_load()
-    got = _save_one_block_a_step_from_here(ws, c)
-    assert (got[:3] == -1).all() and got[3] >= 0
-
-
 def _save_one_block_a_step_from_here(ws, c):
     """Saves HS[1..4], one a step, in vLLM's speculative-decoding order; what kvtier holds."""
     ws.save([Transfer("c", [3], HS[1:2])])
