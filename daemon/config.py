@@ -255,6 +255,8 @@ def load_config(path: "str | Path | None" = None, environ: Optional[Mapping[str,
         return KvtierConfig(**{name: getattr(settings, name) for name in KvtierConfig.model_fields})
     except ValidationError as e:
         raise explain(e, sources) from None
+    except OSError as e:  # a default that cannot be used (a relative $KVTIER_RUNTIME_DIR)
+        raise ConfigError(f"{e.filename}: {e.strerror}" if e.filename else str(e)) from None
 
 
 __all__ = ["ConfigError", "KvtierConfig", "HOT_SECTIONS", "RESTART_SECTIONS",

@@ -173,6 +173,8 @@ class Server:
                 self.reload()
             except ConfigError as e:
                 log.error("reload rejected, running config kept: %s", e)
+            except Exception:  # a SIGHUP must never stop the daemon
+                log.exception("reload failed, running config kept")
         self._publish_events()
         if now - self._last_snapshot > 1.0 and self.exporter is not None:
             self._last_snapshot = now
@@ -269,12 +271,12 @@ class Server:
         Every changed key is named: ``keys`` took effect, ``restart`` waits for a restart
         ([server], [tiers], [metrics], and policy.name once a node runs); ``changed`` lists
         the reconfigured sections."""
-        notes = []
+        notes, path = [], self.config_path
         if self.discovered:  # a file created (or removed) since the start is what reload reads
-            was, self.config_path = self.config_path, resolve_config_path(None)
-            if self.config_path != was:
-                notes.append(_config_file_moved(was, self.config_path))
-        plan = plan_reload(self.cfg, self.config_path, overrides=self.overrides)
+            path = resolve_config_path(None)
+            if path != self.config_path:
+                notes.append(_config_file_moved(self.config_path, path))
+        plan = plan_reload(self.cfg, path, overrides=self.overrides)
         new = plan.config
         if new.policy.name != self.cfg.policy.name and self.service.node is not None:
             notes.append(f"policy.name {new.policy.name!r} takes effect on restart; "
@@ -286,7 +288,7 @@ class Server:
                 plan.applied.remove(key)
                 plan.restart.append(key)
         self.service.apply_hot(new, plan.sections)
-        self.cfg = new
+        self.cfg, self.config_path = new, path  # a rejected reload changes neither
         log.info("reloaded: %s; needs a restart: %s%s", ", ".join(plan.applied) or "no changes",
                  ", ".join(plan.restart) or "nothing", "".join(f"; {n}" for n in notes))
         return {"changed": plan.sections, "keys": plan.applied, "restart": plan.restart, "notes": notes}

@@ -67,6 +67,9 @@ def test_reload_without_config_finds_a_file_created_after_the_start(tmp_path):
     try:
         (xdg / "kvtier").mkdir(parents=True)
         path = xdg / "kvtier" / "kvtier.toml"
+        path.write_text("[scoring]\nema = 9\n")  # rejected: the daemon keeps its config, and its file
+        r = kvtier("reload", "--runtime-dir", rt, timeout=30)
+        assert r.returncode == 1 and "scoring.ema" in r.stderr
         path.write_text("[scoring]\nema = 0.6\n")
         r = kvtier("reload", "--runtime-dir", rt, timeout=30)
         assert r.returncode == 0, r.stderr

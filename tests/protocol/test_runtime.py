@@ -112,7 +112,7 @@ def test_private_file_is_written_new_and_never_through_a_link(tmp_path: Path) ->
 
 
 def test_one_variable_points_every_process_at_one_runtime_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvtier.daemon.config import load_config
+    from kvtier.daemon.config import ConfigError, load_config
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     monkeypatch.setenv("KVTIER_RUNTIME_DIR", str(tmp_path / "shared"))
@@ -121,6 +121,8 @@ def test_one_variable_points_every_process_at_one_runtime_dir(tmp_path: Path, mo
     monkeypatch.setenv("KVTIER_RUNTIME_DIR", "relative/kvtier")
     with pytest.raises(UnsafeDirError, match="KVTIER_RUNTIME_DIR must be an absolute path"):
         default_runtime_dir()
+    with pytest.raises(ConfigError, match="KVTIER_RUNTIME_DIR must be an absolute path"):
+        load_config(environ={})  # a config error (a reload rejects it), not an OSError from a default
 
 
 def test_a_file_where_a_parent_should_be_is_named(tmp_path: Path) -> None:
