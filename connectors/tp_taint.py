@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-# (the last step whose saves this rank drops) -> the group's last such step
+# (the steps after this one whose saves this rank drops: -1 none, 0 this one only) -> the group's most
 Agreement = Callable[[int], int]
 
 
@@ -22,11 +22,12 @@ def latest_taint(group: Any) -> Agreement:
     """An ``Agreement`` by one MAX all-reduce over ``group`` (a torch.distributed process group:
     vLLM's tensor-parallel CPU group, so no device sync). The failing rank's own window is
     what every rank adopts: it alone knows whether its failure reached vLLM this step or
-    the next (``WorkerSide._taint_this_step``)."""
-    def agree(tainted_until: int) -> int:
-        last = torch.tensor([tainted_until], dtype=torch.int64)
-        torch.distributed.all_reduce(last, op=torch.distributed.ReduceOp.MAX, group=group)
-        return int(last.item())
+    the next (``WorkerSide._taint_this_step``). Windows are relative to the step, so ranks
+    agree even if their step counters did not."""
+    def agree(steps_ahead: int) -> int:
+        most = torch.tensor([steps_ahead], dtype=torch.int64)
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX, group=group)
+        return int(most.item())
     return agree
 
 

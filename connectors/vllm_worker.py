@@ -278,7 +278,8 @@ class WorkerSide:
         if self.agree is None:
             return
         try:
-            self.tainted_until = max(self.tainted_until, self.agree(self.tainted_until))
+            ahead = self.agree(max(self.tainted_until - self.step, -1))
+            self.tainted_until = max(self.tainted_until, self.step + ahead)
         except Exception as e:  # noqa: BLE001 - a broken group must not stop the engine's step
             log.warning("kvtier: tensor-parallel taint agreement failed (%s); this step's saves are dropped", e)
             self._taint_this_step()

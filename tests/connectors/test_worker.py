@@ -185,3 +185,41 @@ def _save_one_block_a_step_from_here(ws, c):
         ws.save(s)
     got, _ = c.lookup([block_key(h) for h in HS[1:5]])
     return got
+
+
+@pytest.mark.parametrize("peer_window,dropped", [(-1, 0), (0, 1), (1, 2), (2, 3)])
+def test_a_tensor_parallel_peer_s_window_is_this_rank_s(worker, peer_window, dropped):
+    """The group's verdict (a peer's failure: the steps after this one it taints) drops the
+    same saves here, though this rank's own loads went well."""
+    kv, ws, c = worker
+    told = []
+
+    def agree(mine):  # what the all-reduce returns: the most any rank still drops
+        told.append(mine)
+        return max(mine, peer_window) if len(told) == 1 else mine
+    ws.agree = agree
+    ws.start([])
+    ws.finish_load()
+    got = _save_one_block_a_step_from_here(ws, c)
+    assert told == [-1] + [max(peer_window - k, -1) for k in (1, 2, 3)]  # once a step, relative to it
+    assert (got[:dropped] == -1).all() and (got[dropped:] >= 0).all()
+    assert ws.stats["save_dropped_blocks"] == dropped
+
+
+def test_an_agreement_that_fails_drops_this_step_s_saves(worker):
+    """A broken group cannot say whether a peer failed: this step is tainted as if one had."""
+    kv, ws, c = worker
+
+    def broken(mine):
+        raise RuntimeError("injected: gloo connection reset")
+    ws.agree = broken
+    ws.start([])
+    ws.finish_load()
+    ws.save([Transfer("c", [3], HS[1:2])])
+    ws.agree = None
+    for i in (2, 3):
+        ws.start([])
+        ws.finish_load()
+        ws.save([Transfer("c", [i + 2], HS[i:i + 1])])
+    got, _ = c.lookup([block_key(h) for h in HS[1:4]])
+    assert got.tolist()[:2] == [-1, -1] and got[2] >= 0  # this step and the next, as a failed load
