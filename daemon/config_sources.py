@@ -60,9 +60,12 @@ class TomlFile(TomlConfigSettingsSource):
     def __init__(self, settings_cls: type[BaseSettings], path: "str | Path", label: str):
         self.label = label
         try:  # read here: the base class skips a file that is not there
-            self.text = Path(path).read_text()
+            self.text = Path(path).read_text(encoding="utf-8")  # TOML is UTF-8 whatever the locale
         except OSError as e:
             raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            line = Path(path).read_bytes()[:e.start].count(b"\n") + 1
+            raise ConfigError(f"{path}:{line}: not UTF-8 (byte 0x{e.object[e.start]:02x}); TOML files are UTF-8") from None
         super().__init__(settings_cls, toml_file=Path(path))
 
     def _read_file(self, file_path: object) -> dict[str, Any]:  # parses the text read in __init__

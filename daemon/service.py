@@ -325,14 +325,23 @@ class Service:
             node.prefetcher.speculate(node.mgr, node.placement, tc.high_watermark, self.clock())
 
     def apply_hot(self, cfg: KvtierConfig, changed: list[str]) -> None:
-        """Take a reloaded config's hot sections (policy params, scoring, predictor)."""
+        """Take a reloaded config's hot sections (policy params, scoring, predictor), all or
+        none: a section that fails puts back the ones applied before it, and the running
+        config stays what the daemon says it keeps."""
+        if self.node is not None:
+            try:
+                self._configure_node(cfg, changed)
+            except Exception:
+                self._configure_node(self.cfg, changed)
+                raise
         self.cfg = cfg
         for ops in (self.blocks, self.residency):
             if ops is not None:
                 ops.cfg = cfg
+
+    def _configure_node(self, cfg: KvtierConfig, changed: list[str]) -> None:
         node = self.node
-        if node is None:
-            return
+        assert node is not None
         if "scoring" in changed:
             node.scores.configure(**cfg.scoring.model_dump())
         if "policy" in changed:

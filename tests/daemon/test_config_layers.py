@@ -69,3 +69,12 @@ def test_a_table_or_list_variable_that_is_not_json_is_named(name, value):
         load_config(environ={name: value, "KVTIER_POLICY__SAMPLES": "8", **valid_sibling})
     assert f"environment {name}:" in str(e.value)
     assert not any(v in str(e.value) for v in ["KVTIER_POLICY__SAMPLES", *valid_sibling])
+
+
+def test_a_config_file_that_is_not_utf8_is_a_config_error_naming_its_line(tmp_path):
+    p = tmp_path / "k.toml"
+    p.write_bytes(b"[scoring]\nema = 0.5 # caf\xe9\n")
+    with pytest.raises(ConfigError, match=rf"{p}:2: not UTF-8 \(byte 0xe9\)"):
+        load_config(p, environ={})
+    p.write_bytes("[scoring]\nema = 0.5 # café\n".encode())
+    assert load_config(p, environ={}).scoring.ema == 0.5  # UTF-8 whatever the locale

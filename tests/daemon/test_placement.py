@@ -305,3 +305,29 @@ def test_reloaded_policy_parameters_reach_the_running_model(tmp_path):
         call(svc, "alloc", n=2, seq=1)
     finally:
         svc.close()
+
+
+def test_a_reload_that_fails_halfway_puts_back_what_it_applied(tmp_path, monkeypatch):
+    """A reload is all or nothing: the daemon says it keeps its running config, so a section
+    that fails must not leave the sections before it applied."""
+    base = ["tiers.hbm_bytes=16384", "tiers.dram_bytes=16384", "tiers.nvme_bytes=0",
+            f'server.runtime_dir="{tmp_path}/run"', "metrics.enabled=false"]
+    svc = Service(load_config(environ={}, overrides=base))
+    try:
+        call(svc, "register", pid=0, block_bytes=4096)
+        running = svc.cfg
+        new = load_config(environ={}, overrides=base + ["scoring.ema=0.5", "predictor.calibration_sample=2"])
+        calls = []
+
+        def fail_once(*args):  # the fault: the last section's reconfiguration raises
+            calls.append(args)
+            if len(calls) == 1:
+                raise RuntimeError("injected")
+        monkeypatch.setattr(svc.node.placement, "configure_predictor", fail_once)
+        with pytest.raises(RuntimeError):
+            svc.apply_hot(new, ["scoring", "predictor"])
+        assert svc.cfg is running and svc.node.scores.ema == running.scoring.ema != 0.5
+        assert calls[-1][1] == running.predictor.calibration_bins  # put back, too
+        call(svc, "alloc", n=2, seq=1)
+    finally:
+        svc.close()
