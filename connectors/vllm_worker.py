@@ -163,6 +163,8 @@ class WorkerSide:
 
     # -- load ---------------------------------------------------------------------
     def start(self, loads: list[Transfer]) -> None:
+        if self.load is not None:  # vLLM skipped wait_for_save: with speculative decoding a pipeline
+            self.finish_load()     # stage before the last never finalizes; its pins and refs go here
         self.step += 1
         self.client.reattach()  # a daemon that restarted (or reclaimed us) is taken up again
         if not loads:

@@ -223,3 +223,23 @@ def test_an_agreement_that_fails_drops_this_step_s_saves(worker):
         ws.save([Transfer("c", [i + 2], HS[i:i + 1])])
     got, _ = c.lookup([block_key(h) for h in HS[1:4]])
     assert got.tolist()[:2] == [-1, -1] and got[2] >= 0  # this step and the next, as a failed load
+
+
+def test_a_load_vllm_never_finished_is_finished_at_the_next_step(worker):
+    """With speculative decoding vLLM 0.32 never calls ``wait_for_save`` on a pipeline stage
+    before the last: the next step's start releases the load's pins and refs, or they leak."""
+    kv, ws, c = worker
+    orig = {n: t.clone() for n, t in kv.items()}
+    ws.save([Transfer("a", [1, 2], HS[:2])])
+    for t in kv.values():
+        t[:, 8:10] = 0
+    ws.start([Transfer("b", [8, 9], HS[:2])])
+    for name in kv:
+        ws.wait_layer(name)
+    ws.start([])  # no finish_load, no save in between
+    (engine,) = c.stats()["engines"]
+    assert engine["pins"] == 0 and engine["live_blocks"] == 0
+    for n, t in kv.items():
+        assert torch.equal(t[:, 8:10], orig[n][:, 1:3])
+    assert ws.take_errors() == set() and ws.stats["loaded_blocks"] == 2
+    c.check()
