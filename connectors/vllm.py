@@ -172,7 +172,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata) and self.worker is not None and self.asyncs is not None
-        self.worker.start(meta.loads)
+        self.worker.start(meta.loads, saves=meta.saves)
         self.asyncs.start(meta.loads_async)
 
     def wait_for_layer_load(self, layer_name: str) -> None:

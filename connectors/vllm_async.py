@@ -27,8 +27,8 @@ from kvtier.client.replies import AcquireHandle, KvtierError
 from kvtier.client.tier_client import TierClient
 
 from .keys import block_keys, digests
+from .kv_geometry import Geometry
 from .vllm_scheduler import Transfer
-from .vllm_worker import Geometry
 
 log = logging.getLogger("kvtier.connectors.vllm")
 

@@ -37,7 +37,8 @@ from kvtier.client.replies import AcquireHandle, KvtierError, RequestRejected
 from kvtier.client.tier_client import TierClient
 from kvtier.protocol.wire import NO_SPACE
 
-from .keys import DIGEST_BYTES, block_keys, digests
+from .keys import block_keys, digests
+from .kv_geometry import Geometry
 from .tp_taint import Agreement
 from .vllm_scheduler import Transfer
 
@@ -48,66 +49,6 @@ log = logging.getLogger("kvtier.connectors.vllm")
 # blocks computed meanwhile (the request's next chunk, another request sharing the bad blocks)
 # attend to bytes that were never loaded, and a seal would keep them for every later request
 TAINTED_STEPS = 2
-
-
-@dataclass
-class _Layer:
-    name: str
-    tensor: torch.Tensor
-    bdim: int         # the dimension of vLLM's tensor that indexes blocks
-    nbytes: int       # bytes of one block of this layer
-
-
-class Geometry:
-    """Where each layer's blocks are in vLLM's tensors, and the kvtier block built from them."""
-
-    def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
-        self.layers: list[_Layer] = []
-        aliases: dict[str, str] = {}  # a layer sharing another's KV (cross-layer sharing) -> that layer
-        seen: dict[tuple, str] = {}
-        for name, t in kv_caches.items():
-            same = seen.setdefault((t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype), name)
-            if same != name:  # vLLM hands the sharing layer the target's tensor: its bytes once
-                aliases[name] = same
-                continue
-            dims = [d for d, s in enumerate(t.shape) if s == num_blocks]
-            if not dims:
-                raise ValueError(f"layer {name}: no dimension of {tuple(t.shape)} has {num_blocks} blocks")
-            one = t.select(dims[0], 0)
-            self.layers.append(_Layer(name, t, dims[0], one.numel() * t.element_size()))
-        if len({(x.nbytes, x.tensor.dtype) for x in self.layers}) != 1:
-            raise ValueError("kvtier needs every layer's block to have one size and dtype")
-        self.index = {x.name: i for i, x in enumerate(self.layers)}
-        self.index |= {a: self.index[target] for a, target in aliases.items()}  # waits on its target
-        self.part = self.layers[0].nbytes + DIGEST_BYTES  # one layer of one kvtier block
-        self.block_bytes = self.part * len(self.layers)
-
-    def view_part(self, layer: int, row: torch.Tensor) -> torch.Tensor:
-        """Layer ``layer`` of one kvtier block (``row``: its staging slot's bytes), as vLLM's block shape."""
-        x = self.layers[layer]
-        off = layer * self.part
-        return row[off:off + x.nbytes].view(x.tensor.dtype).view(x.tensor.select(x.bdim, 0).shape)
-
-    def save(self, layer: int, vid: int, row: torch.Tensor) -> None:
-        """One strided copy, vLLM's block -> the staging slot (no intermediate tensor)."""
-        x = self.layers[layer]
-        self.view_part(layer, row).copy_(x.tensor.select(x.bdim, vid))
-
-    def load(self, layer: int, vid: int, row: torch.Tensor) -> None:
-        x = self.layers[layer]
-        x.tensor.select(x.bdim, vid).copy_(self.view_part(layer, row))
-
-    def settle(self) -> None:
-        """Wait for this process's copies between vLLM's KV and the staging slots. On a GPU
-        they are queued on the current stream; a seal or a release hands the slot to the
-        daemon, which may then demote or reuse it before the queued copy ran."""
-        t = self.layers[0].tensor
-        if t.is_cuda:
-            torch.cuda.current_stream(t.device).synchronize()
-
-    def trailer(self, layer: int, row: torch.Tensor) -> torch.Tensor:
-        off = layer * self.part + self.layers[layer].nbytes
-        return row[off:off + DIGEST_BYTES]
 
 
 @dataclass
@@ -153,6 +94,7 @@ class WorkerSide:
         self.step = 0
         self.tainted_until = -1  # the last step whose saves are dropped (``TAINTED_STEPS``)
         self.reported_step = -1  # the last step whose load errors vLLM has taken (``take_errors``)
+        self.unsaved: Optional[list[Transfer]] = None  # this step's saves until ``save`` takes them
         max_batch = max(1, int(client.info.get("hbm_slots", 2)) // 2)
         self.save_batch = max_batch
 
@@ -162,9 +104,13 @@ class WorkerSide:
         return int(self.client.info.get("layers", 1)) == len(self.geo.layers)
 
     # -- load ---------------------------------------------------------------------
-    def start(self, loads: list[Transfer]) -> None:
-        if self.load is not None:  # vLLM skipped wait_for_save: with speculative decoding a pipeline
-            self.finish_load()     # stage before the last never finalizes; its pins and refs go here
+    def start(self, loads: list[Transfer], saves: Optional[list[Transfer]] = None) -> None:
+        """This step's loads; ``saves``, the step's saves ``save`` will be given (kept in case
+        vLLM never calls ``wait_for_save``: see ``preempted``)."""
+        if self.load is not None or self.unsaved:  # the last step never finished, and no
+            self.finish_load()                      # preempted() call saved it: its pins and refs go
+            self._drop_unsaved()                    # (this step's forward may have reused its blocks)
+        self.unsaved = list(saves) if saves else None
         self.step += 1
         self.client.reattach()  # a daemon that restarted (or reclaimed us) is taken up again
         if not loads:
@@ -267,6 +213,11 @@ class WorkerSide:
             log.warning("kvtier: releasing loaded blocks failed: %s", e)
         self.load = None
 
+    def _drop_unsaved(self) -> None:
+        if self.unsaved:
+            self.stats["save_dropped_blocks"] += sum(len(t.block_ids) for t in self.unsaved)
+        self.unsaved = None
+
     def take_errors(self) -> set[int]:
         self.reported_step = self.step
         out, self.errors = self.errors, set()
@@ -295,6 +246,7 @@ class WorkerSide:
 
     def save(self, saves: list[Transfer]) -> None:
         """Queue this step's new full blocks and save what the staging pool has room for."""
+        self.unsaved = None
         self.agree_on_taint()
         now = time.monotonic()
         added = 0
@@ -336,7 +288,19 @@ class WorkerSide:
         return done
 
     def preempted(self, req_ids: set[str]) -> None:
-        """vLLM frees a preempted request's blocks at once: its queued saves would read reused blocks."""
+        """At the start of every step (vLLM's ``handle_preemptions``). vLLM frees a preempted
+        request's blocks at once: its queued saves would read reused blocks.
+
+        With speculative decoding vLLM 0.32 never calls ``wait_for_save`` on a pipeline stage
+        before the last (it returns before its deferred finalize): the last step's load is
+        finished and its saves are made here, before this step's forward can write a block
+        of theirs, less the requests preempted now."""
+        if self.unsaved is not None:
+            skipped, self.unsaved = self.unsaved, None
+            self.finish_load()
+            kept = [t for t in skipped if t.req_id not in req_ids]
+            self.stats["save_dropped_blocks"] += sum(len(t.block_ids) for t in skipped if t.req_id in req_ids)
+            self.save(kept)
         if not req_ids or not self.queue:
             return
         keep = deque(q for q in self.queue if q.req_id not in req_ids)

@@ -225,18 +225,48 @@ def test_an_agreement_that_fails_drops_this_step_s_saves(worker):
     assert got.tolist()[:2] == [-1, -1] and got[2] >= 0  # this step and the next, as a failed load
 
 
-def test_a_load_vllm_never_finished_is_finished_at_the_next_step(worker):
+@pytest.mark.parametrize("preempted,held", [(set(), [True, True]), ({"c"}, [False, True])])
+def test_a_step_vllm_never_finalized_is_saved_when_the_next_one_begins(worker, preempted, held):
     """With speculative decoding vLLM 0.32 never calls ``wait_for_save`` on a pipeline stage
-    before the last: the next step's start releases the load's pins and refs, or they leak."""
+    before the last: the next step's ``handle_preemptions`` finishes the load and makes the
+    saves, less those of requests preempted now (their blocks are vLLM's again)."""
     kv, ws, c = worker
     orig = {n: t.clone() for n, t in kv.items()}
     ws.save([Transfer("a", [1, 2], HS[:2])])
     for t in kv.values():
         t[:, 8:10] = 0
-    ws.start([Transfer("b", [8, 9], HS[:2])])
+    ws.start([Transfer("b", [8, 9], HS[:2])], saves=[Transfer("c", [3], HS[2:3]), Transfer("d", [4], HS[3:4])])
+    for name in kv:
+        ws.wait_layer(name)
+    ws.preempted(preempted)  # the next step begins; no wait_for_save came
+    (engine,) = c.stats()["engines"]
+    assert engine["pins"] == 0 and engine["live_blocks"] == 0
+    for n, t in kv.items():
+        assert torch.equal(t[:, 8:10], orig[n][:, 1:3])
+    ws.start([])
+    ws.finish_load()
+    ws.save([])  # flushes what waited for staging room
+    got, _ = c.lookup([block_key(h) for h in HS[2:4]])
+    assert (got >= 0).tolist() == held
+    assert ws.stats["save_dropped_blocks"] == held.count(False)
+    assert ws.sent({"c", "d"}) == {"c", "d"} - preempted  # vLLM frees the held blocks: no leak there
+    c.check()
+
+
+def test_a_load_vllm_never_finished_is_finished_at_the_next_step(worker):
+    """Without a ``handle_preemptions`` between them either, the next step's start releases
+    the load's pins and refs (or they leak) and drops the saves (the forward may have
+    overwritten their blocks already)."""
+    kv, ws, c = worker
+    orig = {n: t.clone() for n, t in kv.items()}
+    ws.save([Transfer("a", [1, 2], HS[:2])])
+    for t in kv.values():
+        t[:, 8:10] = 0
+    ws.start([Transfer("b", [8, 9], HS[:2])], saves=[Transfer("c", [3], HS[2:3])])
     for name in kv:
         ws.wait_layer(name)
     ws.start([])  # no finish_load, no save in between
+    assert ws.stats["save_dropped_blocks"] == 1
     (engine,) = c.stats()["engines"]
     assert engine["pins"] == 0 and engine["live_blocks"] == 0
     for n, t in kv.items():
