@@ -6,7 +6,8 @@ vLLM laid them out, whatever its backend's shape) followed by a ``DIGEST_BYTES``
 trailer with the block's full vLLM hash, so layer parts are equal and the daemon
 promotes them layer by layer. The daemon's HBM pool is the staging area both ways:
 
-- save (``wait_for_save``, after the forward): new full blocks are copied into
+- save (``wait_for_save``, after the forward; on a stage that never gets it, at the next
+  step's ``handle_preemptions``, see ``preempted``): new full blocks are copied into
   pinned staging slots, sealed under their keys, released and unreferenced; the
   daemon demotes them to DRAM/NVMe in the background. When the staging pool is
   full (demotions still writing), the blocks are queued, not waited for: each
@@ -213,10 +214,15 @@ class WorkerSide:
             log.warning("kvtier: releasing loaded blocks failed: %s", e)
         self.load = None
 
+    def _take_unsaved(self) -> list[Transfer]:
+        """The saves ``save`` was never given. Their requests count as saving whether they are
+        saved or dropped: vLLM holds a request's blocks until every worker reports it done."""
+        skipped, self.unsaved = self.unsaved or [], None
+        self.saving.update(t.req_id for t in skipped)
+        return skipped
+
     def _drop_unsaved(self) -> None:
-        if self.unsaved:
-            self.stats["save_dropped_blocks"] += sum(len(t.block_ids) for t in self.unsaved)
-        self.unsaved = None
+        self.stats["save_dropped_blocks"] += sum(len(t.block_ids) for t in self._take_unsaved())
 
     def take_errors(self) -> set[int]:
         self.reported_step = self.step
@@ -295,17 +301,16 @@ class WorkerSide:
         before the last (it returns before its deferred finalize): the last step's load is
         finished and its saves are made here, before this step's forward can write a block
         of theirs, less the requests preempted now."""
-        if self.unsaved is not None:
-            skipped, self.unsaved = self.unsaved, None
+        if req_ids and self.queue:
+            keep = deque(q for q in self.queue if q.req_id not in req_ids)
+            self.stats["save_dropped_blocks"] += len(self.queue) - len(keep)
+            self.queue = keep
+        if self.load is not None:  # the last step's, never finished
             self.finish_load()
-            kept = [t for t in skipped if t.req_id not in req_ids]
+        if self.unsaved is not None:
+            skipped = self._take_unsaved()
             self.stats["save_dropped_blocks"] += sum(len(t.block_ids) for t in skipped if t.req_id in req_ids)
-            self.save(kept)
-        if not req_ids or not self.queue:
-            return
-        keep = deque(q for q in self.queue if q.req_id not in req_ids)
-        self.stats["save_dropped_blocks"] += len(self.queue) - len(keep)
-        self.queue = keep
+            self.save([t for t in skipped if t.req_id not in req_ids])
 
     def _save_batch(self, batch: list[_Save]) -> bool:
         """True when the batch is done with (saved, or failed for good); False: no room yet."""
