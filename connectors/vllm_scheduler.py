@@ -172,6 +172,7 @@ class SchedulerSide:
         """(sync loads, async loads, saves) of this step; loads are handed over once."""
         async_loads, self.async_loads = self.async_loads, []
         loads: list[Transfer] = []
+        self._preempted(getattr(so, "preempted_req_ids", None) or ())
         saves: list[Transfer] = []
         progress: list[tuple[_Req, int]] = []
         for nr in so.scheduled_new_reqs:
@@ -206,6 +207,16 @@ class SchedulerSide:
                 st.saved_upto = full
                 st.saved_any = True
         return loads, async_loads, saves
+
+    def _preempted(self, req_ids: Any) -> None:
+        """vLLM freed these requests' blocks, and the workers drop their queued saves and stop
+        holding them (``WorkerSide.preempted``): vLLM must not wait for their saves when they
+        finish unless new ones are made. One resumed, parked for an async load and aborted
+        would otherwise be freed twice, by its load and by its saves (vLLM asserts there)."""
+        for rid in req_ids:
+            st = self.reqs.get(rid)
+            if st is not None:
+                st.saved_any = False
 
     def load_failed(self, invalid: set[int]) -> None:
         """vLLM recomputes blocks a load could not serve: save them again once computed."""

@@ -295,7 +295,8 @@ class WorkerSide:
 
     def preempted(self, req_ids: set[str]) -> None:
         """At the start of every step (vLLM's ``handle_preemptions``). vLLM frees a preempted
-        request's blocks at once: its queued saves would read reused blocks.
+        request's blocks at once: its queued saves would read reused blocks, and it is not
+        reported sent unless it saves again.
 
         With speculative decoding vLLM 0.32 never calls ``wait_for_save`` on a pipeline stage
         before the last (it returns before its deferred finalize): the last step's load is
@@ -311,6 +312,7 @@ class WorkerSide:
             skipped = self._take_unsaved()
             self.stats["save_dropped_blocks"] += sum(len(t.block_ids) for t in skipped if t.req_id in req_ids)
             self.save([t for t in skipped if t.req_id not in req_ids])
+        self.saving -= req_ids  # the scheduler no longer waits for their saves (``SchedulerSide._preempted``)
 
     def _save_batch(self, batch: list[_Save]) -> bool:
         """True when the batch is done with (saved, or failed for good); False: no room yet."""

@@ -95,6 +95,27 @@ def test_the_scheduler_loads_nvme_prefixes_async_and_staged_ones_sync(rig):
     assert delay is False and params == {"kvtier": {"loaded_tokens": 3 * BS, "failed_tokens": 0, "load": "async"}}
 
 
+def _step(new=(), preempted=()):
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, block_ids=[ids], num_computed_tokens=0) for r, ids in new],
+        num_scheduled_tokens={r.request_id: r.num_tokens for r, _ in new}, preempted_req_ids=set(preempted),
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]))
+
+
+def test_vllm_waits_for_a_request_s_saves_unless_it_was_preempted_since(rig):
+    """A preempted request's blocks are freed and its queued saves dropped: vLLM must not
+    hold it for saves when it finishes (one parked for an async load would be freed twice)."""
+    sched = SchedulerSide(rig.c, BS)
+    kept, preempted = _request("k", HS[:2], 3 * BS), _request("p", HS[2:4], 3 * BS)
+    for r, ids in ((kept, [1, 2, 3]), (preempted, [4, 5, 6])):
+        assert sched.matched(r, 0) == (0, False)
+        sched.after_alloc(r, ids, 0)
+    saves = sched.build(_step(new=[(kept, [1, 2, 3]), (preempted, [4, 5, 6])]))[2]
+    assert [(t.req_id, t.block_ids) for t in saves] == [("k", [1, 2]), ("p", [4, 5])]
+    assert sched.build(_step(preempted={"p"}))[2] == []
+    assert sched.finished(kept)[0] is True and sched.finished(preempted)[0] is False
+
+
 def test_an_nvme_prefix_comes_back_between_steps_byte_for_byte(rig):
     orig = {n: t.clone() for n, t in rig.kv.items()}
     _on_nvme(rig)

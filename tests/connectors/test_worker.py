@@ -253,7 +253,7 @@ def test_a_step_vllm_never_finalized_is_saved_when_the_next_one_begins(worker, p
     for n, t in kv.items():
         assert torch.equal(t[:, 12], orig[n][:, 4])
     assert ws.stats["save_dropped_blocks"] == held.count(False)
-    assert ws.sent({"c", "d"}) == {"c", "d"}  # every worker must report them, or vLLM holds their blocks
+    assert ws.sent({"c", "d"}) == {"c", "d"} - preempted  # a preempted one is not waited for (the scheduler's side)
     c.check()
 
 
