@@ -53,6 +53,7 @@ class _Req:
     tiers: list[int] = field(default_factory=list)  # tier of each block of the pending load
     load_async: bool = False           # the pending load waits for NVMe: vLLM parks the request
     saved_any: bool = False            # the worker got saves of it: vLLM frees its blocks when told
+    saved_epoch: int = 0               # vLLM's preemption count of the request at its last saves
     loaded: int = 0                    # blocks loaded from kvtier (for the request's output)
     cont: bool = False                 # features told to the daemon with its saves
     span: int = 0
@@ -172,7 +173,6 @@ class SchedulerSide:
         """(sync loads, async loads, saves) of this step; loads are handed over once."""
         async_loads, self.async_loads = self.async_loads, []
         loads: list[Transfer] = []
-        self._preempted(getattr(so, "preempted_req_ids", None) or ())
         saves: list[Transfer] = []
         progress: list[tuple[_Req, int]] = []
         for nr in so.scheduled_new_reqs:
@@ -205,18 +205,8 @@ class SchedulerSide:
                 saves.append(Transfer(st.request.request_id, st.block_ids[st.saved_upto:full],
                                       list(hashes[st.saved_upto:full]), seg, st.cont, st.span))
                 st.saved_upto = full
-                st.saved_any = True
+                st.saved_any, st.saved_epoch = True, _preemptions(st.request)
         return loads, async_loads, saves
-
-    def _preempted(self, req_ids: Any) -> None:
-        """vLLM freed these requests' blocks, and the workers drop their queued saves and stop
-        holding them (``WorkerSide.preempted``): vLLM must not wait for their saves when they
-        finish unless new ones are made. One resumed, parked for an async load and aborted
-        would otherwise be freed twice, by its load and by its saves (vLLM asserts there)."""
-        for rid in req_ids:
-            st = self.reqs.get(rid)
-            if st is not None:
-                st.saved_any = False
 
     def load_failed(self, invalid: set[int]) -> None:
         """vLLM recomputes blocks a load could not serve: save them again once computed."""
@@ -236,7 +226,10 @@ class SchedulerSide:
             return False, None
         info = {"loaded_tokens": st.loaded * self.block_size, "failed_tokens": st.failed * self.block_size,
                 "load": ("async" if st.load_async else "sync") if st.loaded else None}
-        return st.saved_any, {"kvtier": info}
+        # preempted since its last saves: vLLM freed its blocks and every worker dropped them
+        # (``WorkerSide.preempted``), so nothing is left to wait for. One resumed, parked for an
+        # async load and aborted would otherwise be freed twice, by its load and by its saves.
+        return st.saved_any and _preemptions(request) == st.saved_epoch, {"kvtier": info}
 
     def hit_sources(self, request: Any, num_external: int) -> dict[str, int]:
         st = self.reqs.get(request.request_id)
@@ -244,6 +237,12 @@ class SchedulerSide:
         for t in (st.tiers if st else [])[: num_external // self.block_size]:
             out[TIER_SOURCES[t]] = out.get(TIER_SOURCES[t], 0) + self.block_size
         return out
+
+
+def _preemptions(request: Any) -> int:
+    """vLLM's count of the request's preemptions, bumped wherever it preempts (a schedule, a
+    prefix-cache reset): the workers hear of each in the next step's ``preempted_req_ids``."""
+    return int(getattr(request, "num_preemptions", 0) or 0)
 
 
 __all__ = ["SchedulerSide", "Transfer", "TIER_SOURCES"]

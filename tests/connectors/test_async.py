@@ -112,8 +112,22 @@ def test_vllm_waits_for_a_request_s_saves_unless_it_was_preempted_since(rig):
         sched.after_alloc(r, ids, 0)
     saves = sched.build(_step(new=[(kept, [1, 2, 3]), (preempted, [4, 5, 6])]))[2]
     assert [(t.req_id, t.block_ids) for t in saves] == [("k", [1, 2]), ("p", [4, 5])]
-    assert sched.build(_step(preempted={"p"}))[2] == []
+    preempted.num_preemptions = 1  # vLLM's count; also bumped outside a schedule (reset_prefix_cache)
     assert sched.finished(kept)[0] is True and sched.finished(preempted)[0] is False
+
+
+def test_a_request_that_saved_again_after_resuming_is_held_for_those_saves(rig):
+    sched = SchedulerSide(rig.c, BS)
+    r = _request("r", HS[:2], 3 * BS)
+    assert sched.matched(r, 0) == (0, False)
+    sched.after_alloc(r, [1, 2, 3], 0)
+    sched.build(_step(new=[(r, [1, 2, 3])]))
+    r.num_preemptions = 1
+    sched.after_alloc(r, [7, 8, 9], 0)  # resumed in the same step it was preempted in
+    r.block_hashes = HS[:3]
+    r.num_tokens = 4 * BS
+    assert [t.block_ids for t in sched.build(_step(new=[(r, [7, 8, 9])], preempted={"r"}))[2]] == [[9]]
+    assert sched.finished(r)[0] is True
 
 
 def test_an_nvme_prefix_comes_back_between_steps_byte_for_byte(rig):
@@ -168,7 +182,7 @@ def test_saves_wait_in_a_queue_not_in_the_forward_and_hold_the_request_until_don
         other.release(blocks=held)
         other.free(blocks=held)
         assert _until(lambda: ws.sent(set()), "room for the queued saves") == {"a"}
-        assert ws.sent({"b"}) == {"b"} and not ws.queue and ws.saving == set()
+        assert ws.sent({"b"}) == set() and not ws.queue and ws.saving == set()  # preempted: not waited for
         assert np.all(c.lookup(block_keys(HS[:2]))[0] >= 0) and ws.stats["saved_blocks"] == 2
     finally:
         other.close()
