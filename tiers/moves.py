@@ -26,14 +26,11 @@ from .io_backends import IOBackend, select_backend
 from .mover import Completion, Mover, Transfer
 from .nvme import NvmeStore
 from .pools import DramPool, HbmPool
-from .types import DRAM, FREE, HBM, NVME, OPEN, ORPHAN_OWNER, SEALED, UNCLAIMED_NS, Tier, parse_tier
+from .types import DATA_PLANE_EVENTS, DRAM, FREE, HBM, NVME, OPEN, ORPHAN_OWNER, SEALED, UNCLAIMED_NS, Tier, parse_tier
 
 EventListener = Callable[[str, int, int], None]  # (kind, block, tier)
 FailureListener = Callable[[np.ndarray, int], None]  # (blocks a failed move left in tier, tier)
 log = logging.getLogger("kvtier.tiers")
-# counted by the tiers (and placement's NVMe skips): in stats io.events and kvtier_tier_events_total
-DATA_PLANE_EVENTS = ("corrupt_copies", "keys_detached", "nvme_read_retries", "nvme_write_backoffs",
-                     "nvme_backoff_skips", "seal_dedup", "slots_zeroed")
 TID_WRAP = (1 << 31) - 1  # transfer ids cycle through 1 .. 2^31-1: 4 B a block, not 8
 
 

@@ -10,7 +10,7 @@ import numpy as np
 from kvtier.bench.spawn import DaemonProcess
 from kvtier.cli.main import main
 from kvtier.daemon.config import load_config
-from kvtier.tiers.moves import DATA_PLANE_EVENTS
+from kvtier.tiers.types import DATA_PLANE_EVENTS
 
 from .helpers import kvtier
 
