@@ -70,7 +70,8 @@ dist.destroy_process_group()
 def _run_ranks(tmp_path, cases: list[tuple[int, str, bool]]) -> dict[int, list[dict]]:
     """Each case (failing rank or -1, failure found "early" or "late", speculative order) in
     turn, in one gloo group of two worker processes against one daemon."""
-    d = DaemonProcess(tmp_path, f"tiers.hbm_bytes={8 * 4096 * 2}", f"tiers.dram_bytes={8 * 4096 * 2}",
+    # staging for every block of every case: no save waits behind a demotion (a lookup would miss it)
+    d = DaemonProcess(tmp_path, f"tiers.hbm_bytes={128 * 4096}", f"tiers.dram_bytes={16 * 4096}",
                       f"tiers.nvme_bytes={32 * 4096 * 3}")
     try:
         procs = [subprocess.Popen([sys.executable, "-c", RANK, str(r), str(tmp_path / "store"), str(d.runtime_dir),
