@@ -98,7 +98,7 @@ def run_demo(opts: DemoOptions, progress: Callable[[int, int, str], None] = lamb
         "kv_bytes": plan["total_blocks"] * layout.block_bytes,
         "bit_exact": cmp.bit_exact, "turns_checked": cmp.turns, "steps_checked": cmp.steps,
         "mismatched_turns": cmp.mismatched_turns, **turn_figures(run.turns),
-        "prefetch_on_time": stats.get("prefetch_on_time_ratio", 0.0), "stall_s": stats.get("acquire_stall_s_total", 0.0),
+        "prefetch_on_time": stats.get("prefetch_on_time_ratio"), "stall_s": stats.get("acquire_stall_s_total", 0.0),
         "acquires": svc.get("acquires", 0), "tiers": stats.get("tiers", []), "paths": stats.get("paths", {}),
         "prefetch": stats.get("prefetch", {}), "remote": stats.get("remote", {"enabled": False}),
         "calibration": stats.get("calibration", {}), "segments": stats.get("segments", {}),

@@ -64,6 +64,11 @@ def run_with_progress(opts, keep: bool = False) -> dict:
         return run_demo(opts, progress, keep=keep)
 
 
+def format_ratio(x: "float | None") -> str:
+    """A ratio to 3 places, or "-" where nothing was there to count (no acquires)."""
+    return "-" if x is None else f"{x:.3f}"
+
+
 def print_summary(r: dict) -> None:
     con = Console()
     plan = r["plan"]
@@ -100,7 +105,8 @@ def print_summary(r: dict) -> None:
               f"{r['ratio']:.2f} ({r['prefill_ratio']:.2f}, {r['decode_ratio']:.2f})")
     s.add_row("TTFT p50 untiered / tiered", f"{r['ttft_s_untiered']['p50'] * 1e3:.1f} / "
                                              f"{r['ttft_s_tiered']['p50'] * 1e3:.1f} ms")
-    s.add_row("prefetch on-time (acquires finding all blocks in HBM)", f"{r['prefetch_on_time']:.3f} of {r['acquires']}")
+    s.add_row("prefetch on-time (acquires finding all blocks in HBM)",
+              f"{format_ratio(r['prefetch_on_time'])} of {r['acquires']}")
     s.add_row("acquire stall", f"{r['stall_s']:.3f} s")
     pf = r.get("prefetch", {})
     if pf.get("speculated"):

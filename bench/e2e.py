@@ -36,7 +36,7 @@ def _slowest_step(r: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from kvtier.bench.demo_report import options_from, print_summary, run_with_progress
+    from kvtier.bench.demo_report import format_ratio, options_from, print_summary, run_with_progress
 
     opts = options_from(args)
     runs: dict[str, dict[str, Any]] = {}
@@ -54,9 +54,10 @@ def run(args: argparse.Namespace) -> dict:
     result["costliest_step"] = _slowest_step(head)
     result["targets"] = {"ratio_min": 0.8, "prefetch_on_time_min": 0.95, "bit_exact": True}
     result["ok"] = bool(all(r["bit_exact"] for r in runs.values()) and head["ratio"] >= 0.8
-                        and head["prefetch_on_time"] >= 0.95)
+                        and (head["prefetch_on_time"] or 0.0) >= 0.95)
     print(f"whole-turn ratio {head['ratio']:.2f} (prefill {head['prefill_ratio']:.2f}, decode "
-          f"{head['decode_ratio']:.2f}); on-time with hints {result['prefetch_on_time_hints']}, without "
-          f"{result['prefetch_on_time_no_hints']:.3f}; the tiered engine pays most in the {result['costliest_step']}; "
+          f"{head['decode_ratio']:.2f}); on-time with hints {format_ratio(result['prefetch_on_time_hints'])}, "
+          f"without {format_ratio(result['prefetch_on_time_no_hints'])}; "
+          f"the tiered engine pays most in the {result['costliest_step']}; "
           f"verdict: {'PASS' if result['ok'] else 'BELOW TARGET'}")
     return result

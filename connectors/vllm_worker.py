@@ -85,13 +85,14 @@ class WorkerSide:
         self.save_timeout_s = save_timeout_s
         self.idle = idle                    # run while a sync load waits (async loads finish meanwhile)
         self.agree = agree                  # tensor-parallel peers' taint windows (``Agreement``)
+        self.agree_streak = 0               # steps in a row whose agreement failed (for the log)
         self.load: Optional[_Load] = None
         self.errors: set[int] = set()       # vLLM blocks that could not be loaded (reported once)
         self.queue: deque[_Save] = deque()  # saves waiting for staging room, in order
         self.saving: set[str] = set()       # requests that handed us saves: vLLM holds their blocks until we say
         self.finishing: set[str] = set()    # ... and that vLLM has finished
         self.stats = {"loaded_blocks": 0, "saved_blocks": 0, "failed_blocks": 0, "load_wait_s": 0.0,
-                      "save_queued_blocks": 0, "save_dropped_blocks": 0}
+                      "save_queued_blocks": 0, "save_dropped_blocks": 0, "taint_agreement_failures": 0}
         self.step = 0
         self.tainted_until = -1  # the last step whose saves are dropped (``TAINTED_STEPS``)
         self.reported_step = -1  # the last step whose load errors vLLM has taken (``take_errors``)
@@ -240,8 +241,17 @@ class WorkerSide:
             ahead = self.agree(max(self.tainted_until - self.step, -1))
             self.tainted_until = max(self.tainted_until, self.step + ahead)
         except Exception as e:  # noqa: BLE001 - a broken group must not stop the engine's step
-            log.warning("kvtier: tensor-parallel taint agreement failed (%s); this step's saves are dropped", e)
             self._taint_this_step()
+            self.stats["taint_agreement_failures"] += 1
+            self.agree_streak += 1
+            if self.agree_streak & (self.agree_streak - 1) == 0:  # 1st, 2nd, 4th, 8th...: not every step
+                log.warning("kvtier: tensor-parallel taint agreement failed (%s), %d step(s) in a row; those "
+                            "steps' saves are dropped", e, self.agree_streak)
+            return
+        if self.agree_streak:
+            log.warning("kvtier: tensor-parallel taint agreement works again after %d failed step(s)",
+                        self.agree_streak)
+            self.agree_streak = 0
 
     def _taint_this_step(self) -> None:
         """Drop saves from this step for ``TAINTED_STEPS`` steps. A failure found after vLLM took

@@ -14,6 +14,7 @@ the caller keeps its running config on any error.
 from __future__ import annotations
 
 import os
+from contextvars import ContextVar
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Sequence
@@ -25,6 +26,10 @@ from kvtier.protocol.runtime import default_data_dir, default_runtime_dir
 from .config_sources import ConfigError, env_names, explain, layers, redacted, settings_class
 from .remote_config import RemoteConfig
 
+# The environment a ``load_config`` resolves against, for the path defaults too: ``environ={}``
+# (validate, replay) must not fail on a process variable it ignores (a relative KVTIER_RUNTIME_DIR).
+_DEFAULTS_ENVIRON: ContextVar[Optional[Mapping[str, str]]] = ContextVar("kvtier_defaults_environ", default=None)
+
 HOT_SECTIONS = ("policy", "scoring", "predictor")  # reloadable without restart
 RESTART_SECTIONS = ("server", "tiers", "metrics")  # sockets, pools and the exporter are built once, at start
 
@@ -34,7 +39,7 @@ class _Section(BaseModel):
 
 
 class ServerConfig(_Section):
-    runtime_dir: str = Field(default_factory=default_runtime_dir)
+    runtime_dir: str = Field(default_factory=lambda: default_runtime_dir(_DEFAULTS_ENVIRON.get()))
     """Directory of the ipc:// socket files (created with mode 0700; sockets 0600)."""
     tcp_port: Optional[int] = Field(default=None, ge=1, le=65535)
     """Not served: RPC over TCP had no authentication (any local user could act as any engine, or clear
@@ -67,7 +72,7 @@ class TiersConfig(_Section):
     """Host DRAM pool (POSIX shared memory; pinned where CUDA exists)."""
     nvme_bytes: int = Field(default=4 << 30, ge=0)
     """NVMe slab capacity; 0 disables the NVMe tier."""
-    nvme_dir: str = Field(default_factory=default_data_dir)
+    nvme_dir: str = Field(default_factory=lambda: default_data_dir(_DEFAULTS_ENVIRON.get()))
     """Directory of the slab files (a fast local disk)."""
     io_backend: Literal["auto", "posix", "kvikio", "faulty"] = "auto"
     """NVMe I/O backend: kvikio where a CUDA driver exists, else posix (O_DIRECT); faulty = fault drills."""
@@ -250,6 +255,7 @@ def load_config(path: "str | Path | None" = None, environ: Optional[Mapping[str,
     with resources.as_file(resources.files("kvtier.daemon").joinpath("defaults/kvtier.toml")) as shipped:
         files = [(shipped, "shipped default")] + ([(path, str(path))] if path is not None else [])
         sources = layers(_Settings, files, os.environ if environ is None else environ, overrides)
+    token = _DEFAULTS_ENVIRON.set(environ)
     try:
         settings = _Settings(_build_sources=(sources, {}))
         return KvtierConfig(**{name: getattr(settings, name) for name in KvtierConfig.model_fields})
@@ -257,6 +263,8 @@ def load_config(path: "str | Path | None" = None, environ: Optional[Mapping[str,
         raise explain(e, sources) from None
     except OSError as e:  # a default that cannot be used (a relative $KVTIER_RUNTIME_DIR)
         raise ConfigError(f"{e.filename}: {e.strerror}" if e.filename else str(e)) from None
+    finally:
+        _DEFAULTS_ENVIRON.reset(token)
 
 
 __all__ = ["ConfigError", "KvtierConfig", "HOT_SECTIONS", "RESTART_SECTIONS",

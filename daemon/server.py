@@ -103,13 +103,16 @@ class Server:
                 os.chmod(path, 0o600)
         finally:
             os.umask(old_umask)
+        assert self.service.admin_token is not None  # set in __init__
+        write_private_file(self.runtime_dir / TOKEN_FILE, self.service.admin_token.encode())
+        self._started = time.time()
         self._write_info()
 
     def _write_info(self) -> None:
+        """daemon.json: how to reach this daemon, and the config file it runs (rewritten when a
+        reload finds another one, so the file never names a config the daemon no longer reads)."""
         info = {"pid": os.getpid(), **self.endpoints, "metrics_port": self.exporter.port if self.exporter else None,
-                "metrics_host": self.cfg.metrics.host, "config": self.config_path, "started": time.time()}
-        assert self.service.admin_token is not None  # set in __init__
-        write_private_file(self.runtime_dir / TOKEN_FILE, self.service.admin_token.encode())
+                "metrics_host": self.cfg.metrics.host, "config": self.config_path, "started": self._started}
         write_private_file(self.runtime_dir / INFO_FILE, json.dumps(info).encode())
 
     def install_signals(self) -> None:
@@ -288,7 +291,9 @@ class Server:
                 plan.applied.remove(key)
                 plan.restart.append(key)
         self.service.apply_hot(new, plan.sections)
-        self.cfg, self.config_path = new, path  # a rejected reload changes neither
+        moved, (self.cfg, self.config_path) = path != self.config_path, (new, path)  # a rejected reload changes neither
+        if moved:
+            self._write_info()
         log.info("reloaded: %s; needs a restart: %s%s", ", ".join(plan.applied) or "no changes",
                  ", ".join(plan.restart) or "nothing", "".join(f"; {n}" for n in notes))
         return {"changed": plan.sections, "keys": plan.applied, "restart": plan.restart, "notes": notes}

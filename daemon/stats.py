@@ -30,7 +30,8 @@ def snapshot(cfg: KvtierConfig, counters: Counter[str], engines: dict[str, Engin
         "engines": [{"engine": s.engine_id, "pid": s.pid, "live_blocks": len(s.refs), "pins": int(s.pins.sum()),
                      "sequences": len(s.seqs)} for s in engines.values()],
         "service": dict(c),
-        "prefetch_on_time_ratio": c["acquires_on_time"] / acquires if acquires else 1.0,
+        # no acquires: no ratio (1.0 would claim a perfect prefetcher that was never asked)
+        "prefetch_on_time_ratio": c["acquires_on_time"] / acquires if acquires else None,
         "acquire_stall_s_total": c["stall_ns"] / 1e9,
         "acquire_stall_histogram": {"le": list(STALL_BUCKETS), "counts": stall_counts, "sum": stall_sum},
         "policy": cfg.policy.name,

@@ -19,7 +19,7 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 INFO_FILE = "daemon.json"
 TOKEN_FILE = "admin.token"  # the daemon owner's capability, mode 0600
@@ -34,37 +34,38 @@ class UnsafeDirError(PermissionError):
         return f"{self.filename}: {self.strerror}"
 
 
-def _xdg(env: str) -> str | None:
+def _xdg(env: str, environ: Optional[Mapping[str, str]] = None) -> str | None:
     """An XDG variable's value if usable (the spec: ignore a relative path)."""
-    base = os.environ.get(env)
+    base = (os.environ if environ is None else environ).get(env)
     return base if base and os.path.isabs(base) else None
 
 
 RUNTIME_DIR_ENV = "KVTIER_RUNTIME_DIR"
 
 
-def default_runtime_dir() -> str:
+def default_runtime_dir(environ: Optional[Mapping[str, str]] = None) -> str:
     """Runtime directory (sockets) when none is named: ``$KVTIER_RUNTIME_DIR`` (one variable
     that points the daemon, the CLI, clients and the vLLM connector at one directory, e.g.
     /run/kvtier), else per user: $XDG_RUNTIME_DIR/kvtier or /tmp/kvtier-UID.
 
     The fallback sits directly in the sticky /tmp: no one else can rename or
-    remove it there, and ``ensure_private_dir`` refuses it if someone else made it."""
-    named = os.environ.get(RUNTIME_DIR_ENV)
+    remove it there, and ``ensure_private_dir`` refuses it if someone else made it.
+    ``environ`` (default: the process's) is the environment the answer is for."""
+    named = (os.environ if environ is None else environ).get(RUNTIME_DIR_ENV)
     if named and not os.path.isabs(named):  # each process would resolve it from its own cwd
         raise UnsafeDirError(errno.EINVAL, f"{RUNTIME_DIR_ENV} must be an absolute path; processes started "
                              "in other directories would not find each other", named)
     if named:
         return named
-    base = _xdg("XDG_RUNTIME_DIR")
+    base = _xdg("XDG_RUNTIME_DIR", environ)
     if base and os.path.isdir(base):  # set but missing (su, sudo, cron): fall back
         return os.path.join(base, "kvtier")
     return f"/tmp/kvtier-{os.getuid()}"
 
 
-def default_data_dir() -> str:
+def default_data_dir(environ: Optional[Mapping[str, str]] = None) -> str:
     """Per-user data directory (NVMe slabs): $XDG_DATA_HOME/kvtier or ~/.local/share/kvtier."""
-    base = _xdg("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    base = _xdg("XDG_DATA_HOME", environ) or os.path.join(os.path.expanduser("~"), ".local", "share")
     return os.path.join(base, "kvtier")
 
 

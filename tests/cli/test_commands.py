@@ -69,7 +69,7 @@ def test_config_show_toml_round_trips(tmp_path, capsys, monkeypatch):
     path.write_text(text)
     assert main(["config", "validate", str(path)]) == 0
     assert capsys.readouterr().out == f"{path}: ok\n"
-    assert load_config(path, environ={}) == load_config(environ={}, overrides=overrides)
+    assert load_config(path, environ={}) == load_config(overrides=overrides)  # KVTIER_* unset above
     assert main(["config", "show", "--format", "json"]) == 0
     assert json.loads(capsys.readouterr().out)["server"]["tcp_port"] is None
 
@@ -82,6 +82,14 @@ def test_config_validate_reports_one_line(tmp_path):
     (line,) = r.stderr.strip().splitlines()
     assert line.startswith("kvtier: error: invalid configuration") and f"{bad}:2: scoring.ema" in line
     assert f"{bad}:4: tiers.bogus" in line
+
+
+def test_config_validate_ignores_the_environment(tmp_path):
+    """validate checks the file alone: a variable it ignores cannot fail it (a relative runtime dir)."""
+    good = tmp_path / "good.toml"
+    good.write_text("[scoring]\nema = 0.5\n")
+    r = kvtier("config", "validate", str(good), env={"KVTIER_RUNTIME_DIR": "relative/run"})
+    assert r.returncode == 0 and r.stdout == f"{good}: ok\n", r.stderr
 
 
 def test_demo_removes_its_temp_dir(tmp_path):

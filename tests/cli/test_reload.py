@@ -5,6 +5,7 @@ from __future__ import annotations
 from kvtier.bench.spawn import DaemonProcess
 from kvtier.daemon.config import load_config
 from kvtier.daemon.reload import changed_keys, plan_reload
+from kvtier.protocol.runtime import read_info
 
 from .helpers import kvtier
 
@@ -64,17 +65,21 @@ def test_reload_without_config_finds_a_file_created_after_the_start(tmp_path):
     d = DaemonProcess(tmp_path, "tiers.hbm_bytes=65536", "tiers.dram_bytes=65536", "tiers.nvme_bytes=0",
                       env={"XDG_CONFIG_HOME": str(xdg), "KVTIER_CONFIG": ""})
     rt = str(d.runtime_dir)
+    started = read_info(rt)["started"]
     try:
+        assert read_info(rt)["config"] is None
         (xdg / "kvtier").mkdir(parents=True)
         path = xdg / "kvtier" / "kvtier.toml"
         path.write_text("[scoring]\nema = 9\n")  # rejected: the daemon keeps its config, and its file
         r = kvtier("reload", "--runtime-dir", rt, timeout=30)
         assert r.returncode == 1 and "scoring.ema" in r.stderr
+        assert read_info(rt)["config"] is None
         path.write_text("[scoring]\nema = 0.6\n")
         r = kvtier("reload", "--runtime-dir", rt, timeout=30)
         assert r.returncode == 0, r.stderr
         assert r.stdout.splitlines() == ["scoring.ema: applied",
                                          f"note: config file is now {path} (none was found before)"]
+        assert read_info(rt)["config"] == str(path) and read_info(rt)["started"] == started  # daemon.json follows
         with d.client(heartbeat_s=None) as c:
             assert c.stats()["config_hot"]["scoring"]["ema"] == 0.6
         path.unlink()  # gone: the reload says so, not a silent return to the defaults
@@ -83,5 +88,6 @@ def test_reload_without_config_finds_a_file_created_after_the_start(tmp_path):
         assert r.stdout.splitlines()[-1] == (f"note: config file {path} is gone: reloaded from the shipped "
                                               "default (and environment, --set)")
         assert "scoring.ema: applied" in r.stdout
+        assert read_info(rt)["config"] is None
     finally:
         assert d.stop() == 0

@@ -5,6 +5,7 @@ missing block is reported for recomputation and never written into vLLM's KV."""
 from __future__ import annotations
 
 import hashlib
+import logging
 
 import pytest
 import torch
@@ -223,6 +224,30 @@ def test_an_agreement_that_fails_drops_this_step_s_saves(worker):
         ws.save([Transfer("c", [i + 2], HS[i:i + 1])])
     got, _ = c.lookup([block_key(h) for h in HS[1:4]])
     assert got.tolist()[:2] == [-1, -1] and got[2] >= 0  # this step and the next, as a failed load
+    assert ws.stats["taint_agreement_failures"] == 1
+
+
+def test_a_group_that_stays_broken_is_logged_rarely_and_counted(worker, caplog):
+    """A broken group fails every step: each step's saves are dropped and counted, but the log
+    says so at the 1st, 2nd, 4th, 8th... failure in a row, and once when it works again."""
+    kv, ws, c = worker
+
+    def broken(mine):
+        raise RuntimeError("injected: gloo connection reset")
+    ws.agree = broken
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        for _ in range(20):
+            ws.start([])
+            ws.finish_load()
+            ws.save([])
+        ws.agree = lambda mine: mine
+        ws.start([])
+        ws.finish_load()
+        ws.save([])
+    said = [r.getMessage() for r in caplog.records if "taint agreement" in r.getMessage()]
+    assert [m.split(", ")[-1].split(" step")[0] for m in said[:-1]] == ["1", "2", "4", "8", "16"]
+    assert said[-1].endswith("works again after 20 failed step(s)")
+    assert ws.stats["taint_agreement_failures"] == 20
 
 
 @pytest.mark.parametrize("preempted,held", [(set(), [True, True]), ({"c"}, [False, True])])

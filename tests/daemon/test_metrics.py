@@ -55,7 +55,7 @@ SNAPSHOT = {
                             "bandwidth_bytes_per_s": 1638.4}},
     "blocks": {"live": 2, "cached": 3, "pinned": 0, "max": 64},
     "service": {"acquires": 0, "acquires_on_time": 0, CLEARED_COUNTER: 5},
-    "placement": {"dropped": 2}, "engines": [], "prefetch_on_time_ratio": 1.0,
+    "placement": {"dropped": 2}, "engines": [], "prefetch_on_time_ratio": None,
     "io": {"events": {"keys_detached": 2, "nvme_write_backoffs": 1}},
 }
 
@@ -182,3 +182,16 @@ def test_every_panel_query_selects_instance_and_job():
                 assert t["expr"][m.end():].startswith(selector), (p["title"], t["expr"])
             if "histogram_quantile" in t["expr"]:
                 assert re.search(r"histogram_quantile\([0-9.]+, sum by \(le\) \(rate\(", t["expr"]), t["expr"]
+
+
+def test_stats_state_no_on_time_ratio_before_an_acquire():
+    """A daemon nobody acquired from has no on-time ratio: null in the stats JSON, not 1.0."""
+    from collections import Counter
+
+    from kvtier.daemon.config import load_config
+    from kvtier.daemon.stats import snapshot
+
+    cfg = load_config(environ={})
+    assert snapshot(cfg, Counter(), {}, None, None, time.monotonic)["prefetch_on_time_ratio"] is None
+    counts = Counter(acquires=4, acquires_on_time=3)
+    assert snapshot(cfg, counts, {}, None, None, time.monotonic)["prefetch_on_time_ratio"] == 0.75

@@ -117,12 +117,16 @@ def test_one_variable_points_every_process_at_one_runtime_dir(tmp_path: Path, mo
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     monkeypatch.setenv("KVTIER_RUNTIME_DIR", str(tmp_path / "shared"))
     assert default_runtime_dir() == str(tmp_path / "shared")  # clients, the CLI and the vLLM connector
-    assert load_config(environ={}).server.runtime_dir == str(tmp_path / "shared")  # the daemon's default
+    assert load_config().server.runtime_dir == str(tmp_path / "shared")  # the daemon's default
+    # a config resolved without the environment (validate, replay) takes no default from it either
+    assert load_config(environ={}).server.runtime_dir == f"/tmp/kvtier-{os.getuid()}"
+    assert load_config(environ={"XDG_RUNTIME_DIR": str(tmp_path)}).server.runtime_dir == str(tmp_path / "kvtier")
     monkeypatch.setenv("KVTIER_RUNTIME_DIR", "relative/kvtier")
     with pytest.raises(UnsafeDirError, match="KVTIER_RUNTIME_DIR must be an absolute path"):
         default_runtime_dir()
     with pytest.raises(ConfigError, match="KVTIER_RUNTIME_DIR must be an absolute path"):
-        load_config(environ={})  # a config error (a reload rejects it), not an OSError from a default
+        load_config()  # a config error (a reload rejects it), not an OSError from a default
+    assert load_config(environ={}).server.runtime_dir == f"/tmp/kvtier-{os.getuid()}"  # config validate, replay
 
 
 def test_a_file_where_a_parent_should_be_is_named(tmp_path: Path) -> None:
