@@ -303,3 +303,58 @@ def test_a_load_vllm_never_finished_is_finished_at_the_next_step(worker):
         assert torch.equal(t[:, 8:10], orig[n][:, 1:3])
     assert ws.take_errors() == set() and ws.stats["loaded_blocks"] == 2
     c.check()
+
+
+def test_a_save_queued_for_staging_room_is_dropped_when_its_request_is_preempted(worker):
+    """Staging full: the step's saves wait in the queue. A preemption then gives the request's
+    blocks back to vLLM, so its queued saves must never run (they would read whatever vLLM
+    wrote there next); the other request's still do once room comes back."""
+    from kvtier.client.replies import RequestRejected
+
+    kv, ws, c = worker
+    orig = {n: t.clone() for n, t in kv.items()}
+    held = []
+    while True:  # pin every staging slot
+        try:
+            held.append(c.alloc(1, pin=True, wait=False)[0])
+        except RequestRejected:
+            break
+    ws.save([Transfer("c", [3], HS[2:3]), Transfer("d", [4], HS[3:4])])
+    assert ws.stats["saved_blocks"] == 0 and len(ws.queue) == 2
+    ws.preempted({"c"})
+    for t in kv.values():
+        t[:, 3] = 7.0  # vLLM reuses the preempted request's block at once
+    for b in held:
+        c.release(blocks=b)
+        c.free(blocks=b)
+    ws.save([])  # room again: the queue drains
+    got, _ = c.lookup([block_key(h) for h in HS[2:4]])
+    assert (got >= 0).tolist() == [False, True]
+    assert ws.stats["save_dropped_blocks"] == 1 and ws.stats["saved_blocks"] == 1
+    assert ws.sent({"c", "d"}) == {"d"}  # the preempted one is no longer waited for
+    assert _load(ws, kv, [Transfer("x", [12], HS[3:4])]) == set()
+    for n, t in kv.items():
+        assert torch.equal(t[:, 12], orig[n][:, 4])
+    c.check()
+
+
+def test_a_load_of_a_step_without_saves_is_finished_when_the_next_step_begins(worker):
+    """A step with loads and no saves on a stage vLLM never finalizes: ``handle_preemptions``
+    of the next step finishes the load (pins and refs go, the bytes are in place) before that
+    step's ``start``, not only through ``start``'s fallback."""
+    kv, ws, c = worker
+    orig = {n: t.clone() for n, t in kv.items()}
+    ws.save([Transfer("a", [1, 2], HS[:2])])
+    for t in kv.values():
+        t[:, 8:10] = 0
+    ws.start([Transfer("b", [8, 9], HS[:2])])
+    for name in kv:
+        ws.wait_layer(name)
+    ws.preempted(set())
+    assert ws.load is None and ws.stats["loaded_blocks"] == 2
+    (engine,) = c.stats()["engines"]
+    assert engine["pins"] == 0 and engine["live_blocks"] == 0
+    for n, t in kv.items():
+        assert torch.equal(t[:, 8:10], orig[n][:, 1:3])
+    assert ws.stats["save_dropped_blocks"] == 0
+    c.check()
