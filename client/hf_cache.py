@@ -26,6 +26,7 @@ import torch
 import xxhash
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvtier.client.replies import EngineReclaimed
 from kvtier.client.tier_client import TierClient
 
 
@@ -82,6 +83,7 @@ class Row:
     keys: list[int] = field(default_factory=list)  # of the sealed (full) blocks
     length: int = 0
     tokens: list[int] = field(default_factory=list)  # token ids, when the runner supplies them
+    known: int = 0  # positions whose token ids are known, in order: the tokens of every forward so far
 
 
 class TieredLayer(CacheLayerMixin):
@@ -117,6 +119,7 @@ class TieredCache(Cache):
         if client.hbm is None:
             raise ValueError("the client has no HBM region mapped: register it first")
         self.client = client
+        self.session = client.session  # the client session whose blocks and slots these are
         self.layout = layout
         self.namespace = namespace
         self.pool = layout.pool_view(client.hbm)
@@ -126,6 +129,8 @@ class TieredCache(Cache):
         self.segment: Optional[str] = None  # chat segment of the tokens being written (system/user/assistant)
         self._work: list[Optional[tuple[torch.Tensor, torch.Tensor]]] = [None] * layout.num_layers
         self._where: list[tuple] = []
+        self._fed: list[bool] = []  # per row: this forward's token ids were fed, in line with the last
+        self._open_step = False  # a forward began (layer 0) and its last layer has not run yet
         self.acquires = 0
         self.last_mass: Optional[torch.Tensor] = None
 
@@ -157,7 +162,10 @@ class TieredCache(Cache):
         return out
 
     def feed_tokens(self, token_ids: torch.Tensor) -> None:
-        """Token ids of the next forward ([batch, q]); keys then chain over tokens, as in vLLM."""
+        """Token ids of the next forward ([batch, q]); keys then chain over tokens, as in vLLM.
+        Only while every forward of a row was fed: after one that was not, the row's token ids
+        no longer say which positions they are, and its later blocks are keyed by their K/V
+        bytes (a key names its block's content, or another sequence is served these bytes)."""
         for row, ids in zip(self.rows, token_ids.tolist()):
             row.tokens.extend(int(t) for t in ids)
 
@@ -165,6 +173,9 @@ class TieredCache(Cache):
     def from_prefix(cls, client: TierClient, layout: KVLayout, keys: Sequence[int], tokens: Sequence[int],
                     namespace: bytes = b"kvtier", seq_id: Optional[int] = None) -> "TieredCache":
         """A one-row cache that starts from sealed prefix blocks another sequence wrote."""
+        if tokens and len(tokens) < len(keys) * layout.block_tokens:
+            raise ValueError(f"{len(tokens)} token ids for a prefix of {len(keys)} blocks of "
+                             f"{layout.block_tokens} tokens (give them all, or none)")
         cache = cls(client, layout, 1, namespace, [seq_id])
         blocks = client.ref(list(keys), seq=seq_id)
         if np.any(blocks < 0):
@@ -175,11 +186,20 @@ class TieredCache(Cache):
         row.slots = [-1] * len(row.blocks)
         row.length = len(keys) * layout.block_tokens
         row.tokens = list(tokens)[: row.length]
+        row.known = len(row.tokens)  # none given: the blocks after the prefix are keyed by K/V bytes
         return cache
 
     # -- residency ----------------------------------------------------------------
+    def _check_session(self) -> None:
+        """A cache lives in one client session: after a ``reattach`` its block ids and slots
+        may be another sequence's, so using them would read or seal that one's bytes."""
+        if self.client.session != self.session:
+            raise EngineReclaimed("unknown_engine", "this cache's client session is over (the daemon took its "
+                                                    "blocks back): build a new cache")
+
     def activate(self) -> None:
         """Acquire (pin) every block of every row; waits for promotions."""
+        self._check_session()
         slot_of: dict[int, int] = {}
         for part in self._each_hold():
             got, slots = self.client.acquire(blocks=part)
@@ -192,12 +212,13 @@ class TieredCache(Cache):
 
     def deactivate(self) -> None:
         """Release the pins: the daemon may now demote these blocks while the sequence idles."""
-        if self.active:
+        if self.active and self.client.session == self.session:  # an ended session's pins went with it
             self._settle()
             for part in self._each_hold():
                 self.client.release(blocks=part)
         self.active = False
         self._work = [None] * self.layout.num_layers  # unpinned slots may move: drop the gathered copy
+        self._open_step = False
 
     def hint(self, deadline_s: float = 0.0) -> None:
         """Ask the daemon to bring this cache's blocks back before ``deadline_s``."""
@@ -206,10 +227,11 @@ class TieredCache(Cache):
             self.client.hint(blocks=blocks, deadline_s=deadline_s)
 
     def close(self) -> None:
-        """End of the sequences: release and free every block."""
+        """End of the sequences: release and free every block (an ended session's are gone)."""
         self.deactivate()
-        for part in self._each_hold():
-            self.client.free(blocks=part)
+        if self.client.session == self.session:
+            for part in self._each_hold():
+                self.client.free(blocks=part)
         for row in self.rows:
             row.blocks, row.slots, row.keys = [], [], []
 
@@ -231,11 +253,15 @@ class TieredCache(Cache):
         if keys.shape[0] != len(self.rows):
             raise ValueError(f"batch of {keys.shape[0]} rows, cache built for {len(self.rows)}")
         if layer == 0:
+            self._check_session()
+            if self._open_step:  # the last forward raised after layer 0: its K/V is in the gathered
+                self._work = [None] * self.layout.num_layers  # copy, not in the rows' lengths
             if not self.active:
                 self.activate()
             self._grow(q_len)
-        if layer == 0:
             self._where = [self._token_places(row, q_len) for row in self.rows]
+            self._fed = [self._take_fed(row, q_len) for row in self.rows]
+            self._open_step = True
         for i, where in enumerate(self._where):  # the slots are the truth: every new K/V lands there
             if q_len == 1:  # one token (decode): plain slicing, no scatter
                 slot, off = where
@@ -255,6 +281,15 @@ class TieredCache(Cache):
         if layer == self.layout.num_layers - 1:
             self._end_step(q_len)
         return k, v
+
+    @staticmethod
+    def _take_fed(row: Row, q_len: int) -> bool:
+        """Were exactly this forward's token ids fed, after those of every earlier one? If not,
+        the row's token ids stop at ``known`` for good (what was fed since is dropped)."""
+        if row.known == row.length and len(row.tokens) == row.length + q_len:
+            return True
+        del row.tokens[row.known:]
+        return False
 
     def _token_places(self, row: Row, q_len: int) -> tuple:
         """(slot, offset) of the new tokens of ``row``: ints for one token, index tensors for more."""
@@ -279,15 +314,18 @@ class TieredCache(Cache):
 
     def _end_step(self, q_len: int) -> None:
         T = self.layout.block_tokens
+        self._open_step = False
         for i, row in enumerate(self.rows):
             row.length += q_len
+            if self._fed[i]:
+                row.known = row.length
             full = row.length // T
             if full <= len(row.keys):
                 continue
             todo = list(range(len(row.keys), full))
             keys = []
             parent = row.keys[-1] if row.keys else 0
-            by_kv = [j for j in todo if len(row.tokens) < (j + 1) * T]  # no token ids (e.g. generate())
+            by_kv = [j for j in todo if row.known < (j + 1) * T]  # no token ids (e.g. generate())
             kv = dict(zip(by_kv, self._block_bytes([row.slots[j] for j in by_kv])))
             for j in todo:
                 if j in kv:  # keyed by its K/V bytes
@@ -298,7 +336,9 @@ class TieredCache(Cache):
                 keys.append(parent)
             blocks = [row.blocks[j] for j in todo]
             self._settle()  # the step's writes are in the slots before the daemon may move them
-            canon = self.client.seal(blocks, keys, seq=self.seq_ids[i]).tolist()
+            # fold only into a block of the same bytes: this sequence goes on reading its own K/V
+            # (the same tokens computed in other chunks or batches differ in the last bits)
+            canon = self.client.seal(blocks, keys, seq=self.seq_ids[i], fold_identical_only=True).tolist()
             for j, b, c in zip(todo, blocks, canon):
                 if c != b:  # an identical block existed: ours was folded into it; pin and map the shared one
                     got, slots = self.client.acquire(blocks=[c])

@@ -134,12 +134,14 @@ class BlockOps:
         for i, (b, k) in enumerate(zip(blocks.tolist(), keys.tolist())):
             existing = t.lookup(k)
             folds = existing >= 0 and mgr.namespace[existing] == session.ns and not mgr.corrupt[existing]
+            if folds and args.fold_identical_only:
+                folds = mgr.same_bytes(b, existing, nbytes)
             if session.pins[b] and folds:  # folding into a shared block: our pins on b go (not when the
                 # key is another namespace's: b is sealed unindexed and stays ours, pinned as it was)
                 while session.pins[b]:
                     mgr.unpin_many(np.array([b]), checked=True)
                     session.pins[b] -= 1
-            c = mgr.seal(b, k, nbytes)
+            c = mgr.seal(b, k, nbytes, fold_identical_only=args.fold_identical_only)
             if c != b:
                 session.replace(b, c)
                 self.counters["seal_shared"] += 1
@@ -189,7 +191,9 @@ class BlockOps:
             if session.refs.get(b, 0) < n:
                 raise ProtocolError(P.INVALID, f"block {b} is held {session.refs.get(b, 0)} times by engine "
                                                f"{session.engine_id!r}; the request frees it {n} times")
-            if session.pins[b] > 0:
+            if session.pins[b] > session.refs.get(b, 0) - n:  # a pin needs a reference of its own
+                # (two sequences of one engine sharing a block: one may free its reference
+                # while the other holds its pin; pins are counted per engine, not per sequence)
                 raise ProtocolError(P.INVALID, f"block {b} is pinned; release it before freeing")
         for b, n in drops.items():
             for _ in range(n):

@@ -104,6 +104,7 @@ class SealArgs(_Args):
     keys: IdArray
     nbytes: Optional[StrictInt] = Field(default=None, ge=0)
     seq: Optional[StrictInt] = None
+    fold_identical_only: StrictBool = False  # a key's block of other bytes: keep this one, unindexed
 
 
 class RefArgs(_Args):

@@ -3,8 +3,7 @@
 ``TierManager`` pairs a ``BlockTable`` with the pools, the NVMe store and the
 mover (``moves.TierMoves``, its base, owns those and every transfer in flight;
 this class adds the block lifecycle and persistence). It is the only code that
-mutates metadata; it must be called from one
-thread (the daemon's owner loop). Error conventions follow vLLM: ``None`` for
+mutates metadata; it must be called from one thread (the daemon's owner loop). Error conventions follow vLLM: ``None`` for
 "does not fit", ``ValueError`` for caller misuse (raised before any state
 changes), ``RuntimeError`` for a broken invariant. A failed transfer leaves
 the block valid where it was and is reported in ``last_errors``.
@@ -128,12 +127,13 @@ class TierManager(TierMoves):
             self.hbm.host_view(slot)[offset: offset + buf.size] = buf
         t.nbytes[b] = max(int(t.nbytes[b]), offset + buf.size)
 
-    def seal(self, b: int, key: int, nbytes: Optional[int] = None) -> int:
+    def seal(self, b: int, key: int, nbytes: Optional[int] = None, fold_identical_only: bool = False) -> int:
         """Seal an OPEN block under ``key``; returns the canonical block.
 
         If ``key`` is already sealed elsewhere (a shared prefix), this block is
-        released and the existing one gains a reference. A corrupt block never
-        absorbs a seal: these correct bytes take its key instead.
+        released and the existing one gains a reference; with ``fold_identical_only``
+        only if their bytes are the same (else this one is sealed unindexed and kept). A
+        corrupt block never absorbs a seal: these correct bytes take its key instead.
         """
         b = self._open_in_hbm(b, "is already sealed")
         t = self.table
@@ -146,7 +146,8 @@ class TierManager(TierMoves):
             t.detach_key(existing)
             existing = -1
         foreign = existing >= 0 and self.namespace[existing] != self.namespace[b]
-        if existing >= 0 and not foreign:
+        distinct = fold_identical_only and existing >= 0 and not foreign and not self.same_bytes(b, existing, length)
+        if existing >= 0 and not foreign and not distinct:
             if t.pins[b]:
                 raise ValueError(f"block {b} is pinned; release it before folding it into shared block {existing}")
             t.refcount[existing] += t.refcount[b]
@@ -157,12 +158,23 @@ class TierManager(TierMoves):
         slot = int(t.slot[HBM, b])
         data = self.hbm.slot_tensor(slot) if self.hbm.is_cuda else self.hbm.host_view(slot)
         t.nbytes[b] = length
-        if foreign:  # two namespaces' scoped keys collided (2^-64): sealed, but never shared
+        if foreign or distinct:  # scoped keys of two namespaces collided (2^-64), or the engine
+            # keeps reading bytes of its own: sealed, but never shared
             t.seal_unindexed(b, key, block_checksum(data, length))
+            self.counters["seal_kept_distinct"] += int(distinct)
         else:
             t.seal(b, key, block_checksum(data, length))
         self._emit("stored", b, Tier.HBM)
         return b
+
+    def same_bytes(self, b: int, other: int, length: int) -> bool:
+        """Would ``b``'s first ``length`` bytes seal with ``other``'s length and checksum?"""
+        t = self.table
+        if int(t.nbytes[other]) != length:
+            return False
+        slot = int(t.slot[HBM, b])
+        data = self.hbm.slot_tensor(slot) if self.hbm.is_cuda else self.hbm.host_view(slot)
+        return int(block_checksum(data, length)) == int(t.checksum[other])
 
     def lookup(self, key: int) -> int:
         return self.table.lookup(key)

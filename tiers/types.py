@@ -60,4 +60,4 @@ def parse_tier(value: "Tier | int | str") -> Tier:
 
 # counted by the tiers (and placement's NVMe skips): in stats io.events and kvtier_tier_events_total
 DATA_PLANE_EVENTS = ("corrupt_copies", "keys_detached", "nvme_read_retries", "nvme_write_backoffs",
-                     "nvme_backoff_skips", "seal_dedup", "slots_zeroed")
+                     "nvme_backoff_skips", "seal_dedup", "seal_kept_distinct", "slots_zeroed")

@@ -1,0 +1,165 @@
+"""What a TieredCache's block keys promise: a key names its block's bytes, a sequence reads
+the bytes it wrote, and a cache never acts in a client session other than its own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import DynamicCache  # noqa: E402
+
+from kvtier.bench.spawn import DaemonProcess  # noqa: E402
+from kvtier.bench.workload import build_model  # noqa: E402
+from kvtier.client.hf_cache import KVLayout, TieredCache  # noqa: E402
+from kvtier.client.replies import EngineReclaimed, KvtierError  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.set_num_threads(1)
+    return build_model("tiny", seed=0)
+
+
+def _sizes(layout: KVLayout) -> tuple[str, ...]:
+    b = layout.block_bytes
+    return f"tiers.hbm_bytes={b * 64}", f"tiers.dram_bytes={b * 16}", f"tiers.nvme_bytes={b * 128}"
+
+
+@pytest.fixture
+def engine(model, tmp_path):
+    layout = KVLayout.from_config(model.config, 16)
+    d = DaemonProcess(tmp_path, *_sizes(layout))
+    c = d.client(engine_id="keys")
+    c.register(block_bytes=layout.block_bytes, block_tokens=16, layout=layout.describe())
+    yield c, layout
+    c.check()
+    c.close()
+    assert d.stop() == 0
+
+
+def fwd(model, ids, cache, feed=True):
+    with torch.no_grad():
+        if feed and isinstance(cache, TieredCache):
+            cache.feed_tokens(ids)
+        return model(input_ids=ids, cache=cache).logits
+
+
+def both(model, ids, ref, tc, feed=True):
+    a, b = fwd(model, ids, ref), fwd(model, ids, tc, feed)
+    assert torch.equal(a, b)
+    return a[:, -1:].argmax(-1)
+
+
+def test_the_same_tokens_computed_in_other_chunks_keep_their_own_bytes(model, engine):
+    """Token keys say "same tokens", not "same bytes": prefilled in chunks of 8, a prompt's K/V
+    differs in the last bits from one prefill of it. B's blocks must not fold into A's, or
+    B's next turn reads A's bytes; C, prefilled as A was, folds into A's blocks."""
+    c, layout = engine
+    prompt = torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(11))
+    a_cache = TieredCache(c, layout, seq_ids=[1])
+    fwd(model, prompt, a_cache)
+    a_cache.deactivate()
+    ref, b_cache = DynamicCache(config=model.config), TieredCache(c, layout, seq_ids=[2])
+    for chunk in prompt.split(8, dim=1):
+        both(model, chunk, ref, b_cache)
+    assert set(b_cache.rows[0].blocks).isdisjoint(a_cache.rows[0].blocks)
+    assert b_cache.rows[0].keys == a_cache.rows[0].keys  # lookups by tokens still find A's
+    b_cache.deactivate()  # the next turn gathers from the slots: B's own bytes
+    both(model, torch.tensor([[7]]), ref, b_cache)
+    c_cache = TieredCache(c, layout, seq_ids=[3])
+    fwd(model, prompt, c_cache)
+    assert c_cache.rows[0].blocks == a_cache.rows[0].blocks  # identical bytes still fold
+    s = c.stats()
+    assert s["service"]["seal_shared"] == 2 and s["io"]["events"]["seal_kept_distinct"] == 2
+    a_cache.close()  # while C, active, pins the blocks they share: A frees only its reference
+    c.check()
+    c_cache.deactivate()
+    fwd(model, torch.tensor([[7]]), c_cache)  # C's blocks are still there, and still its
+    b_cache.close()
+    c_cache.close()
+
+
+def test_after_an_unfed_forward_a_row_s_blocks_are_keyed_by_their_bytes(model, engine):
+    """Token ids are optional per forward; once one forward was not fed, the ids fed later
+    are not those of the positions they would key. Two sequences with the same first turn
+    (decode unfed) and different second turns must not share the second turn's blocks."""
+    c, layout = engine
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 512, (1, 32), generator=g)
+    first = [torch.randint(0, 512, (1, 16), generator=g) for _ in range(2)]
+    tail = torch.randint(0, 512, (1, 16), generator=g)
+    caches = []
+    for seq, start in enumerate(first, 1):
+        ref, tc = DynamicCache(config=model.config), TieredCache(c, layout, seq_ids=[seq])
+        nxt = both(model, prompt, ref, tc)
+        for _ in range(16):
+            nxt = both(model, nxt, ref, tc, feed=False)
+        tc.deactivate()
+        both(model, torch.cat([start, tail], dim=1), ref, tc)
+        tc.deactivate()
+        both(model, torch.tensor([[9]]), ref, tc)
+        assert tc.rows[0].known == 32 and tc.rows[0].tokens == prompt[0].tolist()  # what was fed later is dropped
+        caches.append(tc)
+    p, q = (t.rows[0].blocks for t in caches)
+    assert p[:3] == q[:3]  # the same prompt and greedy decode: the same bytes
+    assert set(p[3:]).isdisjoint(q[3:])
+    for t in caches:
+        t.close()
+
+
+def test_a_prefix_with_too_few_token_ids_is_refused(model, engine):
+    c, layout = engine
+    with pytest.raises(ValueError, match="token ids for a prefix of 2 blocks"):
+        TieredCache.from_prefix(c, layout, [11, 12], list(range(20)))
+
+
+def test_a_forward_that_raised_midway_is_run_again_exactly(model, engine):
+    """An exception in a layer after the first leaves that step's K/V in the gathered copy
+    of the layers before it; the next forward must not build on it."""
+    c, layout = engine
+    ref, tc = DynamicCache(config=model.config), TieredCache(c, layout)
+    nxt = both(model, torch.randint(0, 512, (1, 20), generator=torch.Generator().manual_seed(0)), ref, tc)
+    hook = model.model.layers[1].register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            fwd(model, nxt, tc)
+    finally:
+        hook.remove()
+    for _ in range(3):
+        nxt = both(model, nxt, ref, tc, feed=False)
+    tc.close()
+
+
+def test_a_cache_of_a_session_the_daemon_ended_refuses_to_act(model, tmp_path):
+    """After a daemon restart and ``reattach``, a cache built before it holds ids and slots
+    that a new cache may own now: it must refuse, not read or seal them."""
+    layout = KVLayout.from_config(model.config, 16)
+    d = DaemonProcess(tmp_path, *_sizes(layout))
+    c = d.client(engine_id="stale", heartbeat_s=None)
+    c.register(block_bytes=layout.block_bytes, block_tokens=16, layout=layout.describe())
+    g = torch.Generator().manual_seed(1)
+    old = TieredCache(c, layout, seq_ids=[1])
+    fwd(model, torch.randint(0, 512, (1, 20), generator=g), old)
+    old.deactivate()
+    d.stop()
+    d = DaemonProcess(tmp_path, *_sizes(layout))
+    try:
+        with pytest.raises(KvtierError):
+            fwd(model, torch.tensor([[3]]), old)
+        assert c.reattach(every_s=0)
+        ref, new = DynamicCache(config=model.config), TieredCache(c, layout, seq_ids=[1])
+        nxt = both(model, torch.randint(0, 512, (1, 20), generator=g), ref, new)
+        new.deactivate()
+        assert new.rows[0].blocks == old.rows[0].blocks  # the same ids, now the new cache's
+        with pytest.raises(EngineReclaimed, match="session is over"):
+            fwd(model, torch.tensor([[5]]), old)
+        old.close()  # frees nothing of the new session's
+        for _ in range(12):  # crosses a block boundary: seals block 1
+            nxt = both(model, nxt, ref, new)
+        new.close()
+        c.check()
+    finally:
+        c.close()
+        assert d.stop() == 0
