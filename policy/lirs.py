@@ -8,7 +8,9 @@ non-resident HIR blocks (ids only). Its bottom is always an LIR block
 HIR block still in S, or a miss on a non-resident one, proves a reuse
 distance shorter than the oldest LIR block's recency: it becomes LIR and the
 bottom LIR block is demoted to the tail of Q. Misses evict Q's head. Until the
-LIR set is full every accessed block becomes LIR (warm-up).
+LIR set is full every accessed block becomes LIR (warm-up). Each part has at least one
+slot (one HIR slot even where 1% rounds to 0); a one-block cache has just its LIR slot, so
+every miss evicts it, as LRU.
 
 Non-resident HIR ids are bounded (``nonresident`` x the cache size; the
 paper bounds S to keep memory finite): past the bound the oldest of them
@@ -35,7 +37,10 @@ class LIRSPolicy(Policy):
     def __init__(self, capacity: int, max_blocks: int, hir_fraction: float = 0.01, nonresident: float = 10.0,
                  **_: object) -> None:
         super().__init__(capacity, max_blocks)
-        self.l_hirs = max(1, int(round(hir_fraction * capacity)))
+        # at least one LIR slot (a promotion demotes the bottom LIR block, so with none the
+        # bottom of S is no LIR block) and, from 2 blocks on, at least one HIR slot; one block
+        # is a single LIR slot: each miss evicts it, as LRU (any policy without bypass does so)
+        self.l_hirs = min(max(1, int(round(hir_fraction * capacity))), capacity - 1)
         self.l_lirs = capacity - self.l_hirs
         self.nr_max = max(1, int(nonresident * capacity))
         self.S = IndexLists(max_blocks)  # front = bottom (least recent)

@@ -18,6 +18,15 @@ from kvtier.policy.base import Policy
 from kvtier.replay.traces import Trace
 
 
+class NotResident(RuntimeError):
+    """A policy's ``evict`` named a block the cache does not hold: a bug in that policy
+    (its hit ratios would count hits on blocks it no longer has)."""
+
+    def __init__(self, policy: str, block: int, where: str = "the cache") -> None:
+        super().__init__(f"policy {policy} evicted block {block}, which is not resident in {where} "
+                         "(a bug in the policy)")
+
+
 @dataclass
 class RunResult:
     policy: str
@@ -81,6 +90,7 @@ def simulate(policy: Policy, trace: Trace, next_use: Optional[np.ndarray] = None
     classes = trace.cls.tolist()
     nxt = next_use.tolist() if policy.offline and next_use is not None else None
     cap = policy.capacity
+    n_blocks = trace.n_unique
     hits = 0
     observe, on_hit, admit, evict, insert = policy.observe, policy.on_hit, policy.admit, policy.evict, policy.insert
 
@@ -94,7 +104,10 @@ def simulate(policy: Policy, trace: Trace, next_use: Optional[np.ndarray] = None
             return 1
         if admit(b, now, c, nu):
             if policy.size >= cap:
-                resident[evict(now)] = False
+                v = evict(now)
+                if not (0 <= v < n_blocks and resident[v]):
+                    raise NotResident(policy.name, v)
+                resident[v] = False
             insert(b, now, c, nu)
             resident[b] = True
         return 0

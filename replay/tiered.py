@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from kvtier.policy import make_policy
+from kvtier.replay.sim import NotResident
 from kvtier.replay.traces import Trace
 
 
@@ -46,11 +47,19 @@ class TierSpec:
     publish_min_shares: int = 1  # as [tiers.remote]: 1 publishes a block a node reused; 0 every block it wrote
 
 
+def _victim(pol: Any, now: float, where: np.ndarray, tier: int, name: str) -> int:
+    """``pol.evict(now)``, checked: the victim must be a block this tier holds."""
+    v = pol.evict(now)
+    if not (0 <= v < where.size and where[v] == tier):
+        raise NotResident(pol.name, v, name)
+    return v
+
+
 def _offer(dram: Any, b: int, now: float, c: int, where: np.ndarray) -> None:
     """Place ``b`` in DRAM if its policy admits it (else it lives on NVMe only)."""
     if dram.admit(b, now, c, -1):
         if dram.size >= dram.capacity:
-            where[dram.evict(now)] = 0
+            where[_victim(dram, now, where, 2, "DRAM")] = 0
         dram.insert(b, now, c, -1)
         where[b] = 2
 
@@ -83,8 +92,9 @@ class _Node:
         if hbm.admit(b, now, c, -1):  # promote (tiers are exclusive: the DRAM copy goes)
             if w == 2:
                 dram.remove(b)
+                where[b] = 0  # in neither tier until HBM's insert below
             if hbm.size >= hbm.capacity:
-                v = hbm.evict(now)
+                v = _victim(hbm, now, where, 1, "HBM")
                 where[v] = 0
                 _offer(dram, v, now, c, where)  # the HBM victim may go one tier down
             hbm.insert(b, now, c, -1)
@@ -112,7 +122,10 @@ class _Remote:
             return
         self.writes += 1
         if self.lru.size >= self.lru.capacity:
-            self.held[self.lru.evict(now)] = False
+            v = self.lru.evict(now)
+            if not (0 <= v < self.held.size and self.held[v]):
+                raise NotResident(self.lru.name, v, "the remote tier")
+            self.held[v] = False
         self.lru.insert(b, now, 0, -1)
         self.held[b] = True
 

@@ -67,6 +67,39 @@ def test_lirs():
     assert pol.state.tolist() == [2, 3, 1, 1]  # 0 HIR, 1 non-resident HIR, 2 and 3 LIR
 
 
+def test_lirs_at_one_and_two_blocks():
+    # cap 1: one LIR slot and no HIR slot (1% of 1 would leave none for LIR: a promoted block
+    # then demoted a non-resident one into Q, and evict returned a block the cache did not hold).
+    # Each miss evicts the one block, as any policy without bypass must: a hit is an immediate repeat.
+    assert _hits("lirs", [0, 1, 0, 1, 0, 1, 0, 1, 2, 0, 2, 0], 1) == 0
+    assert _hits("lirs", [0, 0, 1, 1, 1, 0, 2, 2], 1) == 4
+    assert _evictions("lirs", [0, 0, 1, 1, 1, 0, 2, 2], 1) == [0, 1, 0]
+    pol = make_policy("lirs", 1, 3)
+    assert (pol.l_lirs, pol.l_hirs) == (1, 0)
+    # cap 2: 1 LIR, 1 HIR slot. 0 LIR (warm-up), 1 HIR: S [0 1] Q [1].
+    # 0 hit at the bottom: to the top, pruning drops 1: S [0] Q [1].  1 hit (HIR out of S): S [0 1].
+    # ... 0 and 1 alternate, all hits (6).  2: Q's 1 evicted (nr in S); 2 HIR: S [0 1nr 2] Q [2].
+    # 0 hit at the bottom: pruning drops 1nr and 2: S [0].  2 hit, 0 hit: 9 hits (Belady's too; LRU 8).
+    assert _hits("lirs", [0, 1, 0, 1, 0, 1, 0, 1, 2, 0, 2, 0], 2) == 9
+    # cap 2: 0 LIR, 1 HIR. 2: 1 evicted (nr); 2 HIR: S [0 1nr 2] Q [2].
+    # 1: 2 evicted (nr); 1 nr in S -> LIR, bottom LIR 0 -> Q; pruning drops 2nr: S [1] Q [0].
+    # 0 hit (HIR out of S): S [1 0].  0 hit, now in S -> LIR; bottom 1 -> Q, pruned: S [0] Q [1].
+    # 2: 1 evicted (not in S); 2 HIR: S [0 2] Q [2].  1: 2 evicted (nr); 1 HIR.  2 hits.
+    assert _evictions("lirs", [0, 1, 2, 1, 0, 0, 2, 1], 2) == [1, 2, 1, 2]
+    assert _hits("lirs", [0, 1, 2, 1, 0, 0, 2, 1], 2) == 2
+
+
+def test_lirs_keeps_a_lir_slot_whatever_the_hir_fraction():
+    for cap in (1, 2, 3, 10):
+        pol = make_policy("lirs", cap, 50, hir_fraction=1.0)
+        assert pol.l_lirs >= 1 and pol.l_lirs + pol.l_hirs == cap
+    rng = np.random.default_rng(2)
+    tr = _trace(rng.integers(0, 12, 400).tolist())
+    for cap in (1, 2, 3, 5):  # every victim is resident (simulate checks it) and hits stay within Belady's
+        hits = simulate(make_policy("lirs", cap, tr.n_unique, hir_fraction=1.0), tr, None, compiled=False)
+        assert hits <= simulate(make_policy("belady", cap, tr.n_unique), tr, tr.next_use())
+
+
 def test_lirs_bounds_its_non_resident_history():
     rng = np.random.default_rng(1)
     tr = _trace(rng.integers(0, 400, 3000).tolist())
