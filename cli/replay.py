@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
-from kvtier.cli.output import write_json
+from kvtier.cli.output import CliError, write_json
 
 PUBLISHED = ("arc", "lirs", "w-tinylfu", "s3fifo", "sieve", "2q", "lhd", "gdsf")
 """The published online policies ``kvtier replay`` ranks kvtier against (with LRU and Belady)."""
@@ -43,14 +44,53 @@ def configure(name: str, p: argparse.ArgumentParser) -> None:
     p.add_argument("--tiers", metavar="HBM,DRAM[,REMOTE]",
                    help="multi-tier mode: HBM and DRAM capacities per node (e.g. 1%%,5%%) over an NVMe tier that "
                         "holds everything, and optionally a remote tier shared by --nodes nodes (e.g. 1%%,5%%,20%%)")
-    p.add_argument("--nodes", type=int, default=1, help="multi-tier: nodes sharing the trace (requests round-robin)")
-    p.add_argument("--remote-gbps", type=float, default=2.5, help="multi-tier: remote->node bandwidth, GB/s")
-    p.add_argument("--publish-min-shares", type=int, default=1, choices=(0, 1),
+    # the multi-tier options default to None: given without --tiers they would be ignored, an error
+    p.add_argument("--nodes", type=int, help="multi-tier: nodes sharing the trace (requests round-robin; default 1)")
+    p.add_argument("--remote-gbps", type=float, help="multi-tier: remote->node bandwidth, GB/s (default 2.5)")
+    p.add_argument("--publish-min-shares", type=int, choices=(0, 1),
                    help="multi-tier: publish a block once a node reused it (1, the daemon's default) or every block (0)")
-    p.add_argument("--block-mib", type=float, default=2.0, help="multi-tier: bytes of one block, MiB")
-    p.add_argument("--dram-gbps", type=float, default=20.0, help="multi-tier: DRAM->HBM bandwidth, GB/s")
-    p.add_argument("--nvme-gbps", type=float, default=5.0, help="multi-tier: NVMe->HBM bandwidth, GB/s")
+    p.add_argument("--block-mib", type=float, help="multi-tier: bytes of one block, MiB (default 2)")
+    p.add_argument("--dram-gbps", type=float, help="multi-tier: DRAM->HBM bandwidth, GB/s (default 20)")
+    p.add_argument("--nvme-gbps", type=float, help="multi-tier: NVMe->HBM bandwidth, GB/s (default 5)")
     p.set_defaults(func=run)
+
+
+TIER_DEFAULTS: dict[str, float] = {"nodes": 1, "remote_gbps": 2.5, "publish_min_shares": 1, "block_mib": 2.0,
+                                   "dram_gbps": 20.0, "nvme_gbps": 5.0}
+REMOTE_ONLY = ("remote_gbps", "publish_min_shares")  # mean something only with a remote tier
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def check_tier_args(args: argparse.Namespace) -> list[float]:
+    """The ``--tiers`` capacities (empty without it), after checking the multi-tier options:
+    each needs ``--tiers`` (and the remote ones a remote tier), the bandwidths and block size
+    are positive, ``--nodes`` at least 1; the defaults fill in what is not given."""
+    from kvtier.replay.report import parse_fractions
+
+    given = [d for d in TIER_DEFAULTS if getattr(args, d) is not None]
+    if not args.tiers:
+        if given:
+            raise CliError(f"{_flag(given[0])} applies to the multi-tier replay only: add --tiers HBM,DRAM[,REMOTE]")
+        return []
+    fr = parse_fractions(args.tiers)
+    if len(fr) not in (2, 3):
+        raise CliError("--tiers takes two or three capacities: HBM,DRAM[,REMOTE] (e.g. 1%,5% or 1%,5%,20%)")
+    for d in REMOTE_ONLY:
+        if d in given and len(fr) == 2:
+            raise CliError(f"{_flag(d)} applies to a remote tier: give --tiers HBM,DRAM,REMOTE")
+    for d, v in TIER_DEFAULTS.items():
+        if getattr(args, d) is None:
+            setattr(args, d, v)
+    if args.nodes < 1:
+        raise CliError(f"--nodes must be at least 1, not {args.nodes}")
+    for d in ("block_mib", "dram_gbps", "nvme_gbps", "remote_gbps"):
+        v = getattr(args, d)
+        if not (math.isfinite(v) and v > 0):
+            raise CliError(f"{_flag(d)} must be a positive number, not {v:g}")
+    return fr
 
 
 def _params(path: str | None, policies: list[str]) -> dict[str, Any]:
@@ -73,19 +113,13 @@ def _params(path: str | None, policies: list[str]) -> dict[str, Any]:
     return {name: dict(base) if takes_config(name) else {} for name in policies}
 
 
-def _tiered(args: argparse.Namespace, trace: Any, policies: list[str], params: dict[str, Any],
+def _tiered(args: argparse.Namespace, fr: list[float], trace: Any, policies: list[str], params: dict[str, Any],
             console: Any) -> list[dict]:
     from rich.markup import escape
     from rich.table import Table
 
-    from kvtier.replay.report import parse_fractions
     from kvtier.replay.tiered import TierSpec, simulate_tiers
 
-    fr = parse_fractions(args.tiers)
-    if len(fr) not in (2, 3):
-        raise ValueError("--tiers takes two or three capacities: HBM,DRAM[,REMOTE] (e.g. 1%,5% or 1%,5%,20%)")
-    if args.nodes < 1:
-        raise ValueError("--nodes must be >= 1")
     remote = max(1, round(fr[2] * trace.n_unique)) if len(fr) == 3 else 0
     spec = TierSpec(max(1, round(fr[0] * trace.n_unique)), max(1, round(fr[1] * trace.n_unique)),
                     int(args.block_mib * 2**20), args.dram_gbps * 1e9, args.nvme_gbps * 1e9,
@@ -107,6 +141,11 @@ def _tiered(args: argparse.Namespace, trace: Any, policies: list[str], params: d
     return rows
 
 
+def _num(v: float | None, fmt: str) -> str:
+    """``v`` formatted, or a dash where there is none (no capacity or run to average)."""
+    return "\u2014" if v is None else format(v, fmt)
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
@@ -119,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.replay.traces import load_trace, split_trace
 
     fractions = parse_fractions(args.capacity)
+    tier_fractions = check_tier_args(args)  # before any replay: a bad option fails at once
     policies = expand_policies(args.policy, POLICIES)
     params = _params(args.config, policies)
     # no emoji codes: a title "synthetic:loop: ..." rendered ":loop:" as a picture
@@ -143,18 +183,22 @@ def run(args: argparse.Namespace) -> int:
             table.add_column("gap closed", justify="right")
         table.add_column("accesses/s", justify="right")
         for p in policies:
-            gap = [f"{rep['gap_closed'][p]:.3f}"] if rep["gap_closed"] else []
+            gap = [_num(rep["gap_closed"][p], ".3f")] if rep["gap_closed"] else []
             table.add_row(p, *[f"{row['hit'][p]:.4f}" for row in rep["rows"]], *gap,
                           f"{rep['accesses_per_s'][p]:,.0f}")
         console.print(table)
         if rep["calibration"]:
-            c = rep["calibration"]
-            raw = f" (the model's own before recalibration: {c['ece_raw']:.4f})" if "ece_raw" in c else ""
-            console.print(f"predictor calibration: Brier {c['brier']:.4f}, ECE {c['ece']:.4f}{raw}")
+            c, runs = rep["calibration"], len(rep["calibration_per_run"])
+            if not c["runs"]:
+                console.print(f"predictor calibration: none of the {runs} runs scored a prediction")
+            else:
+                raw = f" (the model's own before recalibration: {_num(c['ece_raw'], '.4f')})" if "ece_raw" in c else ""
+                console.print(f"predictor calibration, {c['runs']} of {runs} runs scored: "
+                              f"Brier {_num(c['brier'], '.4f')}, ECE {_num(c['ece'], '.4f')}{raw}")
         if args.plot:
             plot(rep, args.plot if len(args.traces) == 1 else args.plot.replace(".png", f"-{trace.name}.png"))
         if args.tiers:
-            rep["tiers"] = _tiered(args, trace, [p for p in policies if p != "belady" and
+            rep["tiers"] = _tiered(args, tier_fractions, trace, [p for p in policies if p != "belady" and
                                                  not getattr(POLICIES[p], "offline", False)], params, console)
     write_json(args.json, reports[0] if len(reports) == 1 else {"traces": reports})
     return 0

@@ -37,26 +37,54 @@ def replay(trace: Trace, fractions: Sequence[float], policies: Sequence[str], pa
             row["hit_by_part"][name] = r.hit_ratio_by_part  # per eighth of the accesses: the learning curve
             results.append(r)
         rows.append(row)
-    gap = {}
-    if "lru" in policies and "belady" in policies:
+    # gap closed: the mean over the capacities where Belady beats LRU (elsewhere there is no gap
+    # to close); which ones were averaged, and which left out, goes into the report with it
+    gap: dict[str, Optional[float]] = {}
+    has_gap = "lru" in policies and "belady" in policies
+    gap_rows = [r for r in rows if r["hit"]["belady"] > r["hit"]["lru"]] if has_gap else []
+    if has_gap:
         for name in policies:
-            gs = [(r["hit"][name] - r["hit"]["lru"]) / (r["hit"]["belady"] - r["hit"]["lru"])
-                  for r in rows if r["hit"]["belady"] > r["hit"]["lru"]]
-            gap[name] = float(np.mean(gs)) if gs else float("nan")
+            gs = [(r["hit"][name] - r["hit"]["lru"]) / (r["hit"]["belady"] - r["hit"]["lru"]) for r in gap_rows]
+            gap[name] = float(np.mean(gs)) if gs else None
     aps: dict[str, float] = {}
     for name in policies:
         rs = [r for r in results if r.policy == name]
         aps[name] = sum(r.accesses for r in rs) / sum(r.seconds for r in rs)
-    calib = [r.calibration for r in results if r.calibration]
-    calibration = {k: float(np.mean([c[k] for c in calib])) for k in ("brier", "ece", "ece_raw")
-                   if calib and all(k in c for c in calib)}
+    calibration = _mean_calibration([r.calibration for r in results if r.calibration])
     return {"trace": trace.name, "format": trace.format, "accesses": trace.n_accesses,
             "unique_blocks": trace.n_unique, "requests": trace.n_requests,
             "max_hit_ratio": 1 - trace.n_unique / trace.n_accesses,
-            "rows": rows, "gap_closed": gap, "calibration": calibration,
+            "rows": rows, "gap_closed": gap, **_gap_capacities(rows, gap_rows, has_gap),
+            "calibration": calibration,
             "calibration_per_run": [{"policy": r.policy, "capacity": r.capacity, **r.calibration}
                                     for r in results if r.calibration],
             "accesses_per_s": aps}
+
+
+def _gap_capacities(rows: list[dict], averaged: list[dict], have_gap: bool) -> dict[str, Any]:
+    """The capacities ``gap_closed`` is the mean over, and those left out (Belady no better than LRU)."""
+    if not have_gap:
+        return {}
+    return {"gap_capacities": [r["fraction"] for r in averaged],
+            "gap_left_out": [{"fraction": r["fraction"], "capacity_blocks": r["capacity_blocks"],
+                              "reason": "Belady == LRU: no gap to close"}
+                             for r in rows if not any(r is a for a in averaged)]}
+
+
+def _mean_calibration(calib: list[dict]) -> dict[str, Any]:
+    """Brier, ECE (and the model's own ECE) as the mean over the runs that scored predictions
+    (``n`` > 0: a run whose windows never closed has none, and its scores are NaN); None where
+    no run did. ``runs``: how many runs the means are over. Empty where no policy is scored."""
+    if not calib:
+        return {}
+    scored = [c for c in calib if c.get("n", 0) > 0]
+    out: dict[str, Any] = {"runs": len(scored)}
+    for k in ("brier", "ece", "ece_raw"):
+        if not all(k in c for c in calib):
+            continue
+        vals = [float(c[k]) for c in scored if np.isfinite(c[k])]
+        out[k] = float(np.mean(vals)) if vals else None
+    return out
 
 
 def plot(report: dict[str, Any], path: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from typing import Callable, Optional, TypedDict
 
@@ -62,13 +63,20 @@ class Trace:
         return nxt
 
 
-def _detect(rec: dict, path: str) -> str:
+def _detect(rec: dict, path: str, lineno: int) -> str:
     for name, spec in FORMATS.items():
         if all(k in rec for k in spec["required"]):
             if name == "mooncake" and "chat_id" in rec:
                 continue
             return name
-    raise TraceError(f"{path}:1: unknown trace format (keys {sorted(rec)})")
+    raise TraceError(f"{path}:{lineno}: unknown trace format (keys {sorted(rec)})")
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _check(rec: object, fmt: str, path: str, lineno: int) -> dict:
@@ -78,11 +86,20 @@ def _check(rec: object, fmt: str, path: str, lineno: int) -> dict:
         if k not in rec:
             raise TraceError(f"{path}:{lineno}: missing field {k!r}")
     ids = rec["hash_ids"]
-    if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+    if not isinstance(ids, list) or not all(_is_int(x) for x in ids):
         raise TraceError(f"{path}:{lineno}: hash_ids must be a list of integers")
+    if ids and not INT64_MIN <= min(ids) <= max(ids) <= INT64_MAX:
+        raise TraceError(f"{path}:{lineno}: hash_ids must fit in 64-bit signed integers")
     ts = rec["timestamp"]
-    if not isinstance(ts, (int, float)) or isinstance(ts, bool) or ts < 0:
-        raise TraceError(f"{path}:{lineno}: timestamp must be a non-negative number")
+    # NaN compares false with everything: it would pass both this and the backwards-time check
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not 0 <= ts <= sys.float_info.max:
+        raise TraceError(f"{path}:{lineno}: timestamp must be a finite non-negative number")
+    if fmt == "bailian":
+        if not _is_int(rec["turn"]):
+            raise TraceError(f"{path}:{lineno}: turn must be an integer")
+        parent = rec.get("parent_chat_id")
+        if parent is not None and not _is_int(parent):  # null or absent: no parent (as -1)
+            raise TraceError(f"{path}:{lineno}: parent_chat_id must be an integer or null")
     return rec
 
 
@@ -104,7 +121,7 @@ def _read_records(path: str, progress: Optional[Callable[[int], None]] = None) -
             if fmt is None:
                 if not isinstance(rec, dict):
                     raise TraceError(f"{path}:{lineno}: expected a JSON object")
-                fmt = _detect(rec, path)
+                fmt = _detect(rec, path, lineno)
             rec = _check(rec, fmt, path, lineno)
             t = float(rec["timestamp"]) * FORMATS[fmt]["time_scale"]
             if t < last_t:
@@ -137,7 +154,8 @@ def trace_from_records(name: str, fmt: str, records: list[dict]) -> Trace:
         ids = rec["hash_ids"]
         n = len(ids)
         if fmt == "bailian":
-            cont = int(rec.get("turn", 1)) > 1 or int(rec.get("parent_chat_id", -1)) >= 0
+            parent = rec.get("parent_chat_id")
+            cont = int(rec.get("turn", 1)) > 1 or (parent is not None and int(parent) >= 0)
         else:
             cont = n > 1 and ids[1] in seen
         new = sum(1 for x in ids if x not in seen)
@@ -164,6 +182,8 @@ def split_trace(trace: Trace, part: str) -> Trace:
         raise ValueError(f"part must be first, second or all, not {part!r}")
     half = trace.n_requests // 2
     keep = trace.request < half if part == "first" else trace.request >= half
+    if not keep.any():
+        raise TraceError(f"{trace.name}: the {part} half of its {trace.n_requests} requests has no accesses")
     uniq, dense = np.unique(trace.block[keep], return_inverse=True)
     req = trace.request[keep]
     return Trace(f"{trace.name}[{part} half]", trace.format, dense.astype(np.int64), trace.time_s[keep],
