@@ -357,7 +357,8 @@ class TierClient:
 
     # -- telemetry (fire-and-forget) -----------------------------------------------------------
     def report_attention(self, blocks: ArrayLike, mass: "np.ndarray | Sequence[float]") -> None:
-        """Attention mass per block of one sequence for the last step (fire-and-forget)."""
+        """Attention mass per block of one sequence for the last step (fire-and-forget): the
+        sequence's blocks in order, first to last, so their places give the sink and recency priors."""
         self.telemetry.send("attention", blocks, mass=np.ascontiguousarray(mass, dtype="<f4").tobytes())
 
     def report_segment(self, blocks: ArrayLike, tag: str) -> None:

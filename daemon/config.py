@@ -160,14 +160,16 @@ class ScoringConfig(_Section):
     ema: float = Field(default=0.3, gt=0, le=1)
     """Weight of a new attention-mass report in the importance EMA."""
     sink_blocks: int = Field(default=1, ge=0)
-    """Leading blocks of a sequence treated as attention sinks (importance 1)."""
+    """Leading blocks of a sequence treated as attention sinks (importance 1), by their place
+    in the last attention report that named them (a report is one sequence's blocks in order)."""
     recency_blocks: int = Field(default=4, ge=0)
     """Trailing blocks of a sequence kept at importance >= recency_floor."""
     recency_floor: float = Field(default=0.5, ge=0, le=1)
     """Importance floor of the recency window."""
     segment_weights: dict[str, float] = Field(
         default_factory=lambda: {"system": 1.0, "user": 0.8, "assistant": 0.7, "document": 0.6})
-    """Multiplier per segment tag (unknown tags weigh 1)."""
+    """Multiplier of the attention EMA per segment tag (unknown tags weigh 1); the sink and
+    recency priors are not scaled."""
     importance_floor: float = Field(default=0.2, ge=0, le=1)
     """weight(s) = floor + (1 - floor) * s: importance tilts value, never zeroes it."""
 

@@ -39,7 +39,7 @@ def ingest(node: Node, counters: Counter[str], msg: Any, session: EngineSession)
             mass = P.ids(msg.get("mass"), np.float32, node.max_batch_blocks, "mass")
             if mass.size != blocks.size or not np.all(np.isfinite(mass)) or np.any(mass < 0):
                 raise ProtocolError(P.BAD_REQUEST, "bad mass")
-            node.scores.report(blocks[live], mass[live])
+            node.scores.report(blocks, mass, keep=live)  # shares and places over the whole report
             node.set_importance(blocks[live])
         elif kind == "segment":
             tag = msg.get("tag")

@@ -1,0 +1,48 @@
+"""Attention telemetry through a real Service: the configured priors reach the table's
+importance, and blocks a report may not touch still count in the others' shares."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvtier.daemon.config import load_config
+from kvtier.daemon.service import Service
+from kvtier.protocol import wire as P
+
+from .service_calls import call, ids
+
+BB = 4096
+
+
+@pytest.fixture
+def svc(tmp_path):
+    cfg = load_config(environ={}, overrides=[
+        f"tiers.hbm_bytes={32 * BB}", "tiers.dram_bytes=0", "tiers.nvme_bytes=0",
+        "scoring.sink_blocks=1", "scoring.recency_blocks=4", "scoring.recency_floor=0.5",
+        f'server.runtime_dir="{tmp_path}/run"', "metrics.enabled=false"])
+    s = Service(cfg)
+    call(s, "register", "e", pid=0, block_bytes=BB)
+    yield s
+    s.close()
+
+
+def _attention(svc, blocks, mass) -> int:
+    return svc.ingest({"v": P.VERSION, "engine": "e", "kind": "attention", "blocks": P.id_bytes(np.array(blocks)),
+                       "mass": np.asarray(mass, "<f4").tobytes()})
+
+
+def test_a_decode_step_s_report_gives_the_sink_and_the_recent_blocks_their_priors(svc):
+    blocks = ids(call(svc, "alloc", "e", n=8, seq=1, pin=True)["blocks"])
+    assert _attention(svc, blocks, [0, 0, 0, 0, 0, 0, 0, 8.0]) == 8  # all on the newest block
+    imp = svc.node.mgr.table.importance[blocks]
+    assert imp[0] == 1.0 and imp[7] == 1.0  # the sink, and the block the step read
+    assert np.all(imp[1:4] == 0.0) and np.all((imp[4:7] >= 0.5) & (imp[4:7] < 0.51))
+
+
+def test_blocks_left_out_of_a_report_still_count_in_its_shares(svc):
+    blocks = ids(call(svc, "alloc", "e", n=4, seq=2, pin=True)["blocks"])
+    call(svc, "release", "e", blocks=[blocks[3]])
+    call(svc, "free", "e", blocks=[blocks[3]])  # an open block freed: no longer the engine's
+    assert _attention(svc, blocks, [1, 1, 1, 97]) == 3
+    np.testing.assert_allclose(svc.node.scores.ema_value[blocks[:3]], 0.04, rtol=1e-5)
