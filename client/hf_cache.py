@@ -201,9 +201,19 @@ class TieredCache(Cache):
         """Acquire (pin) every block of every row; waits for promotions."""
         self._check_session()
         slot_of: dict[int, int] = {}
-        for part in self._each_hold():
-            got, slots = self.client.acquire(blocks=part)
-            slot_of |= dict(zip(got.tolist(), slots.tolist()))
+        done: list[list[int]] = []
+        try:
+            for part in self._each_hold():
+                got, slots = self.client.acquire(blocks=part)
+                done.append(part)
+                slot_of |= dict(zip(got.tolist(), slots.tolist()))
+        except BaseException:  # the parts acquired already are released: not active, no pins
+            for part in done:
+                try:
+                    self.client.release(blocks=part)
+                except Exception:  # noqa: BLE001 - the first error is the one to raise
+                    pass
+            raise
         if slot_of:
             for row in self.rows:
                 row.slots = [slot_of[b] for b in row.blocks]

@@ -7,6 +7,7 @@ queue drops the message), so it is its own piece of state with its own owner.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -17,6 +18,8 @@ from kvtier.protocol import wire as P
 from kvtier.protocol.runtime import read_info
 
 from .replies import DaemonUnavailable, KvtierError, pack_ids
+
+log = logging.getLogger("kvtier.client")
 
 
 @dataclass(frozen=True)
@@ -50,14 +53,19 @@ class TelemetrySender:
         self.engine_id = engine_id
         self._push: Optional[zmq.Socket] = None
         self.closed = False
+        self.dropped = 0  # reports dropped for want of an endpoint
 
     def send(self, kind: str, blocks: Any, **fields: Any) -> None:
         msg = {"v": P.VERSION, "engine": self.engine_id, "kind": kind, "blocks": pack_ids(blocks), **fields}
         if self.closed:
             raise KvtierError("client is closed")
         if self._push is None:
-            if not self.endpoint:
-                raise KvtierError("no telemetry endpoint known")
+            if not self.endpoint:  # fire-and-forget: no endpoint drops it, never fails the engine
+                if not self.dropped:
+                    log.warning("kvtier: no telemetry endpoint known (an explicit RPC endpoint not named "
+                                "rpc.sock): telemetry is dropped, placement goes without it")
+                self.dropped += 1
+                return
             self._push = self.ctx.socket(zmq.PUSH)
             self._push.setsockopt(zmq.LINGER, 1000)
             self._push.setsockopt(zmq.SNDHWM, 10000)

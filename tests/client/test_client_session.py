@@ -136,3 +136,25 @@ def test_telemetry_after_close_is_refused_and_opens_no_socket(tmp_path):
     finally:
         c.close()
         assert d.stop() == 0
+
+
+def test_telemetry_without_an_endpoint_is_dropped_not_raised(caplog):
+    """An explicit RPC endpoint not named rpc.sock has no telemetry sibling: reports are
+    fire-and-forget, so they are dropped (logged once), never raised into an engine's step."""
+    import zmq
+
+    from kvtier.client.replies import KvtierError
+    from kvtier.client.telemetry import TelemetrySender
+
+    ctx = zmq.Context()
+    try:
+        t = TelemetrySender(ctx, None, "e")
+        with caplog.at_level("WARNING", logger="kvtier.client"):
+            t.send("segment", [1, 2], tag="user")
+            t.send("segment", [3], tag="user")
+        assert t.dropped == 2 and sum("no telemetry endpoint" in r.getMessage() for r in caplog.records) == 1
+        t.close()
+        with pytest.raises(KvtierError, match="closed"):
+            t.send("segment", [1], tag="user")
+    finally:
+        ctx.term()

@@ -163,3 +163,27 @@ def test_a_cache_of_a_session_the_daemon_ended_refuses_to_act(model, tmp_path):
     finally:
         c.close()
         assert d.stop() == 0
+
+
+def test_an_activate_that_fails_partway_leaves_no_pins(model, engine, monkeypatch):
+    """Rows sharing blocks are acquired in parts: a part that fails must not leave the parts
+    before it pinned (the cache is not active, so nothing would ever release them)."""
+    c, layout = engine
+    tc = TieredCache(c, layout)
+    fwd(model, torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(5)), tc)
+    tc.deactivate()
+    blocks = tc.rows[0].blocks
+    monkeypatch.setattr(tc, "_each_hold", lambda: [blocks[:1], blocks[1:]])
+    real, calls = c.acquire, []
+
+    def acquire(**kw):
+        calls.append(kw)
+        if len(calls) == 2:
+            raise KvtierError("injected: acquire failed")
+        return real(**kw)
+    monkeypatch.setattr(c, "acquire", acquire)
+    with pytest.raises(KvtierError, match="injected"):
+        tc.activate()
+    assert not tc.active and c.stats()["engines"][0]["pins"] == 0
+    monkeypatch.undo()
+    tc.close()
