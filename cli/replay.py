@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from typing import Any
 
 from kvtier.cli.output import CliError, write_json
@@ -146,6 +147,13 @@ def _num(v: float | None, fmt: str) -> str:
     return "\u2014" if v is None else format(v, fmt)
 
 
+def plot_path(path: str, trace: str) -> str:
+    """One plot a trace when several are replayed: the trace's name before the extension
+    (``out.png`` -> ``out-zipf.png``; ``out`` -> ``out-zipf``), so none overwrites another."""
+    stem, ext = os.path.splitext(path)
+    return f"{stem}-{trace}{ext}"
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
@@ -196,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
                 console.print(f"predictor calibration, {c['runs']} of {runs} runs scored: "
                               f"Brier {_num(c['brier'], '.4f')}, ECE {_num(c['ece'], '.4f')}{raw}")
         if args.plot:
-            plot(rep, args.plot if len(args.traces) == 1 else args.plot.replace(".png", f"-{trace.name}.png"))
+            plot(rep, args.plot if len(args.traces) == 1 else plot_path(args.plot, trace.name))
         if args.tiers:
             rep["tiers"] = _tiered(args, tier_fractions, trace, [p for p in policies if p != "belady" and
                                                  not getattr(POLICIES[p], "offline", False)], params, console)

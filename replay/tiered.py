@@ -10,14 +10,17 @@ anything else is a miss (computed). HBM victims, and blocks HBM's policy
 declines, are offered to DRAM, whose policy may decline them too (admission),
 in which case they remain only on NVMe. Estimated stall = bytes promoted per
 tier / that tier's bandwidth, the time an engine would wait if nothing were
-prefetched.
+prefetched (in fleet mode the mean per node: the fleet's total over the nodes).
 
 Fleet mode (``nodes`` > 1 or a remote capacity): the trace's requests are
 spread round-robin over the nodes (a load balancer without prefix affinity),
-each node with its own HBM, DRAM and NVMe. The remote tier follows the daemon:
-a node publishes a block once it reused it itself (``publish_min_shares`` = 1:
-the block is shared; 0 publishes every block a node computes, a write-through),
-and the cluster evicts allkeys-LRU at its capacity. The
+each node with its own HBM, DRAM and NVMe. The remote tier follows the daemon's
+rule, not all of its checks: a node publishes a block once it reused it itself
+(``publish_min_shares`` = 1: the block is shared; 0 publishes every block a node
+computes, a write-through), and the cluster evicts allkeys-LRU at its capacity.
+The daemon also publishes only what its DRAM policy admits at demotion; the
+replay does not model that admission, so its remote hits and writes are an
+upper bound of the daemon's. The
 fleet-wide hit ratio is 1 - miss: every read some tier of some node served.
 """
 

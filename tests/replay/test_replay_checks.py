@@ -188,3 +188,10 @@ def test_multi_tier_options_with_tiers_still_run(tmp_path, capsys):
     assert rep["tiers"][0]["nodes"] == 2 and rep["gap_left_out"][0]["fraction"] == 1.0
     assert rep["gap_capacities"] == [0.2]
     capsys.readouterr()
+
+
+def test_several_traces_plot_to_one_file_each():
+    from kvtier.cli.replay import plot_path
+
+    assert plot_path("out.png", "synthetic:zipf") == "out-synthetic:zipf.png"
+    assert plot_path("plots/out", "conv.jsonl") == "plots/out-conv.jsonl"  # no extension: still its own file
