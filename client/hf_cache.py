@@ -169,11 +169,17 @@ class TieredCache(Cache):
         for row, ids in zip(self.rows, token_ids.tolist()):
             row.tokens.extend(int(t) for t in ids)
 
+    def unfeed(self) -> None:
+        """Forget ids fed for a forward that never ran: call it when a forward raises before
+        it reaches the cache (one that raised inside the cache is forgotten by the next)."""
+        for row in self.rows:
+            del row.tokens[row.known:]
+
     @classmethod
     def from_prefix(cls, client: TierClient, layout: KVLayout, keys: Sequence[int], tokens: Sequence[int],
                     namespace: bytes = b"kvtier", seq_id: Optional[int] = None) -> "TieredCache":
         """A one-row cache that starts from sealed prefix blocks another sequence wrote."""
-        if tokens and len(tokens) < len(keys) * layout.block_tokens:
+        if len(tokens) and len(tokens) < len(keys) * layout.block_tokens:
             raise ValueError(f"{len(tokens)} token ids for a prefix of {len(keys)} blocks of "
                              f"{layout.block_tokens} tokens (give them all, or none)")
         cache = cls(client, layout, 1, namespace, [seq_id])
@@ -264,14 +270,15 @@ class TieredCache(Cache):
             raise ValueError(f"batch of {keys.shape[0]} rows, cache built for {len(self.rows)}")
         if layer == 0:
             self._check_session()
-            if self._open_step:  # the last forward raised after layer 0: its K/V is in the gathered
-                self._work = [None] * self.layout.num_layers  # copy, not in the rows' lengths
+            if self._open_step:  # the last forward raised in the cache: its K/V is in the gathered
+                self._work = [None] * self.layout.num_layers  # copy, not in the rows' lengths, and
+                self.unfeed()  # and the ids it was fed are no forward's
+            self._open_step = True  # before anything here can raise
+            self._fed = [self._take_fed(row, q_len) for row in self.rows]
             if not self.active:
                 self.activate()
             self._grow(q_len)
             self._where = [self._token_places(row, q_len) for row in self.rows]
-            self._fed = [self._take_fed(row, q_len) for row in self.rows]
-            self._open_step = True
         for i, where in enumerate(self._where):  # the slots are the truth: every new K/V lands there
             if q_len == 1:  # one token (decode): plain slicing, no scatter
                 slot, off = where

@@ -45,6 +45,8 @@ class EventCollector:
         t = self.mgr.table
         if t.state[b] != SEALED:
             return
+        if t.detached[b] and t.lookup(int(t.key[b])) not in (-1, b):  # kept out of the index: the key's
+            return  # events are the indexed block's (a router must not hear "removed" for a held key)
         key = _signed(int(t.key[b]))
         if kind == "stored":
             self.pending.append(("BlockStored", key, MEDIUM[tier]))

@@ -193,7 +193,8 @@ class BlockTable:
         self.keys.insert(int(self.key[b]), b)
 
     def seal_unindexed(self, b: int, key: int, checksum: int) -> None:
-        """Seal ``b`` under ``key`` without indexing it (the key is another namespace's)."""
+        """Seal ``b`` under ``key`` without indexing it (the key is another namespace's, or
+        its held block has other bytes and the engine keeps reading its own)."""
         self.key[b] = np.uint64(int(key) & ((1 << 64) - 1))
         self.checksum[b] = np.uint64(checksum)
         self.state[b] = SEALED

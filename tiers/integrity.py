@@ -24,7 +24,7 @@ import numpy as np
 from .aligned import aligned_empty
 from .block_table import BlockTable
 from .nvme import NvmeStore
-from .types import CorruptBlockError, Tier
+from .types import OPEN, SEALED, CorruptBlockError, Tier
 
 READ_ATTEMPTS = 2  # a synchronous NVMe read (``TierManager.read``): once, then once more
 MAX_READ_FAILURES = 3  # failed promotions of one block in a row before it is given up
@@ -72,3 +72,11 @@ def read_nvme_verified(nvme: NvmeStore, counters: Counter[str], b: int, slot: in
 def unindexed(t: BlockTable, corrupt: np.ndarray) -> np.ndarray:
     """Per block: must not be named in a slot index (corrupt, or its key was taken)."""
     return corrupt | t.detached
+
+
+def unreachable_idle(t: BlockTable, corrupt: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+    """Per block of ``blocks``: nothing holds, pins or moves it and no lookup reaches it (open,
+    or sealed out of the key index and not corrupt), so it is released rather than cached."""
+    st = t.state[blocks]
+    hidden = (st == SEALED) & t.detached[blocks] & ~corrupt[blocks]
+    return (t.refcount[blocks] == 0) & (t.pins[blocks] == 0) & (t.busy[blocks] == 0) & ((st == OPEN) | hidden)

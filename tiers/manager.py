@@ -24,7 +24,7 @@ import torch
 
 from kvtier.kernels.checksum import block_checksum
 
-from .integrity import read_nvme_verified, unindexed
+from .integrity import read_nvme_verified, unindexed, unreachable_idle
 from .intrusive import NIL
 from .io_backends import IOBackend
 from .moves import TierMoves
@@ -215,7 +215,7 @@ class TierManager(TierMoves):
         if t.pins[b] and not allow_pinned:
             raise ValueError(f"block {b} is pinned; release it before freeing")
         t.refcount[b] -= 1
-        if t.refcount[b] == 0 and t.state[b] == OPEN and not t.busy[b] and not t.pins[b]:
+        if unreachable_idle(t, self.corrupt, np.array([b]))[0]:
             self._emit("removed", b, -1)
             t.release_block(b)
 
@@ -274,9 +274,9 @@ class TierManager(TierMoves):
         self._reap(arr)
 
     def _reap(self, arr: np.ndarray) -> None:
-        """Release OPEN blocks whose last reference went while they were pinned."""
+        """Release blocks no lookup reaches whose last reference went while they were pinned."""
         t = self.table
-        dead = arr[(t.pins[arr] == 0) & (t.refcount[arr] == 0) & (t.state[arr] == OPEN) & (t.busy[arr] == 0)]
+        dead = arr[unreachable_idle(t, self.corrupt, arr)]
         for b in dead.tolist():
             self._emit("removed", b, -1)
             t.release_block(b)

@@ -21,12 +21,12 @@ import torch
 
 from .backoff import WriteBackoff
 from .block_table import BlockTable
-from .integrity import count_read_failure, quarantine
+from .integrity import count_read_failure, quarantine, unreachable_idle
 from .io_backends import IOBackend, select_backend
 from .mover import Completion, Mover, Transfer
 from .nvme import NvmeStore
 from .pools import DramPool, HbmPool
-from .types import DATA_PLANE_EVENTS, DRAM, FREE, HBM, NVME, OPEN, ORPHAN_OWNER, SEALED, UNCLAIMED_NS, Tier, parse_tier
+from .types import DATA_PLANE_EVENTS, DRAM, FREE, HBM, NVME, ORPHAN_OWNER, SEALED, UNCLAIMED_NS, Tier, parse_tier
 
 EventListener = Callable[[str, int, int], None]  # (kind, block, tier)
 FailureListener = Callable[[np.ndarray, int], None]  # (blocks a failed move left in tier, tier)
@@ -302,7 +302,7 @@ class TierMoves:
                 self._quarantine(b)
         self.counters[f"errors_{path}"] += int(bad.size)
         self.counters["nvme_read_retries"] += c.retried
-        orphans = (t.refcount[blocks] == 0) & (t.state[blocks] == OPEN) & (t.busy[blocks] == 0)
+        orphans = unreachable_idle(t, self.corrupt, blocks)
         for b in blocks[orphans].tolist():
             self._emit("removed", b, -1)
             t.release_block(b)  # freed by its sequence while moving

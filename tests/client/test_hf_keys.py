@@ -3,6 +3,7 @@ the bytes it wrote, and a cache never acts in a client session other than its ow
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,7 +13,7 @@ from transformers import DynamicCache  # noqa: E402
 
 from kvtier.bench.spawn import DaemonProcess  # noqa: E402
 from kvtier.bench.workload import build_model  # noqa: E402
-from kvtier.client.hf_cache import KVLayout, TieredCache  # noqa: E402
+from kvtier.client.hf_cache import KVLayout, TieredCache, chain_key  # noqa: E402
 from kvtier.client.replies import EngineReclaimed, KvtierError  # noqa: E402
 
 
@@ -187,3 +188,52 @@ def test_an_activate_that_fails_partway_leaves_no_pins(model, engine, monkeypatc
     assert not tc.active and c.stats()["engines"][0]["pins"] == 0
     monkeypatch.undo()
     tc.close()
+
+
+@pytest.mark.parametrize("raise_at", ["cache", "before"])
+def test_ids_fed_for_a_forward_that_raised_key_nothing(model, engine, raise_at):
+    """Ids fed for a forward that raised belong to no forward: an unfed retry of the same
+    length must not key its block by them (a prefix lookup would then serve other bytes).
+    Raised inside the cache, the next forward forgets them; raised before the model reached
+    the cache, ``unfeed`` does."""
+    c, layout = engine
+    prompt = torch.randint(0, 512, (1, 15), generator=torch.Generator().manual_seed(1))
+    tc = TieredCache(c, layout, seq_ids=[1])
+    fwd(model, prompt, tc)
+    layer = model.model.layers[1 if raise_at == "cache" else 0]
+    hook = layer.register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            fwd(model, torch.tensor([[100]]), tc)
+    finally:
+        hook.remove()
+    if raise_at == "before":
+        tc.unfeed()
+    fwd(model, torch.tensor([[200]]), tc, feed=False)
+    assert tc.rows[0].known == 15 and tc.rows[0].tokens == prompt[0].tolist()
+    x_key = chain_key(0, np.asarray(prompt[0].tolist() + [100], dtype=np.int64).tobytes(), b"kvtier")
+    assert tc.rows[0].keys[0] != x_key and c.lookup([x_key])[0][0] == -1
+    tc.close()
+
+
+def test_a_block_kept_for_its_own_bytes_goes_with_its_last_reference(model, engine):
+    """A block sealed out of the key index (other bytes than the key's block) is reached by
+    no lookup: when its sequence frees it, it is released, not cached (it would take HBM,
+    DRAM and NVMe room for nothing), and no KV event about the key's held block is sent."""
+    c, layout = engine
+    prompt = torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(11))
+    a_cache = TieredCache(c, layout, seq_ids=[1])
+    fwd(model, prompt, a_cache)
+    a_cache.deactivate()
+    b_cache = TieredCache(c, layout, seq_ids=[2])
+    for chunk in prompt.split(8, dim=1):
+        fwd(model, chunk, b_cache)
+    kept = b_cache.rows[0].blocks[:2]
+    assert set(kept).isdisjoint(a_cache.rows[0].blocks)
+    before = c.stats()["blocks"]
+    b_cache.close()
+    after = c.stats()["blocks"]
+    assert after["cached"] == before["cached"]  # B's two sealed blocks did not become cached ones
+    assert after["live"] == before["live"] - 2  # B's two kept blocks go
+    assert c.lookup(a_cache.rows[0].keys)[0].tolist() == a_cache.rows[0].blocks  # A's are untouched
+    a_cache.close()

@@ -36,9 +36,9 @@ def _sealed_on_nvme(svc: Service, engine: str, key: int, fill: int, nbytes: int)
     svc.node.mgr.hbm.tensor[slot, :nbytes] = fill
     c = ids(call(svc, "seal", engine, blocks=[b], keys=_keys(key), seq=key)["blocks"])[0]
     call(svc, "release", engine, blocks=[c])
-    call(svc, "free", engine, blocks=[c])
     m = svc.node.mgr
-    m.demote([c], "hbm", "nvme"); m.wait()  # what eviction under HBM pressure does
+    m.demote([c], "hbm", "nvme"); m.wait()  # what eviction under HBM pressure does (while held: a
+    call(svc, "free", engine, blocks=[c])  # block out of the index is released at its last free)
     return c
 
 

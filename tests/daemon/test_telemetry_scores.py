@@ -46,3 +46,4 @@ def test_blocks_left_out_of_a_report_still_count_in_its_shares(svc):
     call(svc, "free", "e", blocks=[blocks[3]])  # an open block freed: no longer the engine's
     assert _attention(svc, blocks, [1, 1, 1, 97]) == 3
     np.testing.assert_allclose(svc.node.scores.ema_value[blocks[:3]], 0.04, rtol=1e-5)
+
