@@ -131,6 +131,7 @@ class TieredCache(Cache):
         self._where: list[tuple] = []
         self._fed: list[bool] = []  # per row: this forward's token ids were fed, in line with the last
         self._open_step = False  # a forward began (layer 0) and its last layer has not run yet
+        self._open_q = 0  # ... and its tokens per row
         self.acquires = 0
         self.last_mass: Optional[torch.Tensor] = None
 
@@ -162,16 +163,14 @@ class TieredCache(Cache):
         return out
 
     def feed_tokens(self, token_ids: torch.Tensor) -> None:
-        """Token ids of the next forward ([batch, q]); keys then chain over tokens, as in vLLM.
-        Only while every forward of a row was fed: after one that was not, the row's token ids
-        no longer say which positions they are, and its later blocks are keyed by their K/V
-        bytes (a key names its block's content, or another sequence is served these bytes)."""
+        """Token ids of the next forward ([batch, q]); keys chain over tokens, as in vLLM, while
+        every forward of a row was fed: after one that was not, its later blocks are keyed by
+        their K/V bytes (ids no longer say which positions they are)."""
         for row, ids in zip(self.rows, token_ids.tolist()):
             row.tokens.extend(int(t) for t in ids)
 
     def unfeed(self) -> None:
-        """Forget ids fed for a forward that never ran: call it when a forward raises before
-        it reaches the cache (one that raised inside the cache is forgotten by the next)."""
+        """Forget ids fed for a forward that raised before it reached the cache."""
         for row in self.rows:
             del row.tokens[row.known:]
 
@@ -200,8 +199,7 @@ class TieredCache(Cache):
         """A cache lives in one client session: after a ``reattach`` its block ids and slots
         may be another sequence's, so using them would read or seal that one's bytes."""
         if self.client.session != self.session:
-            raise EngineReclaimed("unknown_engine", "this cache's client session is over (the daemon took its "
-                                                    "blocks back): build a new cache")
+            raise EngineReclaimed("unknown_engine", "this cache's client session is over: build a new cache")
 
     def activate(self) -> None:
         """Acquire (pin) every block of every row; waits for promotions."""
@@ -232,9 +230,9 @@ class TieredCache(Cache):
             self._settle()
             for part in self._each_hold():
                 self.client.release(blocks=part)
+        self._drop_open_step()
         self.active = False
         self._work = [None] * self.layout.num_layers  # unpinned slots may move: drop the gathered copy
-        self._open_step = False
 
     def hint(self, deadline_s: float = 0.0) -> None:
         """Ask the daemon to bring this cache's blocks back before ``deadline_s``."""
@@ -270,10 +268,8 @@ class TieredCache(Cache):
             raise ValueError(f"batch of {keys.shape[0]} rows, cache built for {len(self.rows)}")
         if layer == 0:
             self._check_session()
-            if self._open_step:  # the last forward raised in the cache: its K/V is in the gathered
-                self._work = [None] * self.layout.num_layers  # copy, not in the rows' lengths, and
-                self.unfeed()  # and the ids it was fed are no forward's
-            self._open_step = True  # before anything here can raise
+            self._drop_open_step()
+            self._open_step, self._open_q = True, q_len  # before anything here can raise
             self._fed = [self._take_fed(row, q_len) for row in self.rows]
             if not self.active:
                 self.activate()
@@ -298,6 +294,17 @@ class TieredCache(Cache):
         if layer == self.layout.num_layers - 1:
             self._end_step(q_len)
         return k, v
+
+    def _drop_open_step(self) -> None:
+        """The last forward raised in the cache: its K/V is in the gathered copy, not in the rows'
+        lengths, and the ids it was fed are no forward's (a retry's, fed since, follow them)."""
+        if not self._open_step:
+            return
+        self._work = [None] * self.layout.num_layers
+        for row, fed in zip(self.rows, self._fed):
+            if fed:
+                del row.tokens[row.known: row.known + self._open_q]
+        self._open_step = False
 
     @staticmethod
     def _take_fed(row: Row, q_len: int) -> bool:

@@ -216,6 +216,25 @@ def test_ids_fed_for_a_forward_that_raised_key_nothing(model, engine, raise_at):
     tc.close()
 
 
+def test_a_fed_retry_of_a_forward_that_raised_keeps_token_keys(model, engine):
+    """The retry is fed its own ids after the failed forward's: they key its block."""
+    c, layout = engine
+    prompt = torch.randint(0, 512, (1, 15), generator=torch.Generator().manual_seed(1))
+    tc = TieredCache(c, layout, seq_ids=[1])
+    fwd(model, prompt, tc)
+    hook = model.model.layers[1].register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            fwd(model, torch.tensor([[100]]), tc)
+    finally:
+        hook.remove()
+    fwd(model, torch.tensor([[200]]), tc)
+    assert tc.rows[0].known == 16 and tc.rows[0].tokens == prompt[0].tolist() + [200]
+    y_key = chain_key(0, np.asarray(prompt[0].tolist() + [200], dtype=np.int64).tobytes(), b"kvtier")
+    assert tc.rows[0].keys[0] == y_key
+    tc.close()
+
+
 def test_a_block_kept_for_its_own_bytes_goes_with_its_last_reference(model, engine):
     """A block sealed out of the key index (other bytes than the key's block) is reached by
     no lookup: when its sequence frees it, it is released, not cached (it would take HBM,
@@ -237,3 +256,22 @@ def test_a_block_kept_for_its_own_bytes_goes_with_its_last_reference(model, engi
     assert after["live"] == before["live"] - 2  # B's two kept blocks go
     assert c.lookup(a_cache.rows[0].keys)[0].tolist() == a_cache.rows[0].blocks  # A's are untouched
     a_cache.close()
+
+
+def test_ids_of_a_forward_that_raised_are_dropped_by_deactivate_too(model, engine):
+    """A deactivate between the failed forward and an unfed retry must not leave the failed
+    forward's ids to key the retry's block."""
+    c, layout = engine
+    prompt = torch.randint(0, 512, (1, 15), generator=torch.Generator().manual_seed(1))
+    tc = TieredCache(c, layout, seq_ids=[1])
+    fwd(model, prompt, tc)
+    hook = model.model.layers[1].register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            fwd(model, torch.tensor([[100]]), tc)
+    finally:
+        hook.remove()
+    tc.deactivate()
+    fwd(model, torch.tensor([[200]]), tc, feed=False)
+    assert tc.rows[0].known == 15 and tc.rows[0].tokens == prompt[0].tolist()
+    tc.close()
