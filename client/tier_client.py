@@ -283,13 +283,10 @@ class TierClient:
     def seal(self, blocks: ArrayLike, keys: ArrayLike, nbytes: Optional[int] = None,
              seq: Optional[int] = None, fold_identical_only: bool = False) -> np.ndarray:
         """Seal full blocks under content keys; returns canonical ids (shared prefixes fold).
-        ``fold_identical_only``: a block folds into the key's block only if their bytes are the
-        same (checksum); otherwise it stays this engine's, sealed but not indexed (lookups find
-        the first). For an engine that goes on reading the block it sealed."""
-        args = {"blocks": pack_ids(blocks), "keys": pack_keys(keys), "nbytes": nbytes, "seq": seq}
-        if fold_identical_only:
-            args["fold_identical_only"] = True
-        r = self._call("seal", args)
+        ``fold_identical_only`` (an engine that goes on reading what it sealed): fold only into a
+        block of the same checksum, else keep this one, sealed but not indexed."""
+        r = self._call("seal", {"blocks": pack_ids(blocks), "keys": pack_keys(keys), "nbytes": nbytes, "seq": seq,
+                                "fold_identical_only": fold_identical_only})
         return unpack_ids(r["blocks"])
 
     def ref(self, keys: ArrayLike, seq: Optional[int] = None) -> np.ndarray:

@@ -134,14 +134,14 @@ class BlockOps:
         for i, (b, k) in enumerate(zip(blocks.tolist(), keys.tolist())):
             existing = t.lookup(k)
             folds = existing >= 0 and mgr.namespace[existing] == session.ns and not mgr.corrupt[existing]
-            if folds and args.fold_identical_only:
+            if folds and args.fold_identical_only:  # checked once, here: the manager keeps b if not
                 folds = mgr.same_bytes(b, existing, nbytes)
             if session.pins[b] and folds:  # folding into a shared block: our pins on b go (not when the
                 # key is another namespace's: b is sealed unindexed and stays ours, pinned as it was)
                 while session.pins[b]:
                     mgr.unpin_many(np.array([b]), checked=True)
                     session.pins[b] -= 1
-            c = mgr.seal(b, k, nbytes, fold_identical_only=args.fold_identical_only)
+            c = mgr.seal(b, k, nbytes, fold=folds or not args.fold_identical_only)
             if c != b:
                 session.replace(b, c)
                 self.counters["seal_shared"] += 1

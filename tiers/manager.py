@@ -127,12 +127,12 @@ class TierManager(TierMoves):
             self.hbm.host_view(slot)[offset: offset + buf.size] = buf
         t.nbytes[b] = max(int(t.nbytes[b]), offset + buf.size)
 
-    def seal(self, b: int, key: int, nbytes: Optional[int] = None, fold_identical_only: bool = False) -> int:
+    def seal(self, b: int, key: int, nbytes: Optional[int] = None, fold: bool = True) -> int:
         """Seal an OPEN block under ``key``; returns the canonical block.
 
         If ``key`` is already sealed elsewhere (a shared prefix), this block is
-        released and the existing one gains a reference; with ``fold_identical_only``
-        only if their bytes are the same (else this one is sealed unindexed and kept). A
+        released and the existing one gains a reference; with ``fold`` False (its bytes
+        differ: ``same_bytes``) this one is sealed unindexed and kept instead. A
         corrupt block never absorbs a seal: these correct bytes take its key instead.
         """
         b = self._open_in_hbm(b, "is already sealed")
@@ -146,7 +146,7 @@ class TierManager(TierMoves):
             t.detach_key(existing)
             existing = -1
         foreign = existing >= 0 and self.namespace[existing] != self.namespace[b]
-        distinct = fold_identical_only and existing >= 0 and not foreign and not self.same_bytes(b, existing, length)
+        distinct = not fold and existing >= 0 and not foreign
         if existing >= 0 and not foreign and not distinct:
             if t.pins[b]:
                 raise ValueError(f"block {b} is pinned; release it before folding it into shared block {existing}")

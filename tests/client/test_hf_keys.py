@@ -190,6 +190,21 @@ def test_an_activate_that_fails_partway_leaves_no_pins(model, engine, monkeypatc
     tc.close()
 
 
+def _fed_forward_raised(model, c, layout, layer: int):
+    """A cache after a 15-token prompt, then a forward fed token 100 that raised in ``layer``
+    (0: before the model reached the cache; 1: inside it)."""
+    prompt = torch.randint(0, 512, (1, 15), generator=torch.Generator().manual_seed(1))
+    tc = TieredCache(c, layout, seq_ids=[1])
+    fwd(model, prompt, tc)
+    hook = model.model.layers[layer].register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            fwd(model, torch.tensor([[100]]), tc)
+    finally:
+        hook.remove()
+    return prompt, tc
+
+
 @pytest.mark.parametrize("raise_at", ["cache", "before"])
 def test_ids_fed_for_a_forward_that_raised_key_nothing(model, engine, raise_at):
     """Ids fed for a forward that raised belong to no forward: an unfed retry of the same
@@ -197,16 +212,7 @@ def test_ids_fed_for_a_forward_that_raised_key_nothing(model, engine, raise_at):
     Raised inside the cache, the next forward forgets them; raised before the model reached
     the cache, ``unfeed`` does."""
     c, layout = engine
-    prompt = torch.randint(0, 512, (1, 15), generator=torch.Generator().manual_seed(1))
-    tc = TieredCache(c, layout, seq_ids=[1])
-    fwd(model, prompt, tc)
-    layer = model.model.layers[1 if raise_at == "cache" else 0]
-    hook = layer.register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
-    try:
-        with pytest.raises(RuntimeError, match="boom"):
-            fwd(model, torch.tensor([[100]]), tc)
-    finally:
-        hook.remove()
+    prompt, tc = _fed_forward_raised(model, c, layout, 1 if raise_at == "cache" else 0)
     if raise_at == "before":
         tc.unfeed()
     fwd(model, torch.tensor([[200]]), tc, feed=False)
@@ -219,15 +225,7 @@ def test_ids_fed_for_a_forward_that_raised_key_nothing(model, engine, raise_at):
 def test_a_fed_retry_of_a_forward_that_raised_keeps_token_keys(model, engine):
     """The retry is fed its own ids after the failed forward's: they key its block."""
     c, layout = engine
-    prompt = torch.randint(0, 512, (1, 15), generator=torch.Generator().manual_seed(1))
-    tc = TieredCache(c, layout, seq_ids=[1])
-    fwd(model, prompt, tc)
-    hook = model.model.layers[1].register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
-    try:
-        with pytest.raises(RuntimeError, match="boom"):
-            fwd(model, torch.tensor([[100]]), tc)
-    finally:
-        hook.remove()
+    prompt, tc = _fed_forward_raised(model, c, layout, 1)
     fwd(model, torch.tensor([[200]]), tc)
     assert tc.rows[0].known == 16 and tc.rows[0].tokens == prompt[0].tolist() + [200]
     y_key = chain_key(0, np.asarray(prompt[0].tolist() + [200], dtype=np.int64).tobytes(), b"kvtier")
@@ -262,15 +260,7 @@ def test_ids_of_a_forward_that_raised_are_dropped_by_deactivate_too(model, engin
     """A deactivate between the failed forward and an unfed retry must not leave the failed
     forward's ids to key the retry's block."""
     c, layout = engine
-    prompt = torch.randint(0, 512, (1, 15), generator=torch.Generator().manual_seed(1))
-    tc = TieredCache(c, layout, seq_ids=[1])
-    fwd(model, prompt, tc)
-    hook = model.model.layers[1].register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
-    try:
-        with pytest.raises(RuntimeError, match="boom"):
-            fwd(model, torch.tensor([[100]]), tc)
-    finally:
-        hook.remove()
+    prompt, tc = _fed_forward_raised(model, c, layout, 1)
     tc.deactivate()
     fwd(model, torch.tensor([[200]]), tc, feed=False)
     assert tc.rows[0].known == 15 and tc.rows[0].tokens == prompt[0].tolist()
