@@ -17,63 +17,20 @@ model produces the same bits as with ``DynamicCache``.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
-import xxhash
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvtier.client.kv_layout import KVLayout, chain_key
 from kvtier.client.replies import EngineReclaimed
 from kvtier.client.tier_client import TierClient
 
-
-@dataclass(frozen=True)
-class KVLayout:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_tokens: int
-    dtype: torch.dtype
-
-    @classmethod
-    def from_config(cls, config: Any, block_tokens: int = 16, dtype: torch.dtype = torch.float32) -> "KVLayout":
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls(config.num_hidden_layers, heads, head_dim, block_tokens, dtype)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (self.num_layers, 2, self.num_kv_heads, self.block_tokens, self.head_dim)
-
-    @property
-    def block_elems(self) -> int:
-        return int(np.prod(self.shape))
-
-    @property
-    def block_bytes(self) -> int:
-        return self.block_elems * torch.empty(0, dtype=self.dtype).element_size()
-
-    def describe(self) -> dict:
-        return {"layers": self.num_layers, "kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
-                "dtype": str(self.dtype).replace("torch.", "")}
-
-    def pool_view(self, hbm: torch.Tensor) -> torch.Tensor:
-        """Typed ``[slots, layers, 2, heads, tokens, head_dim]`` view of the uint8 HBM pool."""
-        n_slots, stride = hbm.shape
-        item = torch.empty(0, dtype=self.dtype).element_size()
-        flat = hbm.reshape(-1).view(self.dtype)
-        L, two, H, T, D = self.shape
-        return torch.as_strided(flat, (n_slots, L, two, H, T, D),
-                                (stride // item, two * H * T * D, H * T * D, T * D, D, 1))
-
-
-def chain_key(parent: int, payload: bytes, namespace: bytes) -> int:
-    """Content-chained 64-bit block key: equal prefixes give equal keys (never 0)."""
-    h = xxhash.xxh3_64_intdigest(parent.to_bytes(8, "little") + namespace + payload)
-    return h or 1
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -149,17 +106,21 @@ class TieredCache(Cache):
         if self.pool.is_cuda:
             torch.cuda.current_stream(self.pool.device).synchronize()
 
-    def _each_hold(self) -> list[list[int]]:
+    def _each_hold(self, skip: frozenset = frozenset()) -> list[list[int]]:
         """Every row's blocks as requests without repeats: rows that share a prefix hold its
-        blocks once each (a pin and a reference per row), and a request names a block once."""
+        blocks once each (a pin and a reference per row), and a request names a block once.
+        ``skip`` leaves out (row, index) places that hold no pin."""
         out: list[list[int]] = []
         seen: Counter = Counter()
-        for b in self.all_blocks():
-            k = seen[b]
-            seen[b] += 1
-            if k == len(out):
-                out.append([])
-            out[k].append(b)
+        for i, row in enumerate(self.rows):
+            for j, b in enumerate(row.blocks):
+                if (i, j) in skip:
+                    continue
+                k = seen[b]
+                seen[b] += 1
+                if k == len(out):
+                    out.append([])
+                out[k].append(b)
         return out
 
     def feed_tokens(self, token_ids: torch.Tensor) -> None:
@@ -226,13 +187,11 @@ class TieredCache(Cache):
 
     def deactivate(self) -> None:
         """Release the pins: the daemon may now demote these blocks while the sequence idles."""
-        if self.active and self.client.session == self.session:  # an ended session's pins went with it
-            self._settle()
-            for part in self._each_hold():
-                self.client.release(blocks=part)
+        if self.active:
+            self._release_pins()
         self._drop_open_step()
         self.active = False
-        self._work = [None] * self.layout.num_layers  # unpinned slots may move: drop the gathered copy
+        self._work = [None] * self.layout.num_layers
 
     def hint(self, deadline_s: float = 0.0) -> None:
         """Ask the daemon to bring this cache's blocks back before ``deadline_s``."""
@@ -337,37 +296,74 @@ class TieredCache(Cache):
         return torch.stack(out_k).contiguous(), torch.stack(out_v).contiguous()
 
     def _end_step(self, q_len: int) -> None:
-        T = self.layout.block_tokens
+        """The step is in the slots: count it, then seal every row's newly full blocks."""
         self._open_step = False
         for i, row in enumerate(self.rows):
             row.length += q_len
             if self._fed[i]:
                 row.known = row.length
-            full = row.length // T
-            if full <= len(row.keys):
-                continue
-            todo = list(range(len(row.keys), full))
-            keys = []
-            parent = row.keys[-1] if row.keys else 0
-            by_kv = [j for j in todo if row.known < (j + 1) * T]  # no token ids (e.g. generate())
-            kv = dict(zip(by_kv, self._block_bytes([row.slots[j] for j in by_kv])))
-            for j in todo:
-                if j in kv:  # keyed by its K/V bytes
-                    payload = kv[j]
-                else:
-                    payload = np.asarray(row.tokens[j * T: (j + 1) * T], dtype=np.int64).tobytes()
-                parent = chain_key(parent, payload, self.namespace)
-                keys.append(parent)
-            blocks = [row.blocks[j] for j in todo]
-            self._settle()  # the step's writes are in the slots before the daemon may move them
-            # fold only into a block of the same bytes: this sequence goes on reading its own K/V
-            # (the same tokens computed in other chunks or batches differ in the last bits)
-            canon = self.client.seal(blocks, keys, seq=self.seq_ids[i], fold_identical_only=True).tolist()
-            for j, b, c in zip(todo, blocks, canon):
-                if c != b:  # an identical block existed: ours was folded into it; pin and map the shared one
-                    got, slots = self.client.acquire(blocks=[c])
-                    row.blocks[j], row.slots[j] = c, int(slots[0])
-            row.keys.extend(keys)
+        folded = [(i, j) for i, row in enumerate(self.rows) for j in self._seal_full(i, row)]
+        self._pin_folded(folded)
+
+    def _seal_full(self, i: int, row: Row) -> list[int]:
+        """Seal ``row``'s full blocks not sealed yet; returns the indices of those folded into a
+        shared block, which the row now names (its reference moved there; not pinned yet)."""
+        T = self.layout.block_tokens
+        todo = list(range(len(row.keys), row.length // T))
+        if not todo:
+            return []
+        keys = []
+        parent = row.keys[-1] if row.keys else 0
+        by_kv = [j for j in todo if row.known < (j + 1) * T]  # no token ids (e.g. generate())
+        kv = dict(zip(by_kv, self._block_bytes([row.slots[j] for j in by_kv])))
+        for j in todo:
+            if j in kv:  # keyed by its K/V bytes
+                payload = kv[j]
+            else:
+                payload = np.asarray(row.tokens[j * T: (j + 1) * T], dtype=np.int64).tobytes()
+            parent = chain_key(parent, payload, self.namespace)
+            keys.append(parent)
+        blocks = [row.blocks[j] for j in todo]
+        self._settle()  # the step's writes are in the slots before the daemon may move them
+        # fold only into a block of the same bytes: this sequence goes on reading its own K/V
+        # (the same tokens computed in other chunks or batches differ in the last bits)
+        canon = self.client.seal(blocks, keys, seq=self.seq_ids[i], fold_identical_only=True).tolist()
+        row.keys.extend(keys)
+        folded = []
+        for j, b, c in zip(todo, blocks, canon):
+            if c != b:  # ours was released into the shared block: the row names that one now
+                row.blocks[j], row.slots[j] = c, -1
+                folded.append(j)
+        return folded
+
+    def _pin_folded(self, folded: list[tuple[int, int]]) -> None:
+        """Pin and map the shared blocks rows were folded into. If one cannot be pinned (it was
+        demoted and its promotion failed), the step still stands (its K/V is in the gathered
+        copy, identical bytes), but the cache is no longer all pinned: every other pin is
+        released and the next forward acquires the rows again, or raises before it computes."""
+        for n, (i, j) in enumerate(folded):
+            row = self.rows[i]
+            try:
+                _, slots = self.client.acquire(blocks=[row.blocks[j]])
+            except EngineReclaimed:
+                raise
+            except Exception as err:  # noqa: BLE001 - reported, and the cache re-acquires
+                log.warning("shared block %d could not be pinned after a fold (%s): the cache "
+                            "releases its pins and acquires its rows again at the next forward",
+                            row.blocks[j], err)
+                self._release_pins(skip=frozenset(folded[n:]))
+                return
+            row.slots[j] = int(slots[0])
+
+    def _release_pins(self, skip: frozenset = frozenset()) -> None:
+        """Not active any more: release every pin held (all places but ``skip``)."""
+        self.active = False
+        self._work = [None] * self.layout.num_layers  # unpinned slots may move: drop the gathered copy
+        if self.client.session != self.session:  # an ended session's pins went with it
+            return
+        self._settle()
+        for part in self._each_hold(skip):
+            self.client.release(blocks=part)
 
     def _block_bytes(self, slots: list[int]) -> list[bytes]:
         """The K/V bytes of ``slots`` for their keys. A device pool is copied to the host

@@ -174,7 +174,7 @@ def test_an_activate_that_fails_partway_leaves_no_pins(model, engine, monkeypatc
     fwd(model, torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(5)), tc)
     tc.deactivate()
     blocks = tc.rows[0].blocks
-    monkeypatch.setattr(tc, "_each_hold", lambda: [blocks[:1], blocks[1:]])
+    monkeypatch.setattr(tc, "_each_hold", lambda skip=frozenset(): [blocks[:1], blocks[1:]])
     real, calls = c.acquire, []
 
     def acquire(**kw):
@@ -188,6 +188,37 @@ def test_an_activate_that_fails_partway_leaves_no_pins(model, engine, monkeypatc
     assert not tc.active and c.stats()["engines"][0]["pins"] == 0
     monkeypatch.undo()
     tc.close()
+
+
+def test_a_fold_whose_shared_block_cannot_be_pinned_leaves_a_sound_cache(model, engine, monkeypatch):
+    """C's prompt folds into A's blocks; pinning them then fails (a promotion that failed). The
+    forward still stands (its K/V is computed), C names A's blocks, not the ones it released,
+    holds no pin, and its next forward acquires them again and is exact."""
+    c, layout = engine
+    prompt = torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(11))
+    a_cache = TieredCache(c, layout, seq_ids=[1])
+    fwd(model, prompt, a_cache)
+    a_cache.deactivate()
+    real, calls = c.acquire, []
+
+    def acquire(**kw):
+        calls.append(kw)
+        if len(calls) == 1:
+            raise KvtierError("injected: promotion failed")
+        return real(**kw)
+    monkeypatch.setattr(c, "acquire", acquire)
+    ref, c_cache = DynamicCache(config=model.config), TieredCache(c, layout, seq_ids=[3])
+    nxt = both(model, prompt, ref, c_cache)
+    monkeypatch.undo()
+    assert calls and c_cache.rows[0].blocks == a_cache.rows[0].blocks
+    assert not c_cache.active and c.stats()["engines"][0]["pins"] == 0
+    c.check()
+    for _ in range(3):  # re-acquired at the next forward; the third block is its own
+        nxt = both(model, nxt, ref, c_cache)
+    assert c_cache.active and c_cache.rows[0].blocks[:2] == a_cache.rows[0].blocks
+    a_cache.close()
+    c_cache.close()
+    assert c.stats()["engines"][0]["pins"] == 0
 
 
 def _fed_forward_raised(model, c, layout, layer: int):
