@@ -58,9 +58,16 @@ def _victim(pol: Any, now: float, where: np.ndarray, tier: int, name: str) -> in
     return v
 
 
-def _offer(dram: Any, b: int, now: float, c: int, where: np.ndarray) -> None:
-    """Place ``b`` in DRAM if its policy admits it (else it lives on NVMe only)."""
-    if dram.admit(b, now, c, -1):
+def _offer(dram: Any, b: int, now: float, c: int, where: np.ndarray, demoted: bool = False) -> None:
+    """Place ``b`` in DRAM if its policy admits it (else it lives on NVMe only). A block just
+    read that HBM declined is valued as just accessed (``admit``); an HBM victim (``demoted``)
+    as the daemon values one (``admit_many``: its own class, stage and age since its last
+    access), not as if it had just been read."""
+    if demoted:
+        ok = bool(dram.admit_many(np.array([b], dtype=np.int64), np.array([c], dtype=np.int64))[0])
+    else:
+        ok = dram.admit(b, now, c, -1)
+    if ok:
         if dram.size >= dram.capacity:
             where[_victim(dram, now, where, 2, "DRAM")] = 0
         dram.insert(b, now, c, -1)
@@ -75,11 +82,13 @@ class _Node:
         self.dram = make_policy(policy, spec.dram_blocks, n, **params)
         self.where = np.zeros(n, dtype=np.int8)  # 0 none, 1 hbm, 2 dram
         self.written = np.zeros(n, dtype=bool)
+        self.cls = np.zeros(n, dtype=np.int64)  # each block's feature class at its last access
 
     def access(self, b: int, now: float, c: int, remote: Optional[Any]) -> str:
         hbm, dram, where = self.hbm, self.dram, self.where
         hbm.observe(b, now, c)
         dram.observe(b, now, c)
+        self.cls[b] = c
         w = where[b]
         if w == 1:
             hbm.on_hit(b, now, c, -1)
@@ -99,7 +108,7 @@ class _Node:
             if hbm.size >= hbm.capacity:
                 v = _victim(hbm, now, where, 1, "HBM")
                 where[v] = 0
-                _offer(dram, v, now, c, where)  # the HBM victim may go one tier down
+                _offer(dram, v, now, int(self.cls[v]), where, demoted=True)  # may go one tier down
             hbm.insert(b, now, c, -1)
             where[b] = 1
         elif w != 2:  # not worth HBM: maybe worth DRAM, rather than NVMe only

@@ -179,6 +179,43 @@ def test_multi_tier_kvtier_uses_dram_for_blocks_hbm_declines():
     assert r["hit"]["hbm"] + r["hit"]["dram"] > lru["hit"]["hbm"] + lru["hit"]["dram"] + 0.01
 
 
+def test_an_hbm_victim_is_offered_to_dram_as_the_daemon_values_it():
+    """A block HBM evicts is valued by DRAM at its own class and real age (``admit_many``, as
+    the daemon's demotion does), not as a block just read of the reader's class (``admit``);
+    only a block just read that HBM declines goes through ``admit``."""
+    from kvtier.replay.tiered import TierSpec, _Node
+
+    rng = np.random.default_rng(7)
+    tr = _trace((rng.zipf(1.1, 6000) % 900).tolist())
+    tr.cls = rng.integers(0, 3, tr.n_accesses)
+    node = _Node("kvtier", TierSpec(20, 200), tr.n_unique, {"track_calibration": False})
+    last_cls = np.full(tr.n_unique, -1)
+    offered: list[tuple[str, int, int]] = []
+    victims = 0
+    many, one = node.dram.admit_many, node.dram.admit
+
+    def admit_many(blocks, classes):
+        offered.extend(("victim", int(b), int(c)) for b, c in zip(blocks, classes))
+        return many(blocks, classes)
+
+    def admit(b, now, cls, next_use):
+        offered.append(("read", b, cls))
+        return one(b, now, cls, next_use)
+    node.dram.admit_many, node.dram.admit = admit_many, admit
+    for b, now, c in zip(tr.block.tolist(), tr.time_s.tolist(), tr.cls.tolist()):
+        del offered[:]
+        node.access(b, now, c, None)
+        last_cls[b] = c
+        for kind, x, cls in offered:
+            assert cls == last_cls[x]  # the offered block's own class at its last access
+            if kind == "read":
+                assert x == b  # only the block being read is valued as just accessed
+            else:
+                assert x != b and node.where[x] in (0, 2)  # an HBM victim, gone from HBM
+                victims += 1
+    assert victims > 100 and node.dram.size > 0
+
+
 def _fleet_reference(tr, nodes: int) -> dict[str, int]:
     """Brute force: requests round-robin over ``nodes``; a block a node reuses is published;
     an unbounded remote serves a node's first touch of a published block."""
