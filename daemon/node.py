@@ -27,7 +27,7 @@ from kvtier.scoring.importance import ImportanceScores
 from kvtier.tiers.io_backends import select_backend
 from kvtier.tiers.manager import TierManager
 from kvtier.tiers.pools import round_up
-from kvtier.tiers.types import HBM
+from kvtier.tiers.types import FREE, HBM
 
 from .acquire import Prefetcher
 from .config import KvtierConfig
@@ -108,6 +108,18 @@ class Node:
         w = self.scores.weight(blocks)
         for pol in self.placement.policies.values():
             pol.set_weights(blocks, w)
+
+    def rescore(self) -> int:
+        """``[scoring]`` was reloaded: every live block scored before (a report or a segment
+        tag) is scored again, or an idle block, the kind demotion looks at, would keep the
+        old segment weights and floor until a report that may never come. O(blocks), once a
+        reload. Structural priors stay those of the settings at each block's last report
+        (its place in it is not kept). Returns the blocks rescored."""
+        s = self.scores
+        blocks = np.flatnonzero((self.mgr.table.state != FREE) & ((s.reports > 0) | (s.segment != 0)))
+        if blocks.size:
+            self.set_importance(blocks)
+        return int(blocks.size)
 
     def layer_parts(self, block_bytes: int, layout: dict) -> int:
         """Layer parts an engine may read a promotion by: layer-wise progress is counted in

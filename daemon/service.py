@@ -344,6 +344,7 @@ class Service:
         assert node is not None
         if "scoring" in changed:
             node.scores.configure(**cfg.scoring.model_dump())
+            node.rescore()
         if "policy" in changed:
             node.placement.configure(cfg.policy.params())
             node.prefetcher.budget_bytes_per_s = cfg.policy.prefetch_budget_bytes_per_s
