@@ -19,28 +19,17 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvtier.client.kv_layout import KVLayout, chain_key
+from kvtier.client.kv_layout import KVLayout, Row, chain_key, row_keys
 from kvtier.client.replies import EngineReclaimed
 from kvtier.client.tier_client import TierClient
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Row:
-    blocks: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    keys: list[int] = field(default_factory=list)  # of the sealed (full) blocks
-    length: int = 0
-    tokens: list[int] = field(default_factory=list)  # token ids, when the runner supplies them
-    known: int = 0  # positions whose token ids are known, in order: the tokens of every forward so far
 
 
 class TieredLayer(CacheLayerMixin):
@@ -89,6 +78,7 @@ class TieredCache(Cache):
         self._fed: list[bool] = []  # per row: this forward's token ids were fed, in line with the last
         self._open_step = False  # a forward began (layer 0) and its last layer has not run yet
         self._open_q = 0  # ... and its tokens per row
+        self._unreleased: list[list[int]] = []  # release requests a failure left unmade
         self.acquires = 0
         self.last_mass: Optional[torch.Tensor] = None
 
@@ -165,6 +155,7 @@ class TieredCache(Cache):
     def activate(self) -> None:
         """Acquire (pin) every block of every row; waits for promotions."""
         self._check_session()
+        self._flush_releases()  # pins a failed release left: released before any is taken again
         slot_of: dict[int, int] = {}
         done: list[list[int]] = []
         try:
@@ -189,6 +180,8 @@ class TieredCache(Cache):
         """Release the pins: the daemon may now demote these blocks while the sequence idles."""
         if self.active:
             self._release_pins()
+        else:
+            self._flush_releases()
         self._drop_open_step()
         self.active = False
         self._work = [None] * self.layout.num_layers
@@ -302,7 +295,13 @@ class TieredCache(Cache):
             row.length += q_len
             if self._fed[i]:
                 row.known = row.length
-        folded = [(i, j) for i, row in enumerate(self.rows) for j in self._seal_full(i, row)]
+        folded: list[tuple[int, int]] = []
+        try:
+            for i, row in enumerate(self.rows):
+                folded += [(i, j) for j in self._seal_full(i, row)]
+        except BaseException:  # a row named a shared block it holds no pin on: not all pinned now
+            self._release_pins(skip=frozenset(folded))
+            raise
         self._pin_folded(folded)
 
     def _seal_full(self, i: int, row: Row) -> list[int]:
@@ -312,17 +311,9 @@ class TieredCache(Cache):
         todo = list(range(len(row.keys), row.length // T))
         if not todo:
             return []
-        keys = []
-        parent = row.keys[-1] if row.keys else 0
         by_kv = [j for j in todo if row.known < (j + 1) * T]  # no token ids (e.g. generate())
-        kv = dict(zip(by_kv, self._block_bytes([row.slots[j] for j in by_kv])))
-        for j in todo:
-            if j in kv:  # keyed by its K/V bytes
-                payload = kv[j]
-            else:
-                payload = np.asarray(row.tokens[j * T: (j + 1) * T], dtype=np.int64).tobytes()
-            parent = chain_key(parent, payload, self.namespace)
-            keys.append(parent)
+        keys = row_keys(row, todo, T, dict(zip(by_kv, self._block_bytes([row.slots[j] for j in by_kv]))),
+                        self.namespace)
         blocks = [row.blocks[j] for j in todo]
         self._settle()  # the step's writes are in the slots before the daemon may move them
         # fold only into a block of the same bytes: this sequence goes on reading its own K/V
@@ -345,25 +336,36 @@ class TieredCache(Cache):
             row = self.rows[i]
             try:
                 _, slots = self.client.acquire(blocks=[row.blocks[j]])
-            except EngineReclaimed:
-                raise
             except Exception as err:  # noqa: BLE001 - reported, and the cache re-acquires
-                log.warning("shared block %d could not be pinned after a fold (%s): the cache "
-                            "releases its pins and acquires its rows again at the next forward",
-                            row.blocks[j], err)
                 self._release_pins(skip=frozenset(folded[n:]))
+                if isinstance(err, EngineReclaimed) or self.client.reclaimed:
+                    raise
+                log.warning("shared block %d could not be pinned after a fold (%s): the cache "
+                            "released its pins and acquires its rows again at the next forward",
+                            row.blocks[j], err)
                 return
+            except BaseException:
+                self._release_pins(skip=frozenset(folded[n:]))
+                raise
             row.slots[j] = int(slots[0])
 
     def _release_pins(self, skip: frozenset = frozenset()) -> None:
-        """Not active any more: release every pin held (all places but ``skip``)."""
+        """Not active any more: release every pin held (all places but ``skip``). Requests not
+        made because one failed stay in ``_unreleased``, made first by the next activate,
+        deactivate or close (the cache is not active meanwhile: its slots may move)."""
         self.active = False
         self._work = [None] * self.layout.num_layers  # unpinned slots may move: drop the gathered copy
-        if self.client.session != self.session:  # an ended session's pins went with it
-            return
         self._settle()
-        for part in self._each_hold(skip):
-            self.client.release(blocks=part)
+        self._unreleased = self._each_hold(skip)
+        self._flush_releases()
+
+    def _flush_releases(self) -> None:
+        """Make the releases a failure left (none once the session is over: its pins went with it)."""
+        if self.client.session != self.session or self.client.reclaimed:
+            self._unreleased = []
+        while self._unreleased:
+            self.client.release(blocks=self._unreleased[0])
+            self._unreleased.pop(0)
 
     def _block_bytes(self, slots: list[int]) -> list[bytes]:
         """The K/V bytes of ``slots`` for their keys. A device pool is copied to the host

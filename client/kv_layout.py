@@ -1,9 +1,9 @@
-"""The block layout an engine registers (``KVLayout``) and the content-chained block keys
-(``chain_key``) a transformers engine seals its blocks under."""
+"""The block layout an engine registers (``KVLayout``), a sequence's blocks (``Row``), and the
+content-chained block keys (``chain_key``, ``row_keys``) a transformers engine seals them under."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -57,4 +57,27 @@ def chain_key(parent: int, payload: bytes, namespace: bytes) -> int:
     return h or 1
 
 
-__all__ = ["KVLayout", "chain_key"]
+
+@dataclass
+class Row:
+    blocks: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)  # of the sealed (full) blocks
+    length: int = 0
+    tokens: list[int] = field(default_factory=list)  # token ids, when the runner supplies them
+    known: int = 0  # positions whose token ids are known, in order: the tokens of every forward so far
+
+
+def row_keys(row: Row, todo: list[int], block_tokens: int, kv_bytes: dict[int, bytes], namespace: bytes) -> list[int]:
+    """Keys of ``row``'s blocks ``todo`` (the next ones to seal, in order), chained on the
+    row's last key: a block in ``kv_bytes`` is keyed by its K/V bytes, any other by its
+    token ids."""
+    keys, parent, T = [], row.keys[-1] if row.keys else 0, block_tokens
+    for j in todo:
+        payload = kv_bytes[j] if j in kv_bytes else np.asarray(row.tokens[j * T: (j + 1) * T], dtype=np.int64).tobytes()
+        parent = chain_key(parent, payload, namespace)
+        keys.append(parent)
+    return keys
+
+
+__all__ = ["KVLayout", "Row", "chain_key", "row_keys"]

@@ -190,35 +190,95 @@ def test_an_activate_that_fails_partway_leaves_no_pins(model, engine, monkeypatc
     tc.close()
 
 
+def _pins(c) -> int:
+    return c.stats()["engines"][0]["pins"]
+
+
+def _fail_call(monkeypatch, c, name: str, at: int) -> list:
+    """Make the ``at``-th call of ``c.<name>`` raise (a fault the daemon could answer with)."""
+    real, calls = getattr(c, name), []
+
+    def call(*args, **kw):
+        calls.append(kw)
+        if len(calls) == at:
+            raise KvtierError(f"injected: {name} failed")
+        return real(*args, **kw)
+    monkeypatch.setattr(c, name, call)
+    return calls
+
+
 def test_a_fold_whose_shared_block_cannot_be_pinned_leaves_a_sound_cache(model, engine, monkeypatch):
-    """C's prompt folds into A's blocks; pinning them then fails (a promotion that failed). The
-    forward still stands (its K/V is computed), C names A's blocks, not the ones it released,
-    holds no pin, and its next forward acquires them again and is exact."""
+    """Two rows whose prompts start with A's fold four blocks into A's; pinning the third fails
+    (a promotion that failed). The forward still stands (its K/V is computed), the rows name
+    A's blocks, not the ones they released, the pins of the two folds already made and of the
+    rows' own blocks are released, and the next forwards acquire them again, exactly."""
     c, layout = engine
     prompt = torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(11))
     a_cache = TieredCache(c, layout, seq_ids=[1])
     fwd(model, prompt, a_cache)
     a_cache.deactivate()
-    real, calls = c.acquire, []
-
-    def acquire(**kw):
-        calls.append(kw)
-        if len(calls) == 1:
-            raise KvtierError("injected: promotion failed")
-        return real(**kw)
-    monkeypatch.setattr(c, "acquire", acquire)
-    ref, c_cache = DynamicCache(config=model.config), TieredCache(c, layout, seq_ids=[3])
-    nxt = both(model, prompt, ref, c_cache)
+    ids = torch.cat([prompt.repeat(2, 1), torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(2))], 1)
+    calls = _fail_call(monkeypatch, c, "acquire", 3)
+    ref, tc = DynamicCache(config=model.config), TieredCache(c, layout, batch_size=2, seq_ids=[3, 4])
+    nxt = both(model, ids, ref, tc)
     monkeypatch.undo()
-    assert calls and c_cache.rows[0].blocks == a_cache.rows[0].blocks
-    assert not c_cache.active and c.stats()["engines"][0]["pins"] == 0
+    assert len(calls) == 3 and [r.blocks[:2] for r in tc.rows] == [a_cache.rows[0].blocks] * 2
+    assert not tc.active and _pins(c) == 0
     c.check()
-    for _ in range(3):  # re-acquired at the next forward; the third block is its own
-        nxt = both(model, nxt, ref, c_cache)
-    assert c_cache.active and c_cache.rows[0].blocks[:2] == a_cache.rows[0].blocks
+    for _ in range(10):  # re-acquired at the next forward; the rows' third blocks are their own
+        nxt = both(model, nxt, ref, tc)
+    assert tc.active and [r.blocks[:2] for r in tc.rows] == [a_cache.rows[0].blocks] * 2
+    tc.deactivate()
+    tc.deactivate()
+    assert _pins(c) == 0
     a_cache.close()
-    c_cache.close()
-    assert c.stats()["engines"][0]["pins"] == 0
+    tc.close()
+    c.check()
+    assert c.stats()["engines"][0]["live_blocks"] == 0
+
+
+def test_a_seal_that_fails_after_another_row_folded_leaves_no_unpinned_block_in_use(model, engine, monkeypatch):
+    """Row 0 folds into the blocks active cache A pins; row 1's seal then fails. Row 0 names
+    A's blocks without a pin of its own, so the cache must not stay active (its deactivate
+    would take A's pins: pins are counted per engine)."""
+    c, layout = engine
+    gen = [torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(s)) for s in (11, 12, 13)]
+    a_cache = TieredCache(c, layout, batch_size=2, seq_ids=[1, 2])
+    fwd(model, torch.cat(gen[:2]), a_cache)  # A stays active: 4 pins
+    _fail_call(monkeypatch, c, "seal", 2)
+    tc = TieredCache(c, layout, batch_size=2, seq_ids=[3, 4])
+    with pytest.raises(KvtierError, match="injected"):
+        fwd(model, torch.cat([gen[0], gen[2]]), tc)
+    monkeypatch.undo()
+    assert tc.rows[0].blocks == a_cache.rows[0].blocks and not tc.active and _pins(c) == 4
+    tc.deactivate()
+    a_cache.deactivate()  # A's own pins are all still there
+    assert _pins(c) == 0
+    a_cache.close()
+    tc.close()
+    c.check()
+
+
+def test_a_release_that_fails_partway_is_finished_later(model, engine, monkeypatch):
+    """Rows sharing blocks release in two requests; the second fails. The cache is not active
+    (some slots are unpinned), and the next deactivate, activate or close makes the release
+    left: no pin leaks, and close frees everything."""
+    c, layout = engine
+    tc = TieredCache(c, layout, batch_size=2, seq_ids=[3, 4])
+    fwd(model, torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(11)).repeat(2, 1), tc)
+    _fail_call(monkeypatch, c, "release", 2)
+    with pytest.raises(KvtierError, match="injected"):
+        tc.deactivate()
+    monkeypatch.undo()
+    assert tc.rows[1].blocks[:2] == tc.rows[0].blocks[:2]  # row 1's full blocks folded into row 0's
+    assert not tc.active and _pins(c) == 2  # the second request: row 1's pins on the shared two
+    fwd(model, torch.tensor([[1], [1]]), tc)  # activate releases them first, then pins afresh
+    assert _pins(c) == 6
+    tc.deactivate()
+    assert _pins(c) == 0
+    tc.close()
+    c.check()
+    assert c.stats()["engines"][0]["live_blocks"] == 0
 
 
 def _fed_forward_raised(model, c, layout, layer: int):

