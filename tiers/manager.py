@@ -24,7 +24,7 @@ import torch
 
 from kvtier.kernels.checksum import block_checksum
 
-from .integrity import read_nvme_verified, unindexed, unreachable_idle
+from .integrity import erase_nvme_headers, read_nvme_verified, unindexed, unreachable_idle
 from .intrusive import NIL
 from .io_backends import IOBackend
 from .moves import TierMoves
@@ -73,7 +73,7 @@ class TierManager(TierMoves):
                 raise
         elif self.nvme is not None:
             take_index(self.nvme)  # these slabs will be overwritten: an old index must not outlive them
-            self.nvme.seq = max(self.nvme.seq, time.time_ns())  # outrank the old headers at a later scan
+            # (the store's sequence starts at the clock: new headers outrank the old at a later scan)
         self._index_on_close = True
 
     # -- lifecycle ---------------------------------------------------------
@@ -196,9 +196,11 @@ class TierManager(TierMoves):
         self.table.importance[blocks] = values
 
     def drop_cached(self) -> int:
-        """Drop every cached (unreferenced, unpinned, idle) block; returns how many."""
+        """Drop every cached (unreferenced, unpinned, idle) block, on disk too; returns how many."""
         t = self.table
         cached = np.flatnonzero((t.state != FREE) & (t.refcount == 0) & (t.pins == 0) & (t.busy == 0))
+        if self.nvme is not None:
+            erase_nvme_headers(self.nvme, t, cached)
         for b in cached.tolist():
             self.drop(b)
         return int(cached.size)

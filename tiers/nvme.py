@@ -2,7 +2,8 @@
 
 Each slot has a 4 KiB header and the block padded to 4 KiB. The header holds magic,
 version, flags (sealed/open), key, payload length, payload checksum, a write
-sequence number and a checksum of the header itself. A slab keeps its headers packed
+sequence number and a MAC of the header itself (keyed by the directory's secret, bound
+to the slot and layout: ``slot_header``). A slab keeps its headers packed
 in groups of 512 with their payloads after them at aligned offsets (``slab_layout``:
 aligned payload writes ran 13-22% faster here). A batch writes its payloads first and
 then the headers of those that landed, one write per run of consecutive slots: a
@@ -19,6 +20,7 @@ recovered.
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import Future
 from typing import Any, Callable, Optional, Sequence
 
@@ -32,8 +34,8 @@ from .futures import Failures, mapped
 from .io_backends import IOBackend
 from .nvme_recovery import scan
 from .pools import round_up
-from .slab_layout import HEADER_BYTES, SlabLayout
-from .slot_header import FLAG_SEALED, RecoveredSlot, SlotHeader, decode_header, pack_header
+from .slab_layout import GROUP, HEADER_BYTES, SlabLayout
+from .slot_header import FLAG_SEALED, RecoveredSlot, SlotHeader, decode_header, header_key, header_place, pack_header
 from .types import CorruptBlockError
 
 
@@ -71,10 +73,14 @@ class NvmeStore:
         try:
             for i in range(self.n_files):
                 self._open_slab(os.path.join(directory, f"slab-{i:04d}.kvt"), self.layout.file_bytes(i), grown)
+            self.mac_key = header_key(directory)  # the headers' MAC key (``slot_header``), once the slabs fit
         except BaseException:
             self._undo_open(grown)
             raise
-        self.seq = 0
+        # writes outrank every header on disk, also those of slots beyond a tier that shrank
+        # (a scan does not read them) and that come back when it grows: a sequence is never
+        # ahead of the clock's nanoseconds, at a write per nanosecond at most
+        self.seq = time.time_ns()
         self.unreadable = 0  # slots whose read failed during recovery
 
     @property
@@ -130,6 +136,10 @@ class NvmeStore:
         """(handle, offset) of ``slot``'s payload; a slot out of range raises ValueError."""
         f, off = self.layout.payload_offset(slot)
         return self._handles[f], off
+
+    def place(self, slot: int) -> bytes:
+        """Where ``slot``'s header lies, as its MAC covers it."""
+        return header_place(int(slot), self.data_stride, self.slots_per_file)
 
     def _payload(self, data: "np.ndarray | torch.Tensor") -> "np.ndarray | torch.Tensor":
         """The payload buffer padded to the stride, bounced if misaligned. A device
@@ -190,7 +200,7 @@ class NvmeStore:
             if seq is None:
                 seq = int(self.reserve_seqs(1)[0])
             pack_header(page.data, int(key), int(length), int(checksum), int(seq), FLAG_SEALED if sealed else 0,
-                        owner)
+                        owner, self.mac_key, self.place(int(slot)))
             jobs.append((handle, [self._payload(data)], off))
         slots = [int(items[i][0]) for i in order]
 
@@ -257,7 +267,7 @@ class NvmeStore:
         handle, off = self.header_at(slot)
         buf = aligned_empty(HEADER_BYTES)
         self.backend.pread(handle, [buf], off).result()
-        return decode_header(buf)
+        return decode_header(buf, self.mac_key, self.place(slot))
 
     def recover(self, progress: Optional[Callable[[int], None]] = None,
                 batch: int = 64, verify_payload: bool = True) -> tuple[list[RecoveredSlot], int]:
@@ -265,6 +275,25 @@ class NvmeStore:
         found, discarded, max_seq = scan(self, progress, batch, verify_payload)
         self.seq = max(self.seq, max_seq)
         return found, discarded
+
+    def invalidate(self, slots: Sequence[int]) -> Failures:
+        """Zero the header pages of ``slots``, durably: a restart's scan finds nothing there
+        (what ``kvtier clear`` dropped must not come back after a crash). One write per run
+        of consecutive headers; per run, its error or None."""
+        order = sorted(int(s) for s in slots)
+        if not order:
+            return []
+        zeros = _header_pages(min(len(order), GROUP))
+        jobs, start = [], 0
+        for r in range(1, len(order) + 1):
+            if r < len(order) and order[r] == order[r - 1] + 1 and not self.layout.starts_header_run(order[r]):
+                continue
+            handle, off = self.header_at(order[start])
+            jobs.append((handle, [zeros[: r - start].reshape(-1)], off))
+            start = r
+        failures = self.backend.pwrite_many(jobs).result()
+        self.sync()
+        return failures
 
     def sync(self) -> None:
         """Make every written slot durable (the slot headers are the index)."""

@@ -33,6 +33,9 @@ class Store(Protocol):
     data_stride: int
     block_bytes: int
     unreadable: int
+    mac_key: bytes
+
+    def place(self, slot: int) -> bytes: ...
 
     def header_at(self, slot: int) -> tuple[Any, int]: ...
 
@@ -119,7 +122,7 @@ def scan(store: Store, progress: Optional[Callable[[int], None]], batch: int,
                     discarded += 1  # an unreadable slot is never served; the slot is reused
                     store.unreadable += 1
                     continue
-                h = decode_header(pages[j])
+                h = decode_header(pages[j], store.mac_key, store.place(base + lo + j))
                 if h is None:
                     if pages[j].any():  # written once, now torn (or another version's)
                         discarded += 1

@@ -1,23 +1,35 @@
 """The NVMe slot header: its format, version, packing and decoding (one owner, used by
-the store that writes slots and the scan that reads them back)."""
+the store that writes slots and the scan that reads them back).
+
+A header's own checksum is a MAC: BLAKE2b keyed with a secret of the slab directory
+(``header_key``), over the header and where it lies (slot, payload stride, slots per
+file). Why keyed: payload bytes are tenants' K/V, and a restart with another layout
+(another model's block size registered first) puts old payload bytes where headers
+are read. An unkeyed checksum let a tenant plant a well-formed header in its own K/V
+naming another tenant's key, and have its bytes served under it. Why bound to the
+place: a header read at another slot or under another layout than the one that wrote
+it describes some other payload.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import struct
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
-import xxhash
 
 MAGIC = b"KVTSLOT1"
-# 5: the block's owner (its namespace's stable identity: a restart gives each block back to
-# the namespace that sealed it, never to whichever registers first); 4: slabs in groups of
-# 512 slots, headers packed, payloads aligned after them (3: every
-# header of a file packed at its front, so payloads moved when the slot count did; 2: a
-# header page in front of each payload; 1: xxh3 payload checksums). A slot of another version decodes
-# as no header: recovery discards it and the slot is reused.
-VERSION = 5
+# 6: the header's checksum is a keyed MAC bound to the slot and layout; 5: the block's
+# owner (its namespace's stable identity: a restart gives each block back to the namespace
+# that sealed it, never to whichever registers first); 4: slabs in groups of 512 slots,
+# headers packed, payloads aligned after them (3: every header of a file packed at its
+# front, so payloads moved when the slot count did; 2: a header page in front of each
+# payload; 1: xxh3 payload checksums). A slot of another version decodes as no header:
+# recovery discards it and the slot is reused.
+VERSION = 6
 FLAG_SEALED = 1
 _HDR = struct.Struct("<8sIIQQQQQ")  # magic, version, flags, key, length, checksum, seq, owner
 _HDR_CRC = struct.Struct("<Q")
@@ -37,28 +49,70 @@ class SlotHeader:
         return bool(self.flags & FLAG_SEALED)
 
 
-def _header_crc(body: "bytes | memoryview") -> int:
-    """The header's own checksum: host bytes only, so xxh3 (a recovery scan checks
-    one per slot, and a numpy call per 48 bytes would cost more than the read)."""
-    return xxhash.xxh3_64_intdigest(body)
+KEY_FILE = "header.key"
+KEY_BYTES = 16
+_PLACE = struct.Struct("<QQQ")  # slot, payload stride, slots per file
+
+
+def header_key(directory: str) -> bytes:
+    """The slab directory's header MAC key: read, or made (random, 0600, written whole
+    before it is used). A new key makes every older header fail its MAC: the slots are
+    discarded, as a cache may, never misread."""
+    path = os.path.join(directory, KEY_FILE)
+    try:
+        with open(path, "rb") as f:
+            key = f.read(KEY_BYTES + 1)
+        if len(key) == KEY_BYTES:
+            return key
+    except FileNotFoundError:
+        pass
+    key = os.urandom(KEY_BYTES)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, key)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dfd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return key
+
+
+def header_place(slot: int, data_stride: int, slots_per_file: int) -> bytes:
+    """Where a header lies, as its MAC covers it."""
+    return _PLACE.pack(slot, data_stride, slots_per_file)
+
+
+def _header_mac(body: "bytes | memoryview", key: bytes, place: bytes) -> int:
+    """The header's own checksum (~1.5 µs; a recovery scan checks one per slot)."""
+    h = hashlib.blake2b(body, digest_size=8, key=key)
+    h.update(place)
+    return int.from_bytes(h.digest(), "little")
 
 
 def pack_header(page: memoryview, key: int, length: int, checksum: int, seq: int, flags: int,
-                owner: int = 0) -> None:
-    """Pack a header into the start of a zeroed page: in place, about 1 µs (a
-    ``SlotHeader``, ``bytes`` and a numpy copy per block cost ~9 µs, which at 256
-    KiB blocks doubled the CPU a write batch takes and slowed it ~10%)."""
+                owner: int, mac_key: bytes, place: bytes) -> None:
+    """Pack a header into the start of a zeroed page, in place (a ``SlotHeader``, ``bytes``
+    and a numpy copy per block cost ~9 µs, which at 256 KiB blocks doubled the CPU a
+    write batch takes and slowed it ~10%)."""
     _HDR.pack_into(page, 0, MAGIC, VERSION, flags, key, length, checksum, seq, owner)
-    _HDR_CRC.pack_into(page, _HDR.size, _header_crc(page[: _HDR.size]))
+    _HDR_CRC.pack_into(page, _HDR.size, _header_mac(page[: _HDR.size], mac_key, place))
 
 
-def decode_header(buf: np.ndarray) -> Optional[SlotHeader]:
+def decode_header(buf: np.ndarray, mac_key: bytes, place: bytes) -> Optional[SlotHeader]:
+    """The header in ``buf`` if it is whole, of this version, and was written at ``place``
+    under ``mac_key``; else None."""
     raw = buf[: _HDR.size + _HDR_CRC.size].tobytes()
     magic, version, flags, key, length, checksum, seq, owner = _HDR.unpack_from(raw)
     if magic != MAGIC or version != VERSION:
         return None
     (crc,) = _HDR_CRC.unpack_from(raw, _HDR.size)
-    if crc != _header_crc(raw[: _HDR.size]):
+    if crc != _header_mac(raw[: _HDR.size], mac_key, place):
         return None
     return SlotHeader(key, length, checksum, seq, flags, owner)
 

@@ -25,7 +25,9 @@ from .nvme import NvmeStore
 
 INDEX_FILE = "slots.kvx"
 MAGIC = b"KVTIDX01"
-VERSION = 4  # 4: an owner per entry, slabs of slot version 5; 3: slot version 4 (headers in groups); 2: version 3
+# 5: slabs of slot version 6 (keyed headers); 4: an owner per entry, slabs of slot version 5;
+# 3: slot version 4 (headers in groups); 2: version 3
+VERSION = 5
 ENTRY = np.dtype([("slot", "<i8"), ("key", "<u8"), ("length", "<u8"), ("checksum", "<u8"), ("owner", "<u8")])
 # magic, version, block_bytes, n_slots, slots_per_file, seq, entries, checksum of the entries
 _HEAD = struct.Struct("<8sIQQQQQQ")

@@ -48,31 +48,102 @@ def test_kill_mid_write_then_recover(nvme_dir, payloads):
         m.close()
 
 
+def _crashed(m: TierManager) -> None:
+    """Durable writes, no clean stop's index: the next start scans."""
+    m.nvme.sync()
+    m._index_on_close = False
+    m.close()
+
+
+def _put(m: TierManager, key: int, tag: int) -> None:
+    b = int(m.alloc(1)[0])
+    m.write(b, pattern(tag, BB))
+    m.seal(b, key)
+    m.free(b)
+    m.demote([b], "hbm", "nvme"); m.wait()
+
+
 def test_a_run_that_did_not_recover_outranks_the_old_copies_at_the_next_scan(nvme_dir):
     """``recover=False`` started its write sequence at 0 while the older run's headers still
     validated with higher ones: after it crashed, a scan kept the older run's copy of a key."""
-    def crashed(m: TierManager) -> None:  # durable writes, no clean stop's index
-        m.nvme.sync()
-        m._index_on_close = False
-        m.close()
-
-    def put(m: TierManager, key: int, tag: int) -> None:
-        b = int(m.alloc(1)[0])
-        m.write(b, pattern(tag, BB))
-        m.seal(b, key)
-        m.free(b)
-        m.demote([b], "hbm", "nvme"); m.wait()
-
     m = TierManager(BB, 4, 0, 64, nvme_dir=nvme_dir, io_backend="posix", io_threads=2)
     for k in range(10):
-        put(m, 1000 + k, k)
-    put(m, 7, 1)  # seq 11, slot 10
-    crashed(m)
+        _put(m, 1000 + k, k)
+    _put(m, 7, 1)  # seq 11, slot 10
+    _crashed(m)
     m = TierManager(BB, 4, 0, 64, nvme_dir=nvme_dir, io_backend="posix", io_threads=2, recover=False)
-    put(m, 7, 2)  # slot 0
-    crashed(m)
+    _put(m, 7, 2)  # slot 0
+    _crashed(m)
     m = TierManager(BB, 4, 0, 64, nvme_dir=nvme_dir, io_backend="posix", io_threads=2)
     try:
         assert m.recovered_from == "scan" and m.read(m.lookup(7)) == pattern(2, BB).tobytes()
+    finally:
+        m.close()
+
+
+def test_a_tier_that_shrank_and_grew_back_serves_the_newest_copy(nvme_dir):
+    """A smaller tier does not scan the slots beyond it, whose headers may carry higher write
+    sequences than any it saw: its writes must still outrank them when the tier grows back."""
+    m = TierManager(BB, 4, 0, 64, nvme_dir=nvme_dir, io_backend="posix", io_threads=2)
+    for k in range(20):
+        _put(m, 1000 + k, k)  # slots 0..19
+    _put(m, 7, 1)  # slot 20: beyond the smaller tier
+    _crashed(m)
+    m = TierManager(BB, 4, 0, 16, nvme_dir=nvme_dir, io_backend="posix", io_threads=2)
+    assert m.lookup(7) < 0
+    m.drop(m.lookup(1003))  # room for the new copy
+    _put(m, 7, 2)
+    _crashed(m)
+    m = TierManager(BB, 4, 0, 64, nvme_dir=nvme_dir, io_backend="posix", io_threads=2)
+    try:
+        assert m.recovered_from == "scan" and m.read(m.lookup(7)) == pattern(2, BB).tobytes()
+    finally:
+        m.close()
+
+
+
+@pytest.mark.parametrize("stop", ["crash", "clean stop, payload scan"])
+def test_cleared_blocks_do_not_come_back_after_a_restart(nvme_dir, stop):
+    """``kvtier clear`` drops the cached blocks on disk too: a scan after a crash (or after a
+    clean stop with ``recover_payloads``, which ignores the index) finds none of them; a
+    block still referenced is not cleared and comes back."""
+    m = TierManager(BB, 8, 0, 64, nvme_dir=nvme_dir, io_backend="posix", io_threads=2)
+    blocks = m.alloc(8)
+    for i, b in enumerate(blocks.tolist()):
+        m.write(b, pattern(i, BB))
+        m.seal(b, 100 + i)
+        if i:
+            m.free(b)  # block 0 stays referenced
+    m.demote(blocks, "hbm", "nvme"); m.wait()
+    assert m.drop_cached() == 7 and all(m.lookup(100 + i) < 0 for i in range(1, 8))
+    if stop == "crash":
+        _crashed(m)
+    else:
+        m.close()
+    m = TierManager(BB, 8, 0, 64, nvme_dir=nvme_dir, io_backend="posix", io_threads=2,
+                    recover_payloads=stop != "crash")
+    try:
+        assert m.recovered_from == "scan" and m.recovered == 1
+        assert m.read(m.lookup(100)) == pattern(0, BB).tobytes()
+        assert all(m.lookup(100 + i) < 0 for i in range(1, 8))
+    finally:
+        m.close()
+
+
+def test_a_clear_that_cannot_erase_the_headers_drops_nothing(nvme_dir, monkeypatch):
+    m = TierManager(BB, 8, 0, 64, nvme_dir=nvme_dir, io_backend="posix", io_threads=2)
+    try:
+        blocks = m.alloc(3)
+        for i, b in enumerate(blocks.tolist()):
+            m.write(b, pattern(i, BB))
+            m.seal(b, 100 + i)
+            m.free(b)
+        m.demote(blocks, "hbm", "nvme"); m.wait()
+        assert m.nvme is not None
+        monkeypatch.setattr(m.nvme, "invalidate", lambda slots: [OSError(5, "injected")])
+        with pytest.raises(OSError, match="injected"):
+            m.drop_cached()
+        assert [m.lookup(100 + i) for i in range(3)] == blocks.tolist()
+        assert m.read(blocks[1]) == pattern(1, BB).tobytes()
     finally:
         m.close()

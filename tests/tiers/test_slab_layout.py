@@ -97,7 +97,7 @@ def test_slab_bytes_lie_where_the_layout_says(posix, nvme_dir):
         _, pay = layout.payload_offset(s)
         with open(os.path.join(nvme_dir, f"slab-{f:04d}.kvt"), "rb") as fh:
             fh.seek(hdr)
-            h = decode_header(np.frombuffer(fh.read(HEADER_BYTES), dtype=np.uint8))
+            h = decode_header(np.frombuffer(fh.read(HEADER_BYTES), dtype=np.uint8), st.mac_key, st.place(s))
             fh.seek(pay)
             body = np.frombuffer(fh.read(8192), dtype=np.uint8)
         assert h is not None and (h.key, h.checksum, h.seq) == (700 + s, 11 * s, 3 + s)
