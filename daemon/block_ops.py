@@ -8,6 +8,7 @@ their sessions'.
 
 from __future__ import annotations
 
+import errno
 from collections import Counter
 from typing import Any, Callable, Optional
 
@@ -220,8 +221,13 @@ class BlockOps:
 
     # -- whole-node ------------------------------------------------------------------------
     def op_clear(self, session: Optional[EngineSession], args: Any) -> dict:
-        """Drop every cached (unreferenced, idle) block: AllBlocksCleared."""
-        dropped = self.node.mgr.drop_cached()
+        """Drop every cached (unreferenced, idle) block: AllBlocksCleared. A disk that refuses
+        the new header key (``void_headers``) is an I/O error, not a bug: nothing is dropped."""
+        try:
+            dropped = self.node.mgr.drop_cached()
+        except OSError as e:
+            code = P.NO_SPACE if e.errno == errno.ENOSPC else P.IO_ERROR
+            raise ProtocolError(code, f"clear: the NVMe tier's headers cannot be voided ({e}); nothing was dropped") from None
         self.counters["cleared_blocks"] += dropped  # kvtier_blocks_dropped_total counts these too
         self.node.events.all_cleared()
         return {"dropped": dropped}

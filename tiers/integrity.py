@@ -81,12 +81,3 @@ def unreachable_idle(t: BlockTable, corrupt: np.ndarray, blocks: np.ndarray) -> 
     hidden = (st == SEALED) & t.detached[blocks] & ~corrupt[blocks]
     return (t.refcount[blocks] == 0) & (t.pins[blocks] == 0) & (t.busy[blocks] == 0) & ((st == OPEN) | hidden)
 
-
-def erase_nvme_headers(store: NvmeStore, t: BlockTable, blocks: np.ndarray) -> None:
-    """Zero the NVMe headers of ``blocks``' disk copies, durably, before they are dropped on
-    purpose (``kvtier clear``): a restart's scan must not bring them back. Raises the
-    first failure (the caller then drops nothing)."""
-    on_nvme = blocks[(t.copies[blocks] >> Tier.NVME) & 1 == 1]
-    err = next((e for e in store.invalidate(t.slot[Tier.NVME, on_nvme].tolist()) if e is not None), None)
-    if err is not None:
-        raise err

@@ -24,7 +24,7 @@ import torch
 
 from kvtier.kernels.checksum import block_checksum
 
-from .integrity import erase_nvme_headers, read_nvme_verified, unindexed, unreachable_idle
+from .integrity import read_nvme_verified, unindexed, unreachable_idle
 from .intrusive import NIL
 from .io_backends import IOBackend
 from .moves import TierMoves
@@ -196,11 +196,13 @@ class TierManager(TierMoves):
         self.table.importance[blocks] = values
 
     def drop_cached(self) -> int:
-        """Drop every cached (unreferenced, unpinned, idle) block, on disk too; returns how many."""
+        """Drop every cached (unreferenced, unpinned, idle) block; returns how many. The NVMe
+        headers are voided first (``NvmeStore.void_headers``): nothing cleared comes back
+        after a restart. If that fails, nothing is dropped."""
         t = self.table
         cached = np.flatnonzero((t.state != FREE) & (t.refcount == 0) & (t.pins == 0) & (t.busy == 0))
         if self.nvme is not None:
-            erase_nvme_headers(self.nvme, t, cached)
+            self.nvme.void_headers()
         for b in cached.tolist():
             self.drop(b)
         return int(cached.size)

@@ -34,7 +34,7 @@ from .futures import Failures, mapped
 from .io_backends import IOBackend
 from .nvme_recovery import scan
 from .pools import round_up
-from .slab_layout import GROUP, HEADER_BYTES, SlabLayout
+from .slab_layout import HEADER_BYTES, SlabLayout
 from .slot_header import FLAG_SEALED, RecoveredSlot, SlotHeader, decode_header, header_key, header_place, pack_header
 from .types import CorruptBlockError
 
@@ -276,24 +276,13 @@ class NvmeStore:
         self.seq = max(self.seq, max_seq)
         return found, discarded
 
-    def invalidate(self, slots: Sequence[int]) -> Failures:
-        """Zero the header pages of ``slots``, durably: a restart's scan finds nothing there
-        (what ``kvtier clear`` dropped must not come back after a crash). One write per run
-        of consecutive headers; per run, its error or None."""
-        order = sorted(int(s) for s in slots)
-        if not order:
-            return []
-        zeros = _header_pages(min(len(order), GROUP))
-        jobs, start = [], 0
-        for r in range(1, len(order) + 1):
-            if r < len(order) and order[r] == order[r - 1] + 1 and not self.layout.starts_header_run(order[r]):
-                continue
-            handle, off = self.header_at(order[start])
-            jobs.append((handle, [zeros[: r - start].reshape(-1)], off))
-            start = r
-        failures = self.backend.pwrite_many(jobs).result()
-        self.sync()
-        return failures
+    def void_headers(self) -> None:
+        """Void every header on disk at once (``kvtier clear``): a new MAC key, durable before
+        it returns, so what was cleared never comes back at a later scan, whichever copies of
+        it the slabs still hold. Headers written from now on use the new key; blocks the
+        caller keeps are still read by their own checksums (and a clean stop's index lists
+        them), but a scan after a crash no longer finds them."""
+        self.mac_key = header_key(self.directory, fresh=True)
 
     def sync(self) -> None:
         """Make every written slot durable (the slot headers are the index)."""

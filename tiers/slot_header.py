@@ -54,32 +54,41 @@ KEY_BYTES = 16
 _PLACE = struct.Struct("<QQQ")  # slot, payload stride, slots per file
 
 
-def header_key(directory: str) -> bytes:
-    """The slab directory's header MAC key: read, or made (random, 0600, written whole
-    before it is used). A new key makes every older header fail its MAC: the slots are
-    discarded, as a cache may, never misread."""
+def header_key(directory: str, fresh: bool = False) -> bytes:
+    """The slab directory's header MAC key: read, or made (``fresh``: always made anew;
+    random, 0600, written whole before it is used). A new key voids every older header:
+    a later scan discards those slots, never misreads one."""
     path = os.path.join(directory, KEY_FILE)
-    try:
-        with open(path, "rb") as f:
-            key = f.read(KEY_BYTES + 1)
-        if len(key) == KEY_BYTES:
-            return key
-    except FileNotFoundError:
-        pass
+    if not fresh:
+        try:
+            with open(path, "rb") as f:
+                key = f.read(KEY_BYTES + 1)
+            if len(key) == KEY_BYTES:
+                return key
+        except FileNotFoundError:
+            pass
     key = os.urandom(KEY_BYTES)
     tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, key)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dfd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            if os.write(fd, key) != KEY_BYTES:
+                raise OSError(28, "short write", tmp)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError as e:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise OSError(e.errno, e.strerror or str(e), path) from None
     return key
 
 

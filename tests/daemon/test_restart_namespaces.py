@@ -157,3 +157,28 @@ def test_a_block_kept_out_of_the_index_never_comes_back_over_the_indexed_one(tmp
         assert svc.stats()["io"]["recovered_unclaimed"] == 0
     finally:
         svc.close()
+
+
+@pytest.mark.parametrize("errno_, code", [(28, P.NO_SPACE), (5, P.IO_ERROR)])
+def test_a_clear_the_disk_refuses_is_an_io_error_and_drops_nothing(tmp_path, monkeypatch, errno_, code):
+    """``clear`` voids the NVMe headers (a new key file) before it drops anything: a disk that
+    refuses it answers ``no_space`` or ``io_error`` (not ``internal``, a bug's code), and every
+    block stays; the next clear, with the disk back, drops them."""
+    import kvtier.tiers.slot_header as slot_header
+
+    svc = _service(tmp_path)
+    try:
+        call(svc, "register", "a", pid=0, block_bytes=BB, namespace="tenant-a")
+        b = _sealed_on_nvme(svc, "a", 7, 0x5A, BB)
+
+        def refused(src, dst):
+            raise OSError(errno_, os.strerror(errno_))
+        monkeypatch.setattr(slot_header.os, "replace", refused)
+        with pytest.raises(P.ProtocolError) as ei:
+            call(svc, "clear", "a")
+        monkeypatch.undo()
+        assert ei.value.code == code and "nothing was dropped" in str(ei.value)
+        assert ids(call(svc, "lookup", "a", keys=_keys(7))["blocks"]) == [b]
+        assert call(svc, "clear", "a")["dropped"] == 1
+    finally:
+        svc.close()

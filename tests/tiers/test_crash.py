@@ -102,48 +102,59 @@ def test_a_tier_that_shrank_and_grew_back_serves_the_newest_copy(nvme_dir):
 
 
 
-@pytest.mark.parametrize("stop", ["crash", "clean stop, payload scan"])
+@pytest.mark.parametrize("stop", ["crash", "clean stop, payload scan", "clean stop, index"])
 def test_cleared_blocks_do_not_come_back_after_a_restart(nvme_dir, stop):
-    """``kvtier clear`` drops the cached blocks on disk too: a scan after a crash (or after a
-    clean stop with ``recover_payloads``, which ignores the index) finds none of them; a
-    block still referenced is not cleared and comes back."""
+    """``kvtier clear`` voids every header on disk: no copy of a cleared key comes back at a
+    later scan, not even an older one in a slot freed before the clear (key 7's first copy).
+    A block written after the clear does; one kept through it (referenced) comes back only
+    through a clean stop's index, which lists it (a scan no longer finds its header)."""
     m = TierManager(BB, 8, 0, 64, nvme_dir=nvme_dir, io_backend="posix", io_threads=2)
-    blocks = m.alloc(8)
-    for i, b in enumerate(blocks.tolist()):
-        m.write(b, pattern(i, BB))
-        m.seal(b, 100 + i)
-        if i:
-            m.free(b)  # block 0 stays referenced
-    m.demote(blocks, "hbm", "nvme"); m.wait()
-    assert m.drop_cached() == 7 and all(m.lookup(100 + i) < 0 for i in range(1, 8))
+    _put(m, 7, 1)
+    m.drop(m.lookup(7))  # its slot is free, its header still on disk
+    _put(m, 7, 2)
+    kept = int(m.alloc(1)[0])
+    m.write(kept, pattern(3, BB))
+    m.seal(kept, 100)
+    m.demote([kept], "hbm", "nvme"); m.wait()
+    assert m.drop_cached() == 1 and m.lookup(7) < 0 and m.lookup(100) == kept
+    _put(m, 200, 4)
     if stop == "crash":
         _crashed(m)
     else:
         m.close()
     m = TierManager(BB, 8, 0, 64, nvme_dir=nvme_dir, io_backend="posix", io_threads=2,
-                    recover_payloads=stop != "crash")
+                    recover_payloads=stop == "clean stop, payload scan")
     try:
-        assert m.recovered_from == "scan" and m.recovered == 1
-        assert m.read(m.lookup(100)) == pattern(0, BB).tobytes()
-        assert all(m.lookup(100 + i) < 0 for i in range(1, 8))
+        assert m.lookup(7) < 0
+        assert m.read(m.lookup(200)) == pattern(4, BB).tobytes()
+        if stop == "clean stop, index":
+            assert m.recovered_from == "index" and m.read(m.lookup(100)) == pattern(3, BB).tobytes()
+        else:
+            assert m.recovered_from == "scan" and m.recovered == 1 and m.lookup(100) < 0
     finally:
         m.close()
 
 
-def test_a_clear_that_cannot_erase_the_headers_drops_nothing(nvme_dir, monkeypatch):
+def test_a_clear_whose_new_header_key_cannot_be_written_drops_nothing(nvme_dir, monkeypatch):
+    """The key is replaced by a rename: a disk that refuses it leaves the old key, no temporary
+    file, and every block where it was (still served)."""
+    import kvtier.tiers.slot_header as slot_header
+
     m = TierManager(BB, 8, 0, 64, nvme_dir=nvme_dir, io_backend="posix", io_threads=2)
     try:
-        blocks = m.alloc(3)
-        for i, b in enumerate(blocks.tolist()):
-            m.write(b, pattern(i, BB))
-            m.seal(b, 100 + i)
-            m.free(b)
-        m.demote(blocks, "hbm", "nvme"); m.wait()
-        assert m.nvme is not None
-        monkeypatch.setattr(m.nvme, "invalidate", lambda slots: [OSError(5, "injected")])
-        with pytest.raises(OSError, match="injected"):
+        for i in range(3):
+            _put(m, 100 + i, i)
+        key = open(os.path.join(nvme_dir, slot_header.KEY_FILE), "rb").read()
+
+        def refused(src, dst):
+            raise OSError(5, "Input/output error")
+        monkeypatch.setattr(slot_header.os, "replace", refused)
+        with pytest.raises(OSError) as ei:
             m.drop_cached()
-        assert [m.lookup(100 + i) for i in range(3)] == blocks.tolist()
-        assert m.read(blocks[1]) == pattern(1, BB).tobytes()
+        monkeypatch.undo()
+        assert ei.value.errno == 5 and ei.value.filename == os.path.join(nvme_dir, slot_header.KEY_FILE)
+        assert sorted(os.listdir(nvme_dir)) == ["header.key", "slab-0000.kvt"]
+        assert open(os.path.join(nvme_dir, slot_header.KEY_FILE), "rb").read() == key
+        assert m.read(m.lookup(101)) == pattern(1, BB).tobytes()
     finally:
         m.close()
