@@ -20,7 +20,6 @@ recovered.
 from __future__ import annotations
 
 import os
-import time
 from concurrent.futures import Future
 from typing import Any, Callable, Optional, Sequence
 
@@ -35,7 +34,8 @@ from .io_backends import IOBackend
 from .nvme_recovery import scan
 from .pools import round_up
 from .slab_layout import HEADER_BYTES, SlabLayout
-from .slot_header import FLAG_SEALED, RecoveredSlot, SlotHeader, decode_header, header_key, header_place, pack_header
+from .slab_state import header_key, seq_floor
+from .slot_header import FLAG_SEALED, RecoveredSlot, SlotHeader, decode_header, header_place, pack_header
 from .types import CorruptBlockError
 
 
@@ -74,13 +74,10 @@ class NvmeStore:
             for i in range(self.n_files):
                 self._open_slab(os.path.join(directory, f"slab-{i:04d}.kvt"), self.layout.file_bytes(i), grown)
             self.mac_key = header_key(directory)  # the headers' MAC key (``slot_header``), once the slabs fit
+            self.seq = seq_floor(directory)  # writes outrank every header on disk (``slab_state``)
         except BaseException:
             self._undo_open(grown)
             raise
-        # writes outrank every header on disk, also those of slots beyond a tier that shrank
-        # (a scan does not read them) and that come back when it grows: a sequence is never
-        # ahead of the clock's nanoseconds, at a write per nanosecond at most
-        self.seq = time.time_ns()
         self.unreadable = 0  # slots whose read failed during recovery
 
     @property

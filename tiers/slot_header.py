@@ -2,7 +2,7 @@
 the store that writes slots and the scan that reads them back).
 
 A header's own checksum is a MAC: BLAKE2b keyed with a secret of the slab directory
-(``header_key``), over the header and where it lies (slot, payload stride, slots per
+(``slab_state.header_key``), over the header and where it lies (slot, payload stride, slots per
 file). Why keyed: payload bytes are tenants' K/V, and a restart with another layout
 (another model's block size registered first) puts old payload bytes where headers
 are read. An unkeyed checksum let a tenant plant a well-formed header in its own K/V
@@ -14,7 +14,6 @@ it describes some other payload.
 from __future__ import annotations
 
 import hashlib
-import os
 import struct
 from dataclasses import dataclass
 from typing import Optional
@@ -49,47 +48,7 @@ class SlotHeader:
         return bool(self.flags & FLAG_SEALED)
 
 
-KEY_FILE = "header.key"
-KEY_BYTES = 16
 _PLACE = struct.Struct("<QQQ")  # slot, payload stride, slots per file
-
-
-def header_key(directory: str, fresh: bool = False) -> bytes:
-    """The slab directory's header MAC key: read, or made (``fresh``: always made anew;
-    random, 0600, written whole before it is used). A new key voids every older header:
-    a later scan discards those slots, never misreads one."""
-    path = os.path.join(directory, KEY_FILE)
-    if not fresh:
-        try:
-            with open(path, "rb") as f:
-                key = f.read(KEY_BYTES + 1)
-            if len(key) == KEY_BYTES:
-                return key
-        except FileNotFoundError:
-            pass
-    key = os.urandom(KEY_BYTES)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            if os.write(fd, key) != KEY_BYTES:
-                raise OSError(28, "short write", tmp)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError as e:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise OSError(e.errno, e.strerror or str(e), path) from None
-    return key
 
 
 def header_place(slot: int, data_stride: int, slots_per_file: int) -> bytes:

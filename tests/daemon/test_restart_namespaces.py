@@ -164,7 +164,7 @@ def test_a_clear_the_disk_refuses_is_an_io_error_and_drops_nothing(tmp_path, mon
     """``clear`` voids the NVMe headers (a new key file) before it drops anything: a disk that
     refuses it answers ``no_space`` or ``io_error`` (not ``internal``, a bug's code), and every
     block stays; the next clear, with the disk back, drops them."""
-    import kvtier.tiers.slot_header as slot_header
+    import kvtier.tiers.slab_state as slab_state
 
     svc = _service(tmp_path)
     try:
@@ -173,7 +173,7 @@ def test_a_clear_the_disk_refuses_is_an_io_error_and_drops_nothing(tmp_path, mon
 
         def refused(src, dst):
             raise OSError(errno_, os.strerror(errno_))
-        monkeypatch.setattr(slot_header.os, "replace", refused)
+        monkeypatch.setattr(slab_state.os, "replace", refused)
         with pytest.raises(P.ProtocolError) as ei:
             call(svc, "clear", "a")
         monkeypatch.undo()

@@ -81,14 +81,21 @@ def test_a_run_that_did_not_recover_outranks_the_old_copies_at_the_next_scan(nvm
         m.close()
 
 
-def test_a_tier_that_shrank_and_grew_back_serves_the_newest_copy(nvme_dir):
+@pytest.mark.parametrize("clock", ["steady", "set back an hour"])
+def test_a_tier_that_shrank_and_grew_back_serves_the_newest_copy(nvme_dir, monkeypatch, clock):
     """A smaller tier does not scan the slots beyond it, whose headers may carry higher write
-    sequences than any it saw: its writes must still outrank them when the tier grows back."""
+    sequences than any it saw: its writes must still outrank them when the tier grows back,
+    also when the clock was set back meanwhile (the floor the last run left holds)."""
+    import kvtier.tiers.slab_state as slab_state
+
     m = TierManager(BB, 4, 0, 64, nvme_dir=nvme_dir, io_backend="posix", io_threads=2)
     for k in range(20):
         _put(m, 1000 + k, k)  # slots 0..19
     _put(m, 7, 1)  # slot 20: beyond the smaller tier
     _crashed(m)
+    if clock != "steady":
+        now = slab_state.time.time_ns
+        monkeypatch.setattr(slab_state.time, "time_ns", lambda: now() - 3600 * 10**9)
     m = TierManager(BB, 4, 0, 16, nvme_dir=nvme_dir, io_backend="posix", io_threads=2)
     assert m.lookup(7) < 0
     m.drop(m.lookup(1003))  # room for the new copy
@@ -138,23 +145,23 @@ def test_cleared_blocks_do_not_come_back_after_a_restart(nvme_dir, stop):
 def test_a_clear_whose_new_header_key_cannot_be_written_drops_nothing(nvme_dir, monkeypatch):
     """The key is replaced by a rename: a disk that refuses it leaves the old key, no temporary
     file, and every block where it was (still served)."""
-    import kvtier.tiers.slot_header as slot_header
+    import kvtier.tiers.slab_state as slab_state
 
     m = TierManager(BB, 8, 0, 64, nvme_dir=nvme_dir, io_backend="posix", io_threads=2)
     try:
         for i in range(3):
             _put(m, 100 + i, i)
-        key = open(os.path.join(nvme_dir, slot_header.KEY_FILE), "rb").read()
+        key = open(os.path.join(nvme_dir, slab_state.KEY_FILE), "rb").read()
 
         def refused(src, dst):
             raise OSError(5, "Input/output error")
-        monkeypatch.setattr(slot_header.os, "replace", refused)
+        monkeypatch.setattr(slab_state.os, "replace", refused)
         with pytest.raises(OSError) as ei:
             m.drop_cached()
         monkeypatch.undo()
-        assert ei.value.errno == 5 and ei.value.filename == os.path.join(nvme_dir, slot_header.KEY_FILE)
-        assert sorted(os.listdir(nvme_dir)) == ["header.key", "slab-0000.kvt"]
-        assert open(os.path.join(nvme_dir, slot_header.KEY_FILE), "rb").read() == key
+        assert ei.value.errno == 5 and ei.value.filename == os.path.join(nvme_dir, slab_state.KEY_FILE)
+        assert sorted(os.listdir(nvme_dir)) == ["header.key", "seq.floor", "slab-0000.kvt"]
+        assert open(os.path.join(nvme_dir, slab_state.KEY_FILE), "rb").read() == key
         assert m.read(m.lookup(101)) == pattern(1, BB).tobytes()
     finally:
         m.close()

@@ -13,7 +13,8 @@ import pytest
 from kvtier.kernels.checksum import block_checksum
 from kvtier.tiers.manager import TierManager
 from kvtier.tiers.slab_layout import HEADER_BYTES, SlabLayout
-from kvtier.tiers.slot_header import FLAG_SEALED, KEY_FILE, header_place, pack_header
+from kvtier.tiers.slab_state import KEY_FILE
+from kvtier.tiers.slot_header import FLAG_SEALED, header_place, pack_header
 
 B1, B2, N = 8192, 12288, 1024  # run 1's block size, run 2's (another model registered first)
 TARGET = 600  # a slot of run 2's second group, whose header lies inside run 1's payloads

@@ -27,7 +27,7 @@ def test_roundtrip_many_concurrent(backend, nvme_dir):
         assert np.array_equal(out[:20_000], pattern(s, 20_000))
         h = st.read_header(s)
         assert h is not None and h.key == 1000 + s and h.length == 20_000 and h.sealed
-    assert sorted(os.listdir(nvme_dir)) == ["header.key", "slab-0000.kvt", "slab-0001.kvt", "slab-0002.kvt"]
+    assert sorted(os.listdir(nvme_dir)) == ["header.key", "seq.floor", "slab-0000.kvt", "slab-0001.kvt", "slab-0002.kvt"]
     st.close()
 
 
