@@ -336,17 +336,14 @@ class TieredCache(Cache):
             row = self.rows[i]
             try:
                 _, slots = self.client.acquire(blocks=[row.blocks[j]])
-            except Exception as err:  # noqa: BLE001 - reported, and the cache re-acquires
+            except BaseException as err:  # reported (or raised), and the cache re-acquires
                 self._release_pins(skip=frozenset(folded[n:]))
-                if isinstance(err, EngineReclaimed) or self.client.reclaimed:
+                if not isinstance(err, Exception) or isinstance(err, EngineReclaimed) or self.client.reclaimed:
                     raise
                 log.warning("shared block %d could not be pinned after a fold (%s): the cache "
                             "released its pins and acquires its rows again at the next forward",
                             row.blocks[j], err)
                 return
-            except BaseException:
-                self._release_pins(skip=frozenset(folded[n:]))
-                raise
             row.slots[j] = int(slots[0])
 
     def _release_pins(self, skip: frozenset = frozenset()) -> None:

@@ -57,7 +57,6 @@ def chain_key(parent: int, payload: bytes, namespace: bytes) -> int:
     return h or 1
 
 
-
 @dataclass
 class Row:
     blocks: list[int] = field(default_factory=list)

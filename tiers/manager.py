@@ -72,8 +72,7 @@ class TierManager(TierMoves):
                 self.close()  # no leaked shared memory, threads or file handles
                 raise
         elif self.nvme is not None:
-            take_index(self.nvme)  # these slabs will be overwritten: an old index must not outlive them
-            # (the store's sequence starts at the clock: new headers outrank the old at a later scan)
+            take_index(self.nvme)  # these slabs will be overwritten (new headers outrank the old: seq_floor)
         self._index_on_close = True
 
     # -- lifecycle ---------------------------------------------------------
@@ -181,8 +180,7 @@ class TierManager(TierMoves):
 
     def ref(self, key: int) -> int:
         """Take a reference on the sealed block with ``key`` (prefix hit)."""
-        b = self.table.lookup(key)
-        if b < 0:
+        if (b := self.table.lookup(key)) < 0:
             raise ValueError(f"unknown key {int(key):#x}")
         self.table.refcount[b] += 1
         return b
@@ -196,13 +194,11 @@ class TierManager(TierMoves):
         self.table.importance[blocks] = values
 
     def drop_cached(self) -> int:
-        """Drop every cached (unreferenced, unpinned, idle) block; returns how many. The NVMe
-        headers are voided first (``NvmeStore.void_headers``): nothing cleared comes back
-        after a restart. If that fails, nothing is dropped."""
-        t = self.table
-        cached = np.flatnonzero((t.state != FREE) & (t.refcount == 0) & (t.pins == 0) & (t.busy == 0))
+        """Drop every unreferenced, unpinned, idle block (NVMe headers voided first, or none); how many."""
         if self.nvme is not None:
             self.nvme.void_headers()
+        t = self.table
+        cached = np.flatnonzero((t.state != FREE) & (t.refcount == 0) & (t.pins == 0) & (t.busy == 0))
         for b in cached.tolist():
             self.drop(b)
         return int(cached.size)
