@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import msgpack
 import zmq
@@ -47,16 +47,21 @@ def resolve_endpoints(endpoint: Optional[str], runtime_dir: str) -> Endpoints:
 class TelemetrySender:
     """One engine's telemetry socket, opened at the first report."""
 
-    def __init__(self, ctx: "zmq.Context[zmq.Socket[bytes]]", endpoint: Optional[str], engine_id: str) -> None:
+    def __init__(self, ctx: "zmq.Context[zmq.Socket[bytes]]", endpoint: Optional[str], engine_id: str,
+                 stamp: Callable[[], Optional[list[int]]] = lambda: None) -> None:
         self.ctx = ctx
         self.endpoint = endpoint
         self.engine_id = engine_id
+        self.stamp = stamp  # [session tag, last request sent] when a report is built (``daemon.drop_log``)
         self._push: Optional[zmq.Socket] = None
         self.closed = False
         self.dropped = 0  # reports dropped for want of an endpoint
 
     def send(self, kind: str, blocks: Any, **fields: Any) -> None:
         msg = {"v": P.VERSION, "engine": self.engine_id, "kind": kind, "blocks": pack_ids(blocks), **fields}
+        at = self.stamp()
+        if at is not None:
+            msg["at"] = at
         if self.closed:
             raise KvtierError("client is closed")
         if self._push is None:

@@ -70,9 +70,11 @@ class TierClient:
         self.endpoint = endpoint
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._dealer()
-        self.telemetry = TelemetrySender(self.ctx, self.telemetry_endpoint, self.engine_id)
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
+        self._sent = 0  # the last request id sent on the main socket: with the session's tag, telemetry's stamp
+        self.telemetry = TelemetrySender(self.ctx, self.telemetry_endpoint, self.engine_id, lambda: (
+            [int(self.info["session_tag"]), self._sent] if "session_tag" in self.info else None))
         self._lease: list[int] = []
         self._lease_slot: dict[int, int] = {}
         self.lease_size = lease_size
@@ -103,17 +105,18 @@ class TierClient:
             raise EngineReclaimed("unknown_engine", self.reclaimed)
         if self.endpoint.startswith("ipc://") and not os.path.exists(self.endpoint[6:]):
             raise DaemonUnavailable(f"no daemon at {self.endpoint}")  # at once: an engine never waits on none
-        rid = next(self._ids)
         if op in P.ADMIN_OPS or op == "stats":  # the owner's capability, where this process can read it
             token = read_token(self.runtime_dir)
             if token is not None:
                 args = {**(args or {}), "token": token}
-        payload = P.pack({"v": P.VERSION, "id": rid, "op": op, "engine": self.engine_id,
-                          "args": {k: v for k, v in (args or {}).items() if v is not None}})
         timeout = self.timeout_s if timeout_s is None else timeout_s
         with self._lock if sock is None else contextlib.nullcontext():
+            rid = next(self._ids)  # under the lock: ids go out in order, which telemetry stamps rely on
             s = sock or self._sock
-            s.send_multipart([b"", payload])
+            s.send_multipart([b"", P.pack({"v": P.VERSION, "id": rid, "op": op, "engine": self.engine_id,
+                                           "args": {k: v for k, v in (args or {}).items() if v is not None}})])
+            if sock is None:
+                self._sent = rid
             end = time.monotonic() + timeout
             while True:
                 left = end - time.monotonic()
@@ -155,8 +158,7 @@ class TierClient:
         session is the one state both sides agree on."""
         self.reclaimed = why
         self.hbm = None  # slot_view raises from now on; the segment stays mapped until close
-        # (heartbeats pause while ``reclaimed`` is set: a daemon that never hears from us again
-        # reclaims the session itself)
+        # (heartbeats pause while ``reclaimed`` is set: a daemon that never hears us reclaims it)
 
     # -- session -------------------------------------------------------------------
     def ping(self) -> dict:
@@ -265,12 +267,9 @@ class TierClient:
                 self._lease.extend(unpack_ids(r["blocks"]).tolist())
             out = np.asarray(self._lease[:n], dtype=np.int64)
             del self._lease[:n]
-            return out, self._slots_of(out)
+            return out, np.asarray([self._lease_slot.pop(b) for b in out.tolist()], dtype=np.int64)
         r = self._alloc_retry(n, seq, pin, wait)
         return unpack_ids(r["blocks"]), unpack_ids(r["slots"])
-
-    def _slots_of(self, blocks: np.ndarray) -> np.ndarray:
-        return np.asarray([self._lease_slot.pop(b) for b in blocks.tolist()], dtype=np.int64)
 
     def _alloc_retry(self, n: int, seq: Optional[int], pin: bool = False, wait: bool = True) -> dict:
         """The daemon waits for room (up to our timeout) rather than bouncing us."""

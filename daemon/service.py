@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import secrets
 import time
 from collections import Counter
 from typing import Any, Callable, Optional
@@ -63,7 +64,7 @@ class Service:
     def handle(self, req: P.Request, args: Any) -> Any:
         """Run one validated request: a result dict, or a ``Pending`` to answer later."""
         if req.op == "register":
-            return self.op_register(req.engine, args)
+            return self.op_register(req.engine, args, req.id)
         if req.op in P.ADMIN_OPS and not self.is_admin(args):
             raise ProtocolError(P.FORBIDDEN, f"{req.op} needs the daemon owner's token (admin.token in its runtime dir)")
         session = None
@@ -72,6 +73,7 @@ class Service:
             if session is None:
                 raise ProtocolError(P.UNKNOWN_ENGINE, f"engine {req.engine!r} is not registered")
             session.last_seen = self.clock()
+            session.rid = req.id
         try:
             op = self.ops.get(req.op)
             if op is not None:
@@ -104,7 +106,7 @@ class Service:
                                "sequences": 0}] * len(out["engines"])
         return out
 
-    def op_register(self, engine_id: str, args: Any) -> dict:
+    def op_register(self, engine_id: str, args: Any, rid: int = 0) -> dict:
         if not engine_id:
             raise ProtocolError(P.BAD_REQUEST, "register needs a non-empty engine id")
         node = self.node
@@ -134,7 +136,8 @@ class Service:
                                                 self.clock(), node.mgr.table.max_blocks,
                                                 pid_checkable(args.pid, args.pid_ns, self.pid_ns), ns,
                                                 key_scope(args.namespace), self.namespaces.group(ns),
-                                                args.refs_only, block_bytes=args.block_bytes, pid_ns=int(args.pid_ns))
+                                                args.refs_only, block_bytes=args.block_bytes, pid_ns=int(args.pid_ns),
+                                                tag=secrets.randbits(62), rid=rid)
         claimed = node.mgr.claim(owner_of(args.namespace, geometry), ns)  # its blocks a restart recovered
         if claimed:
             log.info("namespace %r (%d bytes / %d tokens): %d recovered blocks are its own again",
@@ -142,7 +145,8 @@ class Service:
         self.counters["registers"] += 1
         return node.hbm_info() | {"heartbeat_timeout_s": self.cfg.server.heartbeat_timeout_s,
                                   "block_bytes": args.block_bytes, "slot_bytes": node.mgr.block_bytes,
-                                  "layers": node.layer_parts(args.block_bytes, args.layout)}
+                                  "layers": node.layer_parts(args.block_bytes, args.layout),
+                                  "session_tag": self.engines[engine_id].tag}
 
     def _refuse_a_second_process(self, engine_id: str, process: tuple[int, int]) -> None:
         """An engine id names one process. Another process registering a live engine's id
