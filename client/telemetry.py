@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import msgpack
 import zmq
@@ -47,23 +47,27 @@ def resolve_endpoints(endpoint: Optional[str], runtime_dir: str) -> Endpoints:
 class TelemetrySender:
     """One engine's telemetry socket, opened at the first report."""
 
-    def __init__(self, ctx: "zmq.Context[zmq.Socket[bytes]]", endpoint: Optional[str], engine_id: str,
-                 stamp: Callable[[], Optional[list[int]]] = lambda: None) -> None:
+    def __init__(self, ctx: "zmq.Context[zmq.Socket[bytes]]", endpoint: Optional[str], engine_id: str) -> None:
         self.ctx = ctx
         self.endpoint = endpoint
         self.engine_id = engine_id
-        self.stamp = stamp  # [session tag, last request sent] when a report is built (``daemon.drop_log``)
+        # each report's stamp: the daemon's tag of this session (None: no session) and its count
+        # of block frees in the last reply before the report; it skips the ids freed since
+        self.tag: Optional[int] = None
+        self.freed = 0
         self._push: Optional[zmq.Socket] = None
         self.closed = False
         self.dropped = 0  # reports dropped for want of an endpoint
+        self.unstamped = 0  # reports dropped for want of a session
 
     def send(self, kind: str, blocks: Any, **fields: Any) -> None:
-        msg = {"v": P.VERSION, "engine": self.engine_id, "kind": kind, "blocks": pack_ids(blocks), **fields}
-        at = self.stamp()
-        if at is not None:
-            msg["at"] = at
         if self.closed:
             raise KvtierError("client is closed")
+        if self.tag is None:  # no session (not registered, or reclaimed): the ids name nothing of ours
+            self.unstamped += 1
+            return
+        msg = {"v": P.VERSION, "engine": self.engine_id, "kind": kind, "blocks": pack_ids(blocks),
+               "at": [self.tag, self.freed], **fields}
         if self._push is None:
             if not self.endpoint:  # fire-and-forget: no endpoint drops it, never fails the engine
                 if not self.dropped:
@@ -79,6 +83,17 @@ class TelemetrySender:
             self._push.send(msgpack.packb(msg, use_bin_type=True), zmq.NOBLOCK)
         except zmq.Again:
             pass  # fire-and-forget: a full queue drops telemetry, never blocks the engine
+
+    def start(self, tag: Optional[int]) -> None:
+        """A session begins (its tag) or ends (None): a restarted daemon counts its frees afresh."""
+        self.tag = None if tag is None else int(tag)
+        if tag is None:
+            self.freed = 0
+
+    def saw(self, freed: Any) -> None:
+        """A reply's free count (replies of several threads may come in any order: the largest)."""
+        if isinstance(freed, int):
+            self.freed = max(self.freed, freed)
 
     def close(self) -> None:
         self.closed = True

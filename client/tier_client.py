@@ -72,9 +72,7 @@ class TierClient:
         self._sock = self._dealer()
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._sent = 0  # the last request id sent on the main socket: with the session's tag, telemetry's stamp
-        self.telemetry = TelemetrySender(self.ctx, self.telemetry_endpoint, self.engine_id, lambda: (
-            [int(self.info["session_tag"]), self._sent] if "session_tag" in self.info else None))
+        self.telemetry = TelemetrySender(self.ctx, self.telemetry_endpoint, self.engine_id)
         self._lease: list[int] = []
         self._lease_slot: dict[int, int] = {}
         self.lease_size = lease_size
@@ -105,18 +103,17 @@ class TierClient:
             raise EngineReclaimed("unknown_engine", self.reclaimed)
         if self.endpoint.startswith("ipc://") and not os.path.exists(self.endpoint[6:]):
             raise DaemonUnavailable(f"no daemon at {self.endpoint}")  # at once: an engine never waits on none
+        rid = next(self._ids)
         if op in P.ADMIN_OPS or op == "stats":  # the owner's capability, where this process can read it
             token = read_token(self.runtime_dir)
             if token is not None:
                 args = {**(args or {}), "token": token}
+        payload = P.pack({"v": P.VERSION, "id": rid, "op": op, "engine": self.engine_id,
+                          "args": {k: v for k, v in (args or {}).items() if v is not None}})
         timeout = self.timeout_s if timeout_s is None else timeout_s
         with self._lock if sock is None else contextlib.nullcontext():
-            rid = next(self._ids)  # under the lock: ids go out in order, which telemetry stamps rely on
             s = sock or self._sock
-            s.send_multipart([b"", P.pack({"v": P.VERSION, "id": rid, "op": op, "engine": self.engine_id,
-                                           "args": {k: v for k, v in (args or {}).items() if v is not None}})])
-            if sock is None:
-                self._sent = rid
+            s.send_multipart([b"", payload])
             end = time.monotonic() + timeout
             while True:
                 left = end - time.monotonic()
@@ -137,6 +134,7 @@ class TierClient:
                 reply = msgpack.unpackb(frames[-1], raw=False)
                 if reply.get("id") == rid:
                     break
+        self.telemetry.saw(reply.get("freed"))  # the daemon's free count: what later reports are stamped with
         if not reply.get("ok"):
             err = reply.get("error") or {}
             code, message = err.get("code", "unknown"), err.get("message", "")
@@ -157,6 +155,7 @@ class TierClient:
         still carry it out later (references and pins nobody would ever release), and a new
         session is the one state both sides agree on."""
         self.reclaimed = why
+        self.telemetry.start(None)  # no reports either: their ids name nothing of ours now
         self.hbm = None  # slot_view raises from now on; the segment stays mapped until close
         # (heartbeats pause while ``reclaimed`` is set: a daemon that never hears us reclaims it)
 
@@ -190,6 +189,7 @@ class TierClient:
             self.hbm = hbm_tensor
         self.info = self._call("register", args)
         self.reclaimed = ""
+        self.telemetry.start(self.info.get("session_tag"))
         if self.hbm is None:
             self.hbm, self._shm = map_daemon_region(self.info)
         # a lease holds HBM slots idle: keep it a small fraction of the pool
@@ -222,6 +222,7 @@ class TierClient:
         self._lease.clear()
         self._lease_slot.clear()
         self.info = {}
+        self.telemetry.start(None)
         self.reclaimed = "not registered: a register is under way or failed"  # ``reattach`` tries again
         self.session += 1  # handles of the old session never act in this one
         if not own_region:

@@ -130,7 +130,6 @@ class BlockOps:
             if t.pins[b] != session.pins[b]:
                 raise ProtocolError(P.INVALID, f"block {b} is pinned by another engine")
         out = np.empty_like(blocks)
-        folded: list[int] = []  # ids let go of: late telemetry about them must not credit their next use
         nbytes = args.nbytes if args.nbytes is not None else (session.block_bytes or mgr.block_bytes)
         cont = session.continues(args.seq, blocks.size)
         for i, (b, k) in enumerate(zip(blocks.tolist(), keys.tolist())):
@@ -146,14 +145,12 @@ class BlockOps:
             c = mgr.seal(b, k, nbytes, fold=folds or not args.fold_identical_only)
             if c != b:
                 session.replace(b, c)
-                folded.append(b)
                 self.counters["seal_shared"] += 1
                 if node.remote is not None:
                     node.remote.note_shared(np.array([c]))
             else:
                 node.placement.on_seal(c, cont, int(blocks.size))
             out[i] = c
-        session.dropped(np.array(folded, dtype=np.int64), self.clock())
         self.counters["seals"] += int(blocks.size)
         return {"blocks": P.id_bytes(out)}
 
@@ -206,7 +203,6 @@ class BlockOps:
         for s in args.seqs or []:
             session.seqs.pop(s, None)
         session.forget_blocks(set(blocks.tolist()))
-        session.dropped(np.fromiter(drops, dtype=np.int64, count=len(drops)), self.clock())
         self.counters["frees"] += int(blocks.size)
         return {"freed": int(blocks.size)}
 

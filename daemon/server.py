@@ -219,7 +219,7 @@ class Server:
             if isinstance(result, Pending):
                 result.reply_to = (envelope, rid)
                 return
-            reply = P.ok(rid, result)
+            reply = P.ok(rid, result, svc.frees())
         except ProtocolError as e:
             svc.counters["rpc_errors"] += 1
             reply = P.error(rid if rid >= 0 else P.request_id(payload), e.code, e.message)
@@ -240,7 +240,7 @@ class Server:
             self.service.counters["rpc_errors"] += 1
             reply = P.error(rid, result.code, result.message)
         else:
-            reply = P.ok(rid, result)
+            reply = P.ok(rid, result, self.service.frees())
         self.rpc.send_multipart([*envelope, reply])
 
     def _on_telemetry(self, frame: bytes) -> None:

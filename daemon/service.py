@@ -64,7 +64,7 @@ class Service:
     def handle(self, req: P.Request, args: Any) -> Any:
         """Run one validated request: a result dict, or a ``Pending`` to answer later."""
         if req.op == "register":
-            return self.op_register(req.engine, args, req.id)
+            return self.op_register(req.engine, args)
         if req.op in P.ADMIN_OPS and not self.is_admin(args):
             raise ProtocolError(P.FORBIDDEN, f"{req.op} needs the daemon owner's token (admin.token in its runtime dir)")
         session = None
@@ -73,7 +73,6 @@ class Service:
             if session is None:
                 raise ProtocolError(P.UNKNOWN_ENGINE, f"engine {req.engine!r} is not registered")
             session.last_seen = self.clock()
-            session.rid = req.id
         try:
             op = self.ops.get(req.op)
             if op is not None:
@@ -106,7 +105,7 @@ class Service:
                                "sequences": 0}] * len(out["engines"])
         return out
 
-    def op_register(self, engine_id: str, args: Any, rid: int = 0) -> dict:
+    def op_register(self, engine_id: str, args: Any) -> dict:
         if not engine_id:
             raise ProtocolError(P.BAD_REQUEST, "register needs a non-empty engine id")
         node = self.node
@@ -137,7 +136,7 @@ class Service:
                                                 pid_checkable(args.pid, args.pid_ns, self.pid_ns), ns,
                                                 key_scope(args.namespace), self.namespaces.group(ns),
                                                 args.refs_only, block_bytes=args.block_bytes, pid_ns=int(args.pid_ns),
-                                                tag=secrets.randbits(62), rid=rid)
+                                                tag=secrets.randbits(62))
         claimed = node.mgr.claim(owner_of(args.namespace, geometry), ns)  # its blocks a restart recovered
         if claimed:
             log.info("namespace %r (%d bytes / %d tokens): %d recovered blocks are its own again",
@@ -265,6 +264,10 @@ class Service:
         return self.blocks.op_clear(session, args)
 
     # -- telemetry -----------------------------------------------------------------------
+    def frees(self) -> int:
+        """The block table's count of frees, sent with every reply: telemetry stamps (``telemetry``)."""
+        return self.node.mgr.table.releases if self.node is not None else 0
+
     def ingest(self, msg: Any) -> int:
         """One telemetry message; returns block updates applied (bad ones are counted, not fatal)."""
         engine = msg.get("engine") if isinstance(msg, dict) else None

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .drop_log import DropLog
 from .pin_counts import PinCounts
 
 
@@ -32,19 +31,12 @@ class EngineSession:
     block_bytes: int = 0  # this engine's block size (<= the daemon's slot payload; 0: the daemon's)
     pid_ns: int = 0  # the pid namespace its pid is in (with ``pid``: which process this is)
     tag: int = 0  # random per register; its telemetry names it, so an earlier session's is refused
-    rid: int = 0  # the request being served (the client's counter): what ``drops`` files ids under
     refs: Counter = field(default_factory=Counter)
     seqs: dict[int, list[int]] = field(default_factory=dict)
     pins: PinCounts = field(init=False)  # pins per block held by this engine (vectorised on the RPC path)
-    drops: DropLog = field(init=False)  # ids its recent requests let go of: late telemetry skips them
 
     def __post_init__(self) -> None:
         self.pins = PinCounts(self.max_blocks)
-        self.drops = DropLog(self.rid)
-
-    def dropped(self, blocks: np.ndarray, now: float) -> None:
-        """The request being served let go of ``blocks``: telemetry built before it skips them."""
-        self.drops.note(self.rid, blocks, now)
 
     def add_refs(self, blocks: np.ndarray, seq: "int | None") -> None:
         lst = blocks.tolist()

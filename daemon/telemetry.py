@@ -4,9 +4,12 @@ Attention mass updates the importance EMA and the policies' weights; segment
 tags set a block's segment weight; class reports (does the request continue a
 conversation, how many new blocks it adds) set a sealed block's predictor class;
 access reports feed the policies' access log. A bad message is counted and dropped: telemetry never fails an engine.
-A report names the session it was built in and the last request sent before it (``at``):
-one of an earlier session is dropped, and ids that later requests let go of are skipped
-(``DropLog``), since the id may name another block by the time the report is read.
+Telemetry travels on its own socket, so a report can be read after the id it names was freed
+and taken by another block (the engine's own next alloc, or another engine's). Each report is
+stamped (``at``) with its session's tag and the daemon's count of frees from the last reply the
+engine had when it built it: a report of another session is dropped, and ids freed since the
+stamp (``BlockTable.freed_since``) are skipped. Blocks an engine lets go of that stay cached
+are the same blocks, and still take their reports.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 
 from kvtier.protocol import wire as P
 from kvtier.protocol.wire import ProtocolError
+from kvtier.tiers.block_table import BlockTable
 from kvtier.tiers.types import FREE, OPEN
 
 from .node import Node
@@ -37,7 +41,7 @@ def ingest(node: Node, counters: Counter[str], msg: Any, session: EngineSession)
         if blocks.size == 0 or np.any((blocks < 0) | (blocks >= t.max_blocks)):
             raise ProtocolError(P.BAD_REQUEST, "bad blocks")
         live = (t.state[blocks] != FREE) & node.mine(session, blocks)
-        skip = _stale(session, msg.get("at"), blocks)
+        skip = _stale(t, session, msg.get("at"), blocks)
         if skip is None:
             counters["telemetry_stale"] += 1
             return 0
@@ -72,17 +76,19 @@ def ingest(node: Node, counters: Counter[str], msg: Any, session: EngineSession)
     return n
 
 
-def _stale(session: EngineSession, at: Any, blocks: np.ndarray) -> "np.ndarray | None":
-    """Which blocks a report built at ``at`` = [session tag, last request id sent] must skip;
-    None: the whole report (another session's, or older than the drop log covers). A report
-    without ``at`` (a client that does not stamp) skips nothing."""
+def _stale(table: BlockTable, session: EngineSession, at: Any, blocks: np.ndarray) -> "np.ndarray | None":
+    """Which blocks a report stamped ``at`` = [session tag, the daemon's free count then] must
+    skip: those freed since. None: the whole report (another session's, a count this daemon
+    has not reached, or one 2^31 frees old). Without ``at`` (a client that does not stamp)
+    it skips nothing."""
     if at is None:
         return np.zeros(blocks.size, dtype=bool)
-    if (not isinstance(at, list) or len(at) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in at)):
+    if not isinstance(at, list) or len(at) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in at):
         raise ProtocolError(P.BAD_REQUEST, "bad at")
-    if at[0] != session.tag:
+    tag, freed = at
+    if tag != session.tag or not 0 <= table.releases - freed < 1 << 31:
         return None
-    return session.drops.skip(at[1], blocks)
+    return table.freed_since(blocks, freed)
 
 
 __all__ = ["ingest"]

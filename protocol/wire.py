@@ -271,8 +271,10 @@ def id_bytes(arr: "np.ndarray | list[int]", dtype: "np.dtype | type" = np.int64)
     return np.ascontiguousarray(arr, dtype=_LE.get(dt, dt)).tobytes()
 
 
-def ok(rid: int, result: Optional[dict] = None) -> bytes:
-    return pack({"v": VERSION, "id": rid, "ok": True, "result": result or {}})
+def ok(rid: int, result: Optional[dict] = None, freed: int = 0) -> bytes:
+    """A success reply; ``freed``: the daemon's count of block frees when it was made, which the
+    client stamps its telemetry with (a report skips the ids freed after it)."""
+    return pack({"v": VERSION, "id": rid, "ok": True, "result": result or {}, "freed": freed})
 
 
 def error(rid: int, code: str, message: str) -> bytes:

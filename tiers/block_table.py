@@ -1,14 +1,11 @@
 """Struct-of-arrays block metadata: the single source of truth for placement.
 
-Block id = index into preallocated arrays (as in vLLM's block pool). Slots of
-each tier are owned by at most one block; ``slot[t, b]`` and
-``slot_owner[t][s]`` are kept as a bijection. Each tier has an intrusive free
-list of slots. NVMe also has a list of the idle blocks holding a copy there,
-in recency order: where the placement finds cached NVMe copies to drop.
-HBM and DRAM victims are their policies' choice (``kvtier.policy``), so those
-tiers keep no such list: one had been maintained on every move and read by
-nothing. Nothing here moves bytes: the manager pairs this table with pools
-and the mover.
+Block id = index into preallocated arrays (as in vLLM's block pool). Slots of each tier are
+owned by at most one block; ``slot[t, b]`` and ``slot_owner[t][s]`` are kept as a bijection.
+Each tier has an intrusive free list of slots. NVMe also has a list of the idle blocks holding
+a copy there, in recency order: where the placement finds cached NVMe copies to drop (HBM and
+DRAM victims are their policies' choice, ``kvtier.policy``). Nothing here moves bytes: the
+manager pairs this table with pools and the mover.
 
 Only the owner thread may mutate a table; it is deliberately lock-free.
 """
@@ -22,6 +19,8 @@ import numpy as np
 from .intrusive import NIL, IndexLists
 from .key_index import KeyIndex, all_distinct
 from .types import FREE, N_TIERS, NVME, OPEN, SEALED, Tier
+
+GEN_MASK = 0xFFFFFFFF  # ``generation`` holds the free count mod 2^32
 
 
 class BlockTable:
@@ -47,9 +46,11 @@ class BlockTable:
         self.nbytes = np.zeros(n, dtype=np.uint32)  # valid payload bytes
         self.checksum = np.zeros(n, dtype=np.uint64)  # of sealed bytes
         self.detached = np.zeros(n, dtype=np.bool_)  # sealed, but its key no longer maps to it (quarantined)
-        # bumped each time the id is freed: whoever holds a bare id across owner-loop turns (an
-        # unfinished acquire) tells "the same block" from "another block that took the id"
+        # the count of frees (``releases``, mod 2^32) when the id was last freed: who holds a bare id
+        # across owner-loop turns (an unfinished acquire, telemetry stamped with the count) tells
+        # "the same block" from "another block that took the id" (``freed_since``)
         self.generation = np.zeros(n, dtype=np.uint32)
+        self.releases = 0
         # -- policy columns (extension point: see ``add_column``) --
         self.importance = np.zeros(n, dtype=np.float32)
         self.extra: dict[str, np.ndarray] = {}
@@ -86,14 +87,12 @@ class BlockTable:
         return bool(int(self.copies[b]) >> int(tier) & 1)
 
     def moving(self, blocks: np.ndarray) -> np.ndarray:
-        """Per block: a transfer is moving it (a read hold alone is not a move: ``busy``
-        counts both, and every check that would drop or reuse a copy refuses any ``busy``)."""
+        """Per block: a transfer is moving it (a read hold alone is not: ``busy`` counts both)."""
         return self.busy[blocks] != self.readers[blocks]
 
     def read_hold(self, blocks: np.ndarray, delta: int) -> None:
-        """Take (+1) or end (-1) a read hold on sealed blocks: it counts in ``busy``, so nothing
-        evicts, drops, demotes or frees them meanwhile; but it is no move, so they may still be
-        pinned and gain copies (a promotion only reads its source too)."""
+        """Take (+1) or end (-1) a read hold on sealed blocks: it counts in ``busy`` (nothing evicts,
+        drops, demotes or frees them), but is no move (they may be pinned and gain copies)."""
         if delta > 0 and np.any(self.state[blocks] != SEALED):
             raise ValueError("only sealed blocks are read by a remote write")
         if delta < 0 and np.any(self.readers[blocks] == 0):
@@ -187,9 +186,8 @@ class BlockTable:
         return blocks
 
     def seal(self, b: int, key: int, checksum: int) -> None:
-        self.key[b] = np.uint64(int(key) & ((1 << 64) - 1))
-        self.checksum[b] = np.uint64(checksum)
-        self.state[b] = SEALED
+        self.seal_unindexed(b, key, checksum)
+        self.detached[b] = False
         self.keys.insert(int(self.key[b]), b)
 
     def seal_unindexed(self, b: int, key: int, checksum: int) -> None:
@@ -225,8 +223,15 @@ class BlockTable:
         self.pins[b] = 0
         self.busy[b] = 0
         self.readers[b] = 0
-        self.generation[b: b + 1] += 1  # an array add wraps silently: a waiter lives seconds, not 2^32 reuses
+        self.releases += 1
+        self.generation[b] = self.releases & GEN_MASK  # a waiter lives seconds, not 2^32 frees
         self.free_blocks.push_back(b)
+
+    def freed_since(self, blocks: np.ndarray, g: int) -> np.ndarray:
+        """Which ``blocks`` were freed since the free count was ``g`` (at most 2^31 ago): their ids
+        may name other blocks now. One last freed 2^32 frees before can look so (odds (releases - g) / 2^32)."""
+        since = (self.generation[blocks].astype(np.int64) - (g & GEN_MASK)) & GEN_MASK
+        return (since >= 1) & (since <= self.releases - g)
 
     # -- slots -----------------------------------------------------------
     def assign_slot(self, b: int, tier: int) -> int:

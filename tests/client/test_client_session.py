@@ -149,6 +149,9 @@ def test_telemetry_without_an_endpoint_is_dropped_not_raised(caplog):
     ctx = zmq.Context()
     try:
         t = TelemetrySender(ctx, None, "e")
+        t.send("segment", [1, 2], tag="user")  # no session yet: nothing to stamp with, dropped
+        assert t.unstamped == 1 and t.dropped == 0
+        t.start(12345)
         with caplog.at_level("WARNING", logger="kvtier.client"):
             t.send("segment", [1, 2], tag="user")
             t.send("segment", [3], tag="user")

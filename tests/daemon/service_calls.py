@@ -20,9 +20,9 @@ class Clock:
         return self.t
 
 
-def call(svc: Service, op: str, engine: str = "e", rid: int = 1, **args: Any) -> Any:
-    """Encode, decode and handle one request exactly as the server would (``rid``: its id)."""
-    req, a = P.decode_request(P.pack({"v": 1, "id": rid, "op": op, "engine": engine, "args": args}), 1 << 20)
+def call(svc: Service, op: str, engine: str = "e", **args: Any) -> Any:
+    """Encode, decode and handle one request exactly as the server would."""
+    req, a = P.decode_request(P.pack({"v": 1, "id": 1, "op": op, "engine": engine, "args": args}), 1 << 20)
     return svc.handle(req, a)
 
 

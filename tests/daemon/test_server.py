@@ -216,11 +216,11 @@ def test_events_in_vllm_shape(daemon):
 def test_a_late_report_does_not_credit_an_id_the_engine_got_back(daemon):
     """A report built before a free and read after the id came back to the same engine (its
     telemetry and requests travel on separate sockets) skips that id: the client stamps each
-    report with its session and the last request it had sent."""
+    report with its session and the daemon's count of frees in the last reply it had."""
     with daemon.client(heartbeat_s=None) as c:
         c.register(block_bytes=4096)
         first, _ = c.alloc(4, seq=1)
-        built_before_the_free = c.telemetry.stamp()
+        built_before_the_free = c.telemetry.freed
         c.free(first)
         for seq in range(2, 400):  # until the daemon hands one of those ids out again
             again, _ = c.alloc(4, seq=seq)
@@ -230,10 +230,9 @@ def test_a_late_report_does_not_credit_an_id_the_engine_got_back(daemon):
         else:
             pytest.fail("no id came back")
         fresh, _ = c.alloc(10, seq=1000)
-        stamp = c.telemetry.stamp
-        c.telemetry.stamp = lambda: built_before_the_free
+        now, c.telemetry.freed = c.telemetry.freed, built_before_the_free
         c.report_attention(first, np.ones(4))  # late: at most 4 updates, if any were applied
-        c.telemetry.stamp = stamp
+        c.telemetry.freed = now
         c.report_attention(fresh, np.ones(10))  # after it on the same socket: 10 updates
         wait_for(lambda: c.stats()["service"].get("telemetry_block_updates", 0) >= 10)
         assert c.stats()["service"]["telemetry_block_updates"] == 10

@@ -1,8 +1,9 @@
-"""Telemetry read after the request that let its blocks go: a report travels on its own
-socket, so it can arrive after a ``free`` (or a folding ``seal``) the engine sent after
-building it, when the id may name another block, the engine's own next alloc included.
-Each report names its session and the last request sent before it; the daemon skips ids
-that later requests dropped, and a report older than its log covers is dropped whole."""
+"""Telemetry read after the block it names was freed and its id taken by another: a report
+travels on its own socket, so it can arrive after the engine's ``free`` (or a folding
+``seal``, or another engine's, or an eviction) let the id go and an alloc took it again.
+Each report is stamped with its session's tag and the daemon's count of frees in the last
+reply the engine had; the daemon skips the ids freed since. Blocks let go of but still
+cached are the same blocks: their reports still count."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from kvtier.daemon.config import load_config
 from kvtier.daemon.service import Service
 from kvtier.protocol import wire as P
 
-from .service_calls import Clock, call, ids
+from .service_calls import call, ids
 
 BB = 4096
+KEY = np.array([7], "<u8").tobytes()
 
 
 @pytest.fixture
@@ -23,81 +25,121 @@ def svc(tmp_path):
     cfg = load_config(environ={}, overrides=[
         f"tiers.hbm_bytes={8 * BB}", "tiers.dram_bytes=0", "tiers.nvme_bytes=0",
         f'server.runtime_dir="{tmp_path}/run"', "metrics.enabled=false"])
-    s = Service(cfg, clock=Clock())
-    s.tag = call(s, "register", "e", rid=1, pid=0, block_bytes=BB)["session_tag"]
+    s = Service(cfg)
+    s.tag = call(s, "register", "e", pid=0, block_bytes=BB)["session_tag"]
     yield s
     s.close()
 
 
-def _report(svc, blocks, at, mass=None):
-    mass = np.full(len(blocks), 1.0) if mass is None else mass
-    msg = {"v": P.VERSION, "engine": "e", "kind": "attention", "blocks": P.id_bytes(np.array(blocks)),
-           "mass": np.asarray(mass, "<f4").tobytes()}
+def _report(svc, blocks, at, kind="attention", engine="e"):
+    msg = {"v": P.VERSION, "engine": engine, "kind": kind, "blocks": P.id_bytes(np.array(blocks))}
+    msg |= {"mass": np.ones(len(blocks), "<f4").tobytes()} if kind == "attention" else {"tag": "system"}
     return svc.ingest(msg if at is None else {**msg, "at": at})
 
 
 def _recycled(svc):
-    """Every id allocated (request 2), four freed (4) and allocated again (5): the same ids."""
-    held = ids(call(svc, "alloc", "e", rid=2, n=8, seq=1)["blocks"])
-    call(svc, "free", "e", rid=4, blocks=held[:4])
-    new = ids(call(svc, "alloc", "e", rid=5, n=4, seq=2)["blocks"])
+    """Every id allocated, four freed and allocated again (the same ids); the stamp of a report
+    built before the free."""
+    held = ids(call(svc, "alloc", "e", n=8, seq=1)["blocks"])
+    before = [svc.tag, svc.frees()]
+    call(svc, "free", "e", blocks=held[:4])
+    new = ids(call(svc, "alloc", "e", n=4, seq=2)["blocks"])
     assert sorted(new) == sorted(held[:4])  # the test needs the recycling it guards against
-    return new
+    return new, before
 
 
 def test_a_report_built_before_a_free_does_not_credit_the_recycled_ids(svc):
-    new = _recycled(svc)
+    new, before = _recycled(svc)
     imp = svc.node.mgr.table.importance
-    assert _report(svc, new, [svc.tag, 2]) == 0  # built after the alloc, before the free
+    assert _report(svc, new, before) == 0
     assert np.all(imp[new] == 0.0) and np.all(svc.node.scores.ema_value[new] == 0.0)
-    assert _report(svc, new, [svc.tag, 5]) == 4  # built after the new alloc: the new blocks' own
+    assert _report(svc, new, [svc.tag, svc.frees()]) == 4  # built after the new alloc: the new blocks' own
     assert np.all(imp[new] > 0.0)
 
 
 def test_an_unstamped_report_is_applied_as_before(svc):
     """The control: a client that does not stamp gets the old behaviour, so the test above
     can fail (the recycled ids are credited)."""
-    new = _recycled(svc)
+    new, _ = _recycled(svc)
     assert _report(svc, new, None) == 4 and np.all(svc.node.mgr.table.importance[new] > 0.0)
 
 
-def test_only_the_ids_dropped_after_the_stamp_are_skipped(svc):
-    a = ids(call(svc, "alloc", "e", rid=2, n=4, seq=1)["blocks"])
-    call(svc, "free", "e", rid=4, blocks=a[:2])
-    assert _report(svc, a[2:] + a[:2], [svc.tag, 3]) == 2  # the two still held count, the freed not
+def test_only_the_ids_freed_since_the_stamp_are_skipped(svc):
+    a = ids(call(svc, "alloc", "e", n=4, seq=1)["blocks"])
+    before = [svc.tag, svc.frees()]
+    call(svc, "free", "e", blocks=a[:2])
+    assert _report(svc, a[2:] + a[:2], before) == 2  # the two still held count, the freed not
     assert np.all(svc.node.scores.ema_value[a[2:]] > 0.0)
 
 
-def test_a_report_of_another_session_is_dropped(svc):
-    new = _recycled(svc)
-    before = svc.counters["telemetry_stale"]
-    assert _report(svc, new, [svc.tag ^ 1, 5]) == 0
-    assert svc.counters["telemetry_stale"] == before + 1 and np.all(svc.node.mgr.table.importance[new] == 0.0)
-
-
-def test_a_report_older_than_the_log_is_dropped_whole(svc):
-    new = _recycled(svc)
-    svc.clock.t += 60.0  # past the log's keep time: the next request that drops ids trims it
-    call(svc, "free", "e", rid=7, blocks=new[:1])
-    assert _report(svc, new[1:], [svc.tag, 3]) == 0 and svc.counters["telemetry_stale"] == 1
-    assert _report(svc, new[1:], [svc.tag, 7]) == 3
+def test_blocks_let_go_of_but_still_cached_keep_their_reports(svc):
+    """vLLM's worker seals, releases, reports and frees at once: the free is often read first,
+    and the sealed blocks stay cached, the same blocks: the reports count."""
+    a = ids(call(svc, "alloc", "e", n=1, seq=1)["blocks"])
+    call(svc, "seal", "e", blocks=P.id_bytes(np.array(a)), keys=KEY)
+    before = [svc.tag, svc.frees()]
+    call(svc, "free", "e", blocks=a)
+    assert _report(svc, a, before, kind="segment") == 1
 
 
 def test_a_fold_at_seal_skips_the_folded_id(svc):
-    first = ids(call(svc, "alloc", "e", rid=2, n=1, seq=1)["blocks"])
-    call(svc, "seal", "e", rid=3, blocks=P.id_bytes(np.array(first)), keys=np.array([7], "<u8").tobytes())
-    dup = ids(call(svc, "alloc", "e", rid=4, n=1, seq=2)["blocks"])
-    call(svc, "alloc", "e", rid=5, n=6, seq=3)  # every other id taken: the next alloc gets the folded one
-    out = ids(call(svc, "seal", "e", rid=6, blocks=P.id_bytes(np.array(dup)), keys=np.array([7], "<u8").tobytes())["blocks"])
-    assert out == first  # folded: ``dup`` is free again
-    again = ids(call(svc, "alloc", "e", rid=7, n=1, seq=4)["blocks"])
+    first = ids(call(svc, "alloc", "e", n=1, seq=1)["blocks"])
+    call(svc, "seal", "e", blocks=P.id_bytes(np.array(first)), keys=KEY)
+    dup = ids(call(svc, "alloc", "e", n=1, seq=2)["blocks"])
+    call(svc, "alloc", "e", n=6, seq=3)  # every other id taken: the next alloc gets the folded one
+    before = [svc.tag, svc.frees()]
+    assert ids(call(svc, "seal", "e", blocks=P.id_bytes(np.array(dup)), keys=KEY)["blocks"]) == first
+    again = ids(call(svc, "alloc", "e", n=1, seq=4)["blocks"])
     assert again == dup
-    assert _report(svc, again, [svc.tag, 5]) == 0
-    assert _report(svc, again, [svc.tag, 7]) == 1
+    assert _report(svc, again, before) == 0
+    assert _report(svc, again, [svc.tag, svc.frees()]) == 1
 
 
-@pytest.mark.parametrize("at", [[1], "x", [1, "2"], [True, 2]])
+def test_an_id_another_engine_got_after_an_eviction_is_skipped(svc):
+    """A scheduler reports on blocks it only looked up (it holds no reference): the block is
+    dropped from the cache and its id goes to the worker's next alloc."""
+    call(svc, "register", "s", pid=0, block_bytes=BB, refs_only=True)
+    s_tag = svc.engines["s"].tag
+    a = ids(call(svc, "alloc", "e", n=1, seq=1)["blocks"])
+    call(svc, "seal", "e", blocks=P.id_bytes(np.array(a)), keys=KEY)
+    call(svc, "free", "e", blocks=a)  # cached, held by no one
+    call(svc, "alloc", "e", n=7, seq=2)  # every other id taken
+    assert ids(call(svc, "lookup", "s", keys=KEY)["blocks"]) == a
+    before = [s_tag, svc.frees()]
+    assert call(svc, "clear", "e")["dropped"] == 1
+    assert ids(call(svc, "alloc", "e", n=1, seq=3)["blocks"]) == a  # the worker's open block now
+    assert _report(svc, a, before, kind="segment", engine="s") == 0
+    assert svc.node.scores.segment[a[0]] == 0  # no tag
+    assert _report(svc, a, [s_tag, svc.frees()], kind="segment", engine="s") == 1  # a report of now counts
+    assert svc.node.scores.segment[a[0]] != 0
+
+
+def test_a_report_of_another_session_or_from_a_count_not_reached_is_dropped(svc):
+    new, _ = _recycled(svc)
+    assert _report(svc, new, [svc.tag ^ 1, svc.frees()]) == 0
+    assert _report(svc, new, [svc.tag, svc.frees() + 1]) == 0
+    assert svc.counters["telemetry_stale"] == 2 and np.all(svc.node.mgr.table.importance[new] == 0.0)
+
+
+@pytest.mark.parametrize("at", [[1], "x", [1, "2"], [True, 2], [1, 2, 3], {"a": 1}])
 def test_a_malformed_stamp_is_rejected_and_changes_nothing(svc, at):
-    blocks = ids(call(svc, "alloc", "e", rid=2, n=2, seq=1)["blocks"])
+    blocks = ids(call(svc, "alloc", "e", n=2, seq=1)["blocks"])
     assert _report(svc, blocks, at) == 0 and svc.counters["telemetry_rejected"] == 1
     assert np.all(svc.node.mgr.table.importance[blocks] == 0.0)
+
+
+def test_the_free_count_tells_a_block_freed_since_across_the_wrap():
+    """``generation`` holds the count mod 2^32: a stamp just before the wrap still finds the
+    blocks freed after it, and not those freed before."""
+    from kvtier.tiers.block_table import BlockTable
+
+    t = BlockTable(4, (4, 0, 0))
+    t.releases = (1 << 32) - 2
+    old = t.new_block()
+    t.release_block(old)  # count 2^32 - 1
+    g = t.releases
+    a, b = t.new_block(), t.new_block()
+    t.release_block(a)  # 2^32: generation 0
+    t.release_block(b)  # 2^32 + 1: generation 1
+    assert t.freed_since(np.array([old, a, b]), g).tolist() == [False, True, True]
+    assert t.freed_since(np.array([old, a, b]), g + 1).tolist() == [False, False, True]
