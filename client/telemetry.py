@@ -52,7 +52,9 @@ class TelemetrySender:
         self.endpoint = endpoint
         self.engine_id = engine_id
         # each report's stamp: the daemon's tag of this session (None: no session) and its count
-        # of block frees in the last reply before the report; it skips the ids freed since
+        # of block frees in the last reply before the report; it skips the ids freed since. A
+        # report on ids the engine holds no reference on (looked up) goes right after the reply
+        # that named them: a later reply's count may postdate their free.
         self.tag: Optional[int] = None
         self.freed = 0
         self._push: Optional[zmq.Socket] = None

@@ -103,7 +103,7 @@ class TierClient:
             raise EngineReclaimed("unknown_engine", self.reclaimed)
         if self.endpoint.startswith("ipc://") and not os.path.exists(self.endpoint[6:]):
             raise DaemonUnavailable(f"no daemon at {self.endpoint}")  # at once: an engine never waits on none
-        rid = next(self._ids)
+        rid, session = next(self._ids), self.session
         if op in P.ADMIN_OPS or op == "stats":  # the owner's capability, where this process can read it
             token = read_token(self.runtime_dir)
             if token is not None:
@@ -134,7 +134,8 @@ class TierClient:
                 reply = msgpack.unpackb(frames[-1], raw=False)
                 if reply.get("id") == rid:
                     break
-        self.telemetry.saw(reply.get("freed"))  # the daemon's free count: what later reports are stamped with
+        if sock is None and session == self.session:  # not a heartbeat's (ids it named) nor an old session's
+            self.telemetry.saw(reply.get("freed"))  # the daemon's free count: what later reports are stamped with
         if not reply.get("ok"):
             err = reply.get("error") or {}
             code, message = err.get("code", "unknown"), err.get("message", "")
@@ -156,8 +157,7 @@ class TierClient:
         session is the one state both sides agree on."""
         self.reclaimed = why
         self.telemetry.start(None)  # no reports either: their ids name nothing of ours now
-        self.hbm = None  # slot_view raises from now on; the segment stays mapped until close
-        # (heartbeats pause while ``reclaimed`` is set: a daemon that never hears us reclaims it)
+        self.hbm = None  # slot_view raises from now on (the segment stays mapped until close); heartbeats pause
 
     # -- session -------------------------------------------------------------------
     def ping(self) -> dict:

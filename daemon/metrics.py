@@ -95,6 +95,10 @@ class SnapshotCollector(Collector):
         yield _counter("kvtier_telemetry_block_updates", "Telemetry block updates ingested",
                        svc.get("telemetry_block_updates", 0))
         yield _counter("kvtier_telemetry_rejected", "Telemetry messages rejected", svc.get("telemetry_rejected", 0))
+        yield _counter("kvtier_telemetry_stale", "Telemetry messages dropped whole: another session's, or a "
+                       "free count the daemon has not reached", svc.get("telemetry_stale", 0))
+        yield _counter("kvtier_telemetry_skipped", "Telemetry block updates skipped: the id was freed after the "
+                       "report was stamped", svc.get("telemetry_skipped", 0))
         yield _counter("kvtier_rpc_errors", "RPC requests answered with an error", svc.get("rpc_errors", 0))
         yield _gauge("kvtier_engines", "Attached engines", len(s.get("engines", [])))
         yield _counter("kvtier_blocks_dropped", "Cached blocks dropped: evicted from the last tier, or by clear",

@@ -45,6 +45,7 @@ def ingest(node: Node, counters: Counter[str], msg: Any, session: EngineSession)
         if skip is None:
             counters["telemetry_stale"] += 1
             return 0
+        skipped = int(np.count_nonzero(live & skip))
         live &= ~skip
         kind = msg.get("kind")
         if kind == "attention":
@@ -73,6 +74,7 @@ def ingest(node: Node, counters: Counter[str], msg: Any, session: EngineSession)
         return 0
     n = int(live.sum())
     counters["telemetry_block_updates"] += n
+    counters["telemetry_skipped"] += skipped
     return n
 
 
@@ -86,6 +88,8 @@ def _stale(table: BlockTable, session: EngineSession, at: Any, blocks: np.ndarra
     if not isinstance(at, list) or len(at) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in at):
         raise ProtocolError(P.BAD_REQUEST, "bad at")
     tag, freed = at
+    if freed < 0:
+        raise ProtocolError(P.BAD_REQUEST, "bad at")
     if tag != session.tag or not 0 <= table.releases - freed < 1 << 31:
         return None
     return table.freed_since(blocks, freed)

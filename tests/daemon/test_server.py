@@ -238,6 +238,26 @@ def test_a_late_report_does_not_credit_an_id_the_engine_got_back(daemon):
         assert c.stats()["service"]["telemetry_block_updates"] == 10
 
 
+def test_only_the_engine_s_own_replies_move_its_telemetry_stamp(daemon):
+    """A heartbeat's reply (another thread, another socket) names no ids: its count could
+    postdate the free of an id the engine looked up and is about to report on."""
+    with daemon.client(engine_id="a", heartbeat_s=None) as a, daemon.client(engine_id="b", heartbeat_s=None) as b:
+        a.register(block_bytes=4096)
+        b.register(block_bytes=4096)
+        before = b.telemetry.freed
+        blocks, _ = a.alloc(4, seq=1)
+        a.free(blocks)  # four frees
+        assert a.telemetry.freed == before + 4
+        sock = b._dealer()
+        try:
+            b._call("heartbeat", sock=sock)
+        finally:
+            sock.close(0)
+        assert b.telemetry.freed == before
+        b.ping()
+        assert b.telemetry.freed == before + 4
+
+
 def test_telemetry_and_metrics(daemon):
     with daemon.client(heartbeat_s=None) as c:
         c.register(block_bytes=4096)

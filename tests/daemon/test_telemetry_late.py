@@ -51,7 +51,7 @@ def _recycled(svc):
 def test_a_report_built_before_a_free_does_not_credit_the_recycled_ids(svc):
     new, before = _recycled(svc)
     imp = svc.node.mgr.table.importance
-    assert _report(svc, new, before) == 0
+    assert _report(svc, new, before) == 0 and svc.counters["telemetry_skipped"] == 4
     assert np.all(imp[new] == 0.0) and np.all(svc.node.scores.ema_value[new] == 0.0)
     assert _report(svc, new, [svc.tag, svc.frees()]) == 4  # built after the new alloc: the new blocks' own
     assert np.all(imp[new] > 0.0)
@@ -121,7 +121,7 @@ def test_a_report_of_another_session_or_from_a_count_not_reached_is_dropped(svc)
     assert svc.counters["telemetry_stale"] == 2 and np.all(svc.node.mgr.table.importance[new] == 0.0)
 
 
-@pytest.mark.parametrize("at", [[1], "x", [1, "2"], [True, 2], [1, 2, 3], {"a": 1}])
+@pytest.mark.parametrize("at", [[1], "x", [1, "2"], [True, 2], [1, 2, 3], {"a": 1}, [1, -1]])
 def test_a_malformed_stamp_is_rejected_and_changes_nothing(svc, at):
     blocks = ids(call(svc, "alloc", "e", n=2, seq=1)["blocks"])
     assert _report(svc, blocks, at) == 0 and svc.counters["telemetry_rejected"] == 1
