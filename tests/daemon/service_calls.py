@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.daemon.config import load_config
 from kvtier.daemon.service import Service
 from kvtier.protocol import wire as P
 
@@ -18,6 +19,13 @@ class Clock:
 
     def __call__(self) -> float:
         return self.t
+
+
+def hbm_only_service(tmp_path: Any, hbm_blocks: int, *overrides: str, block_bytes: int = 4096) -> Service:
+    """An in-process ``Service`` whose only tier is an HBM of ``hbm_blocks`` blocks (no metrics port)."""
+    return Service(load_config(environ={}, overrides=[
+        f"tiers.hbm_bytes={hbm_blocks * block_bytes}", "tiers.dram_bytes=0", "tiers.nvme_bytes=0",
+        f'server.runtime_dir="{tmp_path}/run"', "metrics.enabled=false", *overrides]))
 
 
 def call(svc: Service, op: str, engine: str = "e", **args: Any) -> Any:

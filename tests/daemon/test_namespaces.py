@@ -5,22 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtier.daemon.config import load_config
 from kvtier.daemon.namespaces import scoped_keys
-from kvtier.daemon.service import Service
 from kvtier.protocol import wire as P
 
-from .service_calls import call, ids
+from .service_calls import call, hbm_only_service, ids
 
 BB = 4096
 
 
 @pytest.fixture
 def svc(tmp_path):
-    cfg = load_config(environ={}, overrides=[
-        f"tiers.hbm_bytes={4 * BB}", "tiers.dram_bytes=0", "tiers.nvme_bytes=0", 'policy.name="lru"',
-        f'server.runtime_dir="{tmp_path}/run"', "metrics.enabled=false"])
-    s = Service(cfg)
+    s = hbm_only_service(tmp_path, 4, 'policy.name="lru"', block_bytes=BB)
     yield s
     s.close()
 

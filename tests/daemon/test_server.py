@@ -213,51 +213,6 @@ def test_events_in_vllm_shape(daemon):
     assert isinstance(decoded[-1], AllBlocksCleared)
 
 
-def test_a_late_report_does_not_credit_an_id_the_engine_got_back(daemon):
-    """A report built before a free and read after the id came back to the same engine (its
-    telemetry and requests travel on separate sockets) skips that id: the client stamps each
-    report with its session and the daemon's count of frees in the last reply it had."""
-    with daemon.client(heartbeat_s=None) as c:
-        c.register(block_bytes=4096)
-        first, _ = c.alloc(4, seq=1)
-        built_before_the_free = c.telemetry.freed
-        c.free(first)
-        for seq in range(2, 400):  # until the daemon hands one of those ids out again
-            again, _ = c.alloc(4, seq=seq)
-            if set(again.tolist()) & set(first.tolist()):
-                break
-            c.free(again)
-        else:
-            pytest.fail("no id came back")
-        fresh, _ = c.alloc(10, seq=1000)
-        now, c.telemetry.freed = c.telemetry.freed, built_before_the_free
-        c.report_attention(first, np.ones(4))  # late: at most 4 updates, if any were applied
-        c.telemetry.freed = now
-        c.report_attention(fresh, np.ones(10))  # after it on the same socket: 10 updates
-        wait_for(lambda: c.stats()["service"].get("telemetry_block_updates", 0) >= 10)
-        assert c.stats()["service"]["telemetry_block_updates"] == 10
-
-
-def test_only_the_engine_s_own_replies_move_its_telemetry_stamp(daemon):
-    """A heartbeat's reply (another thread, another socket) names no ids: its count could
-    postdate the free of an id the engine looked up and is about to report on."""
-    with daemon.client(engine_id="a", heartbeat_s=None) as a, daemon.client(engine_id="b", heartbeat_s=None) as b:
-        a.register(block_bytes=4096)
-        b.register(block_bytes=4096)
-        before = b.telemetry.freed
-        blocks, _ = a.alloc(4, seq=1)
-        a.free(blocks)  # four frees
-        assert a.telemetry.freed == before + 4
-        sock = b._dealer()
-        try:
-            b._call("heartbeat", sock=sock)
-        finally:
-            sock.close(0)
-        assert b.telemetry.freed == before
-        b.ping()
-        assert b.telemetry.freed == before + 4
-
-
 def test_telemetry_and_metrics(daemon):
     with daemon.client(heartbeat_s=None) as c:
         c.register(block_bytes=4096)

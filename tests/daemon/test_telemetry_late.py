@@ -10,11 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtier.daemon.config import load_config
-from kvtier.daemon.service import Service
 from kvtier.protocol import wire as P
 
-from .service_calls import call, ids
+from .service_calls import call, hbm_only_service, ids
+from .test_server import wait_for
 
 BB = 4096
 KEY = np.array([7], "<u8").tobytes()
@@ -22,10 +21,7 @@ KEY = np.array([7], "<u8").tobytes()
 
 @pytest.fixture
 def svc(tmp_path):
-    cfg = load_config(environ={}, overrides=[
-        f"tiers.hbm_bytes={8 * BB}", "tiers.dram_bytes=0", "tiers.nvme_bytes=0",
-        f'server.runtime_dir="{tmp_path}/run"', "metrics.enabled=false"])
-    s = Service(cfg)
+    s = hbm_only_service(tmp_path, 8, block_bytes=BB)
     s.tag = call(s, "register", "e", pid=0, block_bytes=BB)["session_tag"]
     yield s
     s.close()
@@ -143,3 +139,49 @@ def test_the_free_count_tells_a_block_freed_since_across_the_wrap():
     t.release_block(b)  # 2^32 + 1: generation 1
     assert t.freed_since(np.array([old, a, b]), g).tolist() == [False, True, True]
     assert t.freed_since(np.array([old, a, b]), g + 1).tolist() == [False, False, True]
+
+
+# -- a real daemon process and its clients -----------------------------------------------
+def test_a_late_report_does_not_credit_an_id_the_engine_got_back(daemon):
+    """A report built before a free and read after the id came back to the same engine (its
+    telemetry and requests travel on separate sockets) skips that id: the client stamps each
+    report with its session and the daemon's count of frees in the last reply it had."""
+    with daemon.client(heartbeat_s=None) as c:
+        c.register(block_bytes=4096)
+        first, _ = c.alloc(4, seq=1)
+        built_before_the_free = c.telemetry.freed
+        c.free(first)
+        for seq in range(2, 400):  # until the daemon hands one of those ids out again
+            again, _ = c.alloc(4, seq=seq)
+            if set(again.tolist()) & set(first.tolist()):
+                break
+            c.free(again)
+        else:
+            pytest.fail("no id came back")
+        fresh, _ = c.alloc(10, seq=1000)
+        now, c.telemetry.freed = c.telemetry.freed, built_before_the_free
+        c.report_attention(first, np.ones(4))  # late: at most 4 updates, if any were applied
+        c.telemetry.freed = now
+        c.report_attention(fresh, np.ones(10))  # after it on the same socket: 10 updates
+        wait_for(lambda: c.stats()["service"].get("telemetry_block_updates", 0) >= 10)
+        assert c.stats()["service"]["telemetry_block_updates"] == 10
+
+
+def test_only_the_engine_s_own_replies_move_its_telemetry_stamp(daemon):
+    """A heartbeat's reply (another thread, another socket) names no ids: its count could
+    postdate the free of an id the engine looked up and is about to report on."""
+    with daemon.client(engine_id="a", heartbeat_s=None) as a, daemon.client(engine_id="b", heartbeat_s=None) as b:
+        a.register(block_bytes=4096)
+        b.register(block_bytes=4096)
+        before = b.telemetry.freed
+        blocks, _ = a.alloc(4, seq=1)
+        a.free(blocks)  # four frees
+        assert a.telemetry.freed == before + 4
+        sock = b._dealer()
+        try:
+            b._call("heartbeat", sock=sock)
+        finally:
+            sock.close(0)
+        assert b.telemetry.freed == before
+        b.ping()
+        assert b.telemetry.freed == before + 4
