@@ -35,7 +35,7 @@ def tensor_parallel_agreement() -> Optional[Agreement]:
     """The ``Agreement`` of this vLLM worker's tensor-parallel group, or None at TP 1.
     Pipeline stages are not joined: a stage reaches its save before it sends the next stage
     its activations, so a collective across stages would deadlock. A failed load on one
-    stage still taints later stages' KV of that request (README, "Left")."""
+    stage still taints later stages' KV of that request (README, "vLLM on kvtier": not closed)."""
     try:
         from vllm.distributed.parallel_state import get_tp_group
 

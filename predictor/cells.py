@@ -93,7 +93,7 @@ class Candidate:
 # reuse), 32 and 128 eviction ages: a reuse 70x the cache away (a loop at 1%) is beyond
 # 32 and was invisible to every candidate. None of it is fitted to a trace: the 128
 # replaced a second density model on coarser features, measured on the synthetic families
-# and the first half of the conversation trace (README, "Policies and replay").
+# and the first half of the conversation trace (docs/placement.md).
 DEFAULT_CANDIDATES: tuple[Candidate, ...] = (
     Candidate("class_stage", 1.0), Candidate("class_stage", 2.0), Candidate("class_stage", 4.0),
     Candidate("class_stage", 8.0), Candidate("stage_irr", 4.0), Candidate("class_stage_irr", 4.0),

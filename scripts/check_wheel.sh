@@ -49,7 +49,10 @@ python3 -m venv "$work/venv"
 vpy=$work/venv/bin/python
 # the CPU build first, so that resolving kvtier's dependencies does not pull the CUDA one
 "$vpy" -m pip install -q --no-compile --no-warn-script-location torch==2.13.0 2>&1 | grep -v "is ignored: it is neither" || true; "$vpy" -c "import torch" 2>/dev/null || skip "cannot install torch==2.13.0 into a fresh venv"
-"$vpy" -m pip install -q --no-compile "$wheel" 2>"$work/pip.log" || { cat "$work/pip.log" >&2; false; } || skip "cannot install the wheel's dependencies"
+# the base dependencies at the lock's versions (setup.sh's): a new release cannot turn this red;
+# KVTIER_UNLOCKED=1 resolves them against the index, as a user's `pip install kvtier` does
+pins=(-c "$root/scripts/requirements.lock"); [ "${KVTIER_UNLOCKED:-0}" = 1 ] && pins=()
+"$vpy" -m pip install -q --no-compile "${pins[@]}" "$wheel" 2>"$work/pip.log" || { cat "$work/pip.log" >&2; false; } || skip "cannot install the wheel's dependencies"
 kv=$work/venv/bin/kvtier
 
 echo "== kvtier --version"
