@@ -19,6 +19,7 @@ the tokens loaded from kvtier, how (``sync``/``async``) and how many failed.
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -36,10 +37,13 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.client.tier_client import TierClient
 
 from .keys import DIGEST_BYTES
+from .pp_taint import StageBoard, StageTaint, board_name
 from .tp_taint import tensor_parallel_agreement
 from .vllm_async import AsyncLoads
 from .vllm_scheduler import SchedulerSide, Transfer
 from .vllm_worker import Geometry, WorkerSide
+
+log = logging.getLogger("kvtier.connectors.vllm")
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -78,6 +82,8 @@ class KVTierMetadata(KVConnectorMetadata):
     loads_async: list[Transfer] = field(default_factory=list)  # between steps, reported by get_finished
     saves: list[Transfer] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
+    step: int = 0                # the scheduler's number of this step: the same on every pipeline stage
+    board: Optional[str] = None  # the pipeline stages' taint board (``pp_taint``), with pipeline parallelism
 
 
 def _ranks() -> tuple[int, int]:
@@ -122,6 +128,9 @@ class KVTierConnector(KVConnectorBase_V1):
         self.asyncs: Optional[AsyncLoads] = None
         self._reported: dict[str, float] = {}  # worker counters as of the last stats report
         self._clients: list[TierClient] = []
+        self._step = 0  # steps scheduled so far (``KVTierMetadata.step``)
+        self._board: Optional[StageBoard] = None  # the scheduler's, with pipeline parallelism
+        self._stage_taint: Optional[StageTaint] = None  # a worker's view of it
         if role == KVConnectorRole.SCHEDULER:
             layers, block_bytes = scheduler_geometry(kv_cache_config)
             clients = []  # one per stage's and rank's namespace: a hit needs every one's shard
@@ -133,6 +142,11 @@ class KVTierConnector(KVConnectorBase_V1):
                                     namespace=self._namespace(stage, rank))
                     clients.append(client)
             self.sched = SchedulerSide(clients, self._block_size, float(extra.get("hint_deadline_s", 0.05)))
+            if self._stages > 1:
+                try:
+                    self._board = StageBoard(board_name(), self._stages, world, create=True)
+                except OSError as e:  # the workers of later stages then save nothing (StageTaint)
+                    log.warning("kvtier: no pipeline taint board (%s): stages after the first save nothing", e)
 
     def _namespace(self, stage: int, rank: int) -> str:
         """Each model, pipeline stage and tensor-parallel rank has its own key space (each holds
@@ -162,8 +176,11 @@ class KVTierConnector(KVConnectorBase_V1):
                         layout={"layers": len(geo.layers), "role": "vllm-worker"},
                         namespace=self._namespace(stage, rank))
         self.asyncs = AsyncLoads(client, geo, self._load_timeout_s)
+        if self._stages > 1:
+            self._stage_taint = StageTaint(stage, rank, self._stages, self._world)
         self.worker = WorkerSide(client, geo, timeout_s=self._load_timeout_s, save_timeout_s=self._save_timeout_s,
-                                 idle=self.asyncs.poll, agree=tensor_parallel_agreement())
+                                 idle=self.asyncs.poll, agree=tensor_parallel_agreement(),
+                                 stages=self._stage_taint)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self.worker is not None and isinstance(kv_connector_metadata, KVTierMetadata):
@@ -172,7 +189,9 @@ class KVTierConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata) and self.worker is not None and self.asyncs is not None
-        self.worker.start(meta.loads, saves=meta.saves)
+        if self._stage_taint is not None:
+            self._stage_taint.bind(meta.board)
+        self.worker.start(meta.loads, saves=meta.saves, sched_step=meta.step)
         self.asyncs.start(meta.loads_async)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -234,7 +253,9 @@ class KVTierConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         assert self.sched is not None
         loads, loads_async, saves = self.sched.build(scheduler_output)
-        return KVTierMetadata(loads, loads_async, saves, set(scheduler_output.preempted_req_ids or ()))
+        self._step += 1
+        return KVTierMetadata(loads, loads_async, saves, set(scheduler_output.preempted_req_ids or ()), self._step,
+                              self._board.name if self._board is not None else None)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         if self.sched is not None:
@@ -247,6 +268,10 @@ class KVTierConnector(KVConnectorBase_V1):
         for c in self._clients:
             c.close()
         self._clients.clear()
+        for board in (self._board, self._stage_taint):
+            if board is not None:
+                board.close()
+        self._board = self._stage_taint = None
 
 
 __all__ = ["KVTierConnector", "KVTierMetadata"]

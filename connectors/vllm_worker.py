@@ -40,6 +40,7 @@ from kvtier.protocol.wire import NO_SPACE
 
 from .keys import block_keys, digests
 from .kv_geometry import Geometry
+from .pp_taint import StageTaint
 from .tp_taint import Agreement
 from .vllm_scheduler import Transfer
 
@@ -78,7 +79,7 @@ class _Save:
 class WorkerSide:
     def __init__(self, client: TierClient, geometry: Geometry, timeout_s: float = 30.0,
                  save_timeout_s: float = 10.0, idle: Optional[Callable[[], None]] = None,
-                 agree: Optional[Agreement] = None) -> None:
+                 agree: Optional[Agreement] = None, stages: Optional[StageTaint] = None) -> None:
         self.client = client
         self.geo = geometry
         self.timeout_s = timeout_s
@@ -86,14 +87,17 @@ class WorkerSide:
         self.idle = idle                    # run while a sync load waits (async loads finish meanwhile)
         self.agree = agree                  # tensor-parallel peers' taint windows (``Agreement``)
         self.agree_streak = 0               # steps in a row whose agreement failed (for the log)
+        self.stages = stages                # earlier pipeline stages' taint windows (``StageTaint``)
         self.load: Optional[_Load] = None
         self.errors: set[int] = set()       # vLLM blocks that could not be loaded (reported once)
         self.queue: deque[_Save] = deque()  # saves waiting for staging room, in order
         self.saving: set[str] = set()       # requests that handed us saves: vLLM holds their blocks until we say
         self.finishing: set[str] = set()    # ... and that vLLM has finished
         self.stats = {"loaded_blocks": 0, "saved_blocks": 0, "failed_blocks": 0, "load_wait_s": 0.0,
-                      "save_queued_blocks": 0, "save_dropped_blocks": 0, "taint_agreement_failures": 0}
+                      "save_queued_blocks": 0, "save_dropped_blocks": 0, "taint_agreement_failures": 0,
+                      "upstream_tainted_steps": 0}
         self.step = 0
+        self.sched_step = 0  # the scheduler's number of this step (the same on every stage), else ``step``
         self.tainted_until = -1  # the last step whose saves are dropped (``TAINTED_STEPS``)
         self.reported_step = -1  # the last step whose load errors vLLM has taken (``take_errors``)
         self.unsaved: Optional[list[Transfer]] = None  # this step's saves until ``save`` takes them
@@ -106,14 +110,17 @@ class WorkerSide:
         return int(self.client.info.get("layers", 1)) == len(self.geo.layers)
 
     # -- load ---------------------------------------------------------------------
-    def start(self, loads: list[Transfer], saves: Optional[list[Transfer]] = None) -> None:
+    def start(self, loads: list[Transfer], saves: Optional[list[Transfer]] = None,
+              sched_step: Optional[int] = None) -> None:
         """This step's loads; ``saves``, the step's saves ``save`` will be given (kept in case
-        vLLM never calls ``wait_for_save``: see ``preempted``)."""
+        vLLM never calls ``wait_for_save``: see ``preempted``); ``sched_step``, the scheduler's
+        number of the step, which pipeline stages' taint windows are written in."""
         if self.load is not None or self.unsaved:  # the last step never finished, and no
             self.finish_load()                      # preempted() call saved it: its pins and refs go
             self._drop_unsaved()                    # (this step's forward may have reused its blocks)
         self.unsaved = list(saves) if saves else None
         self.step += 1
+        self.sched_step = self.step if sched_step is None else int(sched_step)
         self.client.reattach()  # a daemon that restarted (or reclaimed us) is taken up again
         if not loads:
             self.load = None
@@ -259,11 +266,24 @@ class WorkerSide:
         that) is reported a step later, so one more step is tainted."""
         late = self.reported_step == self.step
         self.tainted_until = max(self.tainted_until, self.step + TAINTED_STEPS - 1 + int(late))
+        if self.stages is not None:  # later pipeline stages computed from this step's activations
+            self.stages.publish(self.sched_step + self.tainted_until - self.step)
+
+    def _upstream_taint(self) -> None:
+        """Drop this step's saves (and the window after it) when an earlier pipeline stage's
+        failed load taints it: this stage's KV was computed from that stage's activations."""
+        if self.stages is None:
+            return
+        until = self.stages.upstream_until()
+        if until >= self.sched_step:  # this step only: every step reads the board again
+            self.tainted_until = max(self.tainted_until, self.step)
+            self.stats["upstream_tainted_steps"] += 1
 
     def save(self, saves: list[Transfer]) -> None:
         """Queue this step's new full blocks and save what the staging pool has room for."""
         self.unsaved = None
         self.agree_on_taint()
+        self._upstream_taint()
         now = time.monotonic()
         added = 0
         tainted = self.step <= self.tainted_until
