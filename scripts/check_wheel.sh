@@ -51,7 +51,9 @@ vpy=$work/venv/bin/python
 "$vpy" -m pip install -q --no-compile --no-warn-script-location torch==2.13.0 2>&1 | grep -v "is ignored: it is neither" || true; "$vpy" -c "import torch" 2>/dev/null || skip "cannot install torch==2.13.0 into a fresh venv"
 # the base dependencies at the lock's versions (setup.sh's): a new release cannot turn this red;
 # KVTIER_UNLOCKED=1 resolves them against the index, as a user's `pip install kvtier` does
-pins=(-c "$root/scripts/requirements.lock"); [ "${KVTIER_UNLOCKED:-0}" = 1 ] && pins=()
+# (torch apart: the CPU build above is the one wanted, whatever local label the index gives it)
+grep -v '^torch==' "$root/scripts/requirements.lock" >"$work/pins.txt"
+pins=(-c "$work/pins.txt"); [ "${KVTIER_UNLOCKED:-0}" = 1 ] && pins=()
 "$vpy" -m pip install -q --no-compile "${pins[@]}" "$wheel" 2>"$work/pip.log" || { cat "$work/pip.log" >&2; false; } || skip "cannot install the wheel's dependencies"
 kv=$work/venv/bin/kvtier
 
