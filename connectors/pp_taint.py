@@ -8,88 +8,114 @@ prefix. Stages cannot agree by a collective where tensor-parallel ranks do
 activations, so a collective across stages would deadlock, and with speculative decoding
 vLLM does not call it on a stage before the last at all.
 
-They share a board instead: one int64 per (stage, tensor-parallel rank) in POSIX shared
-memory, which the scheduler creates and names in every step's metadata. A worker writes
-its entry the moment it finds a failed load (during its forward, or in ``wait_for_save``:
-both before it sends the step's activations on): the last scheduler step whose saves the
-failure taints. A later stage reads its predecessors' entries when it saves; the step's
-activations reached it after they were written. Steps are the scheduler's numbers, the
-same on every stage for the same step, so the workers' own counters need not agree.
-One node: stages on another node map a board of their own name and see nothing of this
-one's (not closed).
+They share a board instead: per (stage, tensor-parallel rank) an int64 in POSIX shared
+memory, which the scheduler creates and names in every step's metadata. A worker marks its
+entry when it maps the board, and writes it the moment it finds a failed load in its
+forward (before it sends the step's activations on): the last scheduler step whose saves
+the failure taints. A later stage reads its predecessors' entries when it saves; the
+step's activations reached it after they were written. Steps are the scheduler's numbers,
+the same on every stage for the same step, so the workers' own counters need not agree.
+An earlier stage that never marked its entry (it could not map the board) taints every
+step. Workers map the board with a plain ``mmap`` of its ``/dev/shm`` file: vLLM's
+workers share the scheduler process's resource tracker, and ``SharedMemory``'s
+register-then-unregister on attach would delete the scheduler's own entry (its board would
+then leak when it dies). A stage on another node cannot map it, and saves nothing.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
+import os
 import secrets
 import time
-from multiprocessing import shared_memory
 from typing import Optional
 
 import numpy as np
 
-from kvtier.protocol.shm import attach_shm, create_shm, release_shm
+from kvtier.protocol.shm import SHM_DIR, create_shm, release_shm, segment_prefix
 
 ATTACH_WAIT_S = 5.0  # a worker's first step may race the scheduler's creation only by a moment
-NO_BOARD = 2**62  # a later stage without a board: every step is tainted
+NO_BOARD = 2**62  # an upstream worker without a board: every step is tainted
 
 log = logging.getLogger("kvtier.connectors.vllm")
 
 
 def board_name() -> str:
-    """A fresh segment name for one engine's board (unique per scheduler)."""
-    return f"kvtier_pp_{secrets.token_hex(8)}"
+    """A fresh segment name for one engine's board, prefixed with its creator's pid."""
+    return f"{segment_prefix(os.getpid())}pp_{secrets.token_hex(6)}"
 
 
 class StageBoard:
-    """The taint entries of every (stage, rank) of one engine. Entry value: 1 + the last
-    scheduler step whose saves that worker's failed loads taint (0: none), so a fresh,
-    zero-filled segment says "nothing tainted". Each worker writes only its own entry."""
+    """Every (stage, rank) worker's entries of one engine. Row 0: 1 + the last scheduler step
+    whose saves that worker's failed loads taint (0: none); row 1: 1 once the worker mapped
+    the board. A fresh, zero-filled segment says "nothing tainted, nobody here yet". Each
+    worker writes only its own entries."""
 
     def __init__(self, name: str, stages: int, ranks: int, create: bool = False) -> None:
         if stages < 1 or ranks < 1:
             raise ValueError(f"a board needs at least one stage and one rank, not {stages} x {ranks}")
         self.name, self.owner = name, create
-        nbytes = stages * ranks * 8
-        self.shm = create_shm(nbytes, name=name) if create else self._attach(name, nbytes)
-        self.entries = np.ndarray((stages, ranks), dtype=np.int64, buffer=self.shm.buf)
+        nbytes = 2 * stages * ranks * 8
+        self.shm = create_shm(nbytes, name=name) if create else None
+        self.map = self.shm.buf if self.shm is not None else self._attach(name, nbytes)
+        cells = np.ndarray((2, stages, ranks), dtype=np.int64, buffer=self.map)
+        self.taint, self.attached = cells[0], cells[1]
 
     @staticmethod
-    def _attach(name: str, nbytes: int) -> shared_memory.SharedMemory:
+    def _attach(name: str, nbytes: int) -> mmap.mmap:
+        path = os.path.join(SHM_DIR, name)
         deadline = time.monotonic() + ATTACH_WAIT_S
         while True:
             try:
-                shm = attach_shm(name)
-                if shm.size >= nbytes:
-                    return shm
-                release_shm(shm, unlink=False)  # created, not yet sized
-            except (FileNotFoundError, ValueError):
+                fd = os.open(path, os.O_RDWR)
+                try:
+                    if os.fstat(fd).st_size >= nbytes:  # not while its creator is still sizing it
+                        return mmap.mmap(fd, nbytes)
+                finally:
+                    os.close(fd)
+            except FileNotFoundError:
                 pass
             if time.monotonic() >= deadline:
-                raise FileNotFoundError(f"pipeline taint board {name!r} ({nbytes} bytes) not found")
+                raise FileNotFoundError(f"pipeline taint board {path} ({nbytes} bytes) not found")
             time.sleep(0.005)
+
+    def mark(self, stage: int, rank: int) -> None:
+        """Worker (stage, rank) has the board: its silence now means no failure."""
+        self.attached[stage, rank] = 1
 
     def publish(self, stage: int, rank: int, last_step: int) -> None:
         """Worker (stage, rank) found a failed load tainting saves up to scheduler step ``last_step``."""
-        e = self.entries
-        e[stage, rank] = max(int(e[stage, rank]), last_step + 1)
+        t = self.taint
+        t[stage, rank] = max(int(t[stage, rank]), last_step + 1)
 
     def tainted_until(self, stage: int) -> int:
-        """The last scheduler step an earlier stage's failed load taints (-1: none)."""
-        return int(self.entries[:stage].max()) - 1 if stage > 0 else -1
+        """The last scheduler step an earlier stage's failed load taints (-1: none); every
+        step while an earlier stage's worker has not marked the board."""
+        if stage <= 0:
+            return -1
+        if not bool(self.attached[:stage].all()):
+            return NO_BOARD
+        return int(self.taint[:stage].max()) - 1
 
     def close(self) -> None:
         """Unmap; the scheduler, which created the board, also removes its name."""
-        del self.entries
-        release_shm(self.shm, unlink=self.owner)
+        del self.taint, self.attached
+        if self.shm is not None:
+            release_shm(self.shm, unlink=self.owner)
+        else:
+            try:
+                self.map.close()  # type: ignore[union-attr]  # an mmap where there is no shm
+            except BufferError:
+                pass  # a view still held elsewhere keeps the mapping until it is collected
 
 
 class StageTaint:
-    """One worker's view of its engine's board: (stage, rank), and the board opened at the
+    """One worker's view of its engine's board: (stage, rank), and the board mapped at the
     first step whose metadata names it. Without a board (the scheduler could not make one, or
     this worker cannot map it) a stage after the first cannot tell a tainted step from a clean
-    one, so it takes every step as tainted and saves nothing."""
+    one, so it takes every step as tainted and saves nothing; the first stage never marks it,
+    so the later stages that have it do the same."""
 
     def __init__(self, stage: int, rank: int, stages: int, ranks: int) -> None:
         self.stage, self.rank, self.stages, self.ranks = stage, rank, stages, ranks
@@ -107,9 +133,10 @@ class StageTaint:
             if name is None:
                 raise FileNotFoundError("the scheduler named no pipeline taint board")
             self.board = StageBoard(name, self.stages, self.ranks)
-        except OSError as e:
-            if self.stage > 0:
-                log.warning("kvtier: %s; pipeline stage %d saves nothing", e, self.stage)
+            self.board.mark(self.stage, self.rank)
+        except (OSError, ValueError) as e:
+            log.warning("kvtier: pipeline stage %d has no taint board (%s): %s save nothing", self.stage, e,
+                        "it and the stages after it" if self.stage else "the stages after it")
 
     def publish(self, last_step: int) -> None:
         if self.board is not None:
@@ -128,4 +155,4 @@ class StageTaint:
         self.named = ""
 
 
-__all__ = ["StageBoard", "StageTaint", "board_name"]
+__all__ = ["NO_BOARD", "StageBoard", "StageTaint", "board_name"]

@@ -34,8 +34,8 @@ def latest_taint(group: Any) -> Agreement:
 def tensor_parallel_agreement() -> Optional[Agreement]:
     """The ``Agreement`` of this vLLM worker's tensor-parallel group, or None at TP 1.
     Pipeline stages are not joined: a stage reaches its save before it sends the next stage
-    its activations, so a collective across stages would deadlock. A failed load on one
-    stage still taints later stages' KV of that request (README, "vLLM on kvtier": not closed)."""
+    its activations, so a collective across stages would deadlock; later stages hear of an
+    earlier stage's failed load on a shared board instead (``pp_taint``)."""
     try:
         from vllm.distributed.parallel_state import get_tp_group
 

@@ -41,7 +41,7 @@ from .pp_taint import StageBoard, StageTaint, board_name
 from .tp_taint import tensor_parallel_agreement
 from .vllm_async import AsyncLoads
 from .vllm_scheduler import SchedulerSide, Transfer
-from .vllm_worker import Geometry, WorkerSide
+from .vllm_worker import TAINTED_STEPS, Geometry, WorkerSide
 
 log = logging.getLogger("kvtier.connectors.vllm")
 
@@ -129,6 +129,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self._reported: dict[str, float] = {}  # worker counters as of the last stats report
         self._clients: list[TierClient] = []
         self._step = 0  # steps scheduled so far (``KVTierMetadata.step``)
+        # steps a failed load taints: every batch vLLM may schedule before it hears of it
+        self._window = max(TAINTED_STEPS, int(getattr(vllm_config, "max_concurrent_batches", 1) or 1))
         self._board: Optional[StageBoard] = None  # the scheduler's, with pipeline parallelism
         self._stage_taint: Optional[StageTaint] = None  # a worker's view of it
         if role == KVConnectorRole.SCHEDULER:
@@ -180,7 +182,7 @@ class KVTierConnector(KVConnectorBase_V1):
             self._stage_taint = StageTaint(stage, rank, self._stages, self._world)
         self.worker = WorkerSide(client, geo, timeout_s=self._load_timeout_s, save_timeout_s=self._save_timeout_s,
                                  idle=self.asyncs.poll, agree=tensor_parallel_agreement(),
-                                 stages=self._stage_taint)
+                                 stages=self._stage_taint, window=self._window)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self.worker is not None and isinstance(kv_connector_metadata, KVTierMetadata):

@@ -49,7 +49,9 @@ log = logging.getLogger("kvtier.connectors.vllm")
 # steps after a failed sync load whose saves are dropped: vLLM learns of the failure only from
 # this step's output, and with async scheduling the next step is already scheduled by then;
 # blocks computed meanwhile (the request's next chunk, another request sharing the bad blocks)
-# attend to bytes that were never loaded, and a seal would keep them for every later request
+# attend to bytes that were never loaded, and a seal would keep them for every later request.
+# The least window: with pipeline parallelism vLLM keeps as many batches in flight as stages
+# (``max_concurrent_batches``), and the connector passes that when it is more
 TAINTED_STEPS = 2
 
 
@@ -79,7 +81,8 @@ class _Save:
 class WorkerSide:
     def __init__(self, client: TierClient, geometry: Geometry, timeout_s: float = 30.0,
                  save_timeout_s: float = 10.0, idle: Optional[Callable[[], None]] = None,
-                 agree: Optional[Agreement] = None, stages: Optional[StageTaint] = None) -> None:
+                 agree: Optional[Agreement] = None, stages: Optional[StageTaint] = None,
+                 window: int = TAINTED_STEPS) -> None:
         self.client = client
         self.geo = geometry
         self.timeout_s = timeout_s
@@ -88,6 +91,7 @@ class WorkerSide:
         self.agree = agree                  # tensor-parallel peers' taint windows (``Agreement``)
         self.agree_streak = 0               # steps in a row whose agreement failed (for the log)
         self.stages = stages                # earlier pipeline stages' taint windows (``StageTaint``)
+        self.window = max(1, window)        # steps a failed load taints (``TAINTED_STEPS``)
         self.load: Optional[_Load] = None
         self.errors: set[int] = set()       # vLLM blocks that could not be loaded (reported once)
         self.queue: deque[_Save] = deque()  # saves waiting for staging room, in order
@@ -261,29 +265,28 @@ class WorkerSide:
             self.agree_streak = 0
 
     def _taint_this_step(self) -> None:
-        """Drop saves from this step for ``TAINTED_STEPS`` steps. A failure found after vLLM took
+        """Drop saves from this step for ``window`` steps. A failure found after vLLM took
         this step's errors (with speculative decoding it saves, and so finishes loads, after
         that) is reported a step later, so one more step is tainted."""
         late = self.reported_step == self.step
-        self.tainted_until = max(self.tainted_until, self.step + TAINTED_STEPS - 1 + int(late))
+        self.tainted_until = max(self.tainted_until, self.step + self.window - 1 + int(late))
         if self.stages is not None:  # later pipeline stages computed from this step's activations
             self.stages.publish(self.sched_step + self.tainted_until - self.step)
 
-    def _upstream_taint(self) -> None:
-        """Drop this step's saves (and the window after it) when an earlier pipeline stage's
-        failed load taints it: this stage's KV was computed from that stage's activations."""
-        if self.stages is None:
-            return
-        until = self.stages.upstream_until()
-        if until >= self.sched_step:  # this step only: every step reads the board again
-            self.tainted_until = max(self.tainted_until, self.step)
-            self.stats["upstream_tainted_steps"] += 1
+    def _upstream_taint(self) -> bool:
+        """Drop this step's saves when an earlier pipeline stage's failed load taints it: this
+        stage's KV was computed from that stage's activations. True if it does."""
+        if self.stages is None or self.stages.upstream_until() < self.sched_step:
+            return False
+        self.tainted_until = max(self.tainted_until, self.step)  # this step only: each step reads again
+        return True
 
     def save(self, saves: list[Transfer]) -> None:
         """Queue this step's new full blocks and save what the staging pool has room for."""
         self.unsaved = None
-        self.agree_on_taint()
-        self._upstream_taint()
+        self.agree_on_taint()  # first: with TP too, its all-reduce waits for every rank's forward
+        if self._upstream_taint() and saves:
+            self.stats["upstream_tainted_steps"] += 1
         now = time.monotonic()
         added = 0
         tainted = self.step <= self.tainted_until

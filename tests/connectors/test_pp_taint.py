@@ -37,6 +37,7 @@ c.register(block_bytes=geo.block_bytes, block_tokens=8, layout={"layers": 2}, na
 HS = [hashlib.sha256(f"block-{i}".encode()).digest() for i in range(8)]
 taint = None if board == "-" else StageTaint(stage, 0, 2, 1)
 ws = WorkerSide(c, geo, timeout_s=10.0, stages=taint)
+ws.step = 5 * stage  # the workers' own step counters need not agree with each other or the scheduler's
 for line in sys.stdin:  # one scheduler step per line, in the order vLLM's activations impose
     step = int(line)
     if taint is not None:
@@ -47,7 +48,7 @@ for line in sys.stdin:  # one scheduler step per line, in the order vLLM's activ
         loads = [Transfer("b", [2], HS[7:8])]  # never saved: this stage's load fails
     else:
         loads = [Transfer("b", [2], HS[:1])]   # held: loads fine
-    ws.start(loads, sched_step=step)
+    ws.start(loads, sched_step=100 + step)
     for name in kv:
         ws.wait_layer(name)
     ws.finish_load()
@@ -125,19 +126,62 @@ def test_the_board_reads_only_earlier_stages_and_keeps_the_latest_window(monkeyp
     board = StageBoard(board_name(), 3, 2, create=True)
     try:
         peer = StageBoard(board.name, 3, 2)  # another process's mapping of the same segment
-        assert [board.tainted_until(s) for s in range(3)] == [-1, -1, -1]  # zero-filled: nothing tainted
+        assert [board.tainted_until(s) for s in range(3)] == [-1, pp_taint.NO_BOARD, pp_taint.NO_BOARD]
+        for s in range(3):
+            for r in range(2):
+                (peer if s % 2 else board).mark(s, r)
+        assert [board.tainted_until(s) for s in range(3)] == [-1, -1, -1]  # everyone here, nothing tainted
         peer.publish(1, 1, 7)
         assert [board.tainted_until(s) for s in range(3)] == [-1, -1, 7]  # stage 1's failure: stage 2 only
         peer.publish(1, 1, 5)  # an older window does not shorten the latest
         board.publish(0, 0, 9)
         assert [board.tainted_until(s) for s in range(3)] == [-1, 9, 9]
-        assert board.entries.tolist() == [[10, 0], [0, 8], [0, 0]]
+        assert board.taint.tolist() == [[10, 0], [0, 8], [0, 0]]
         peer.close()
-        assert StageBoard(board.name, 3, 2).entries.tolist() == [[10, 0], [0, 8], [0, 0]]  # a reader does not unlink
+        again = StageBoard(board.name, 3, 2)
+        assert again.taint.tolist() == [[10, 0], [0, 8], [0, 0]]  # a reader's close does not unlink
+        again.close()
     finally:
         board.close()
     with pytest.raises(FileNotFoundError):
         StageBoard(board.name, 3, 2)  # the owner's close removed the name
+
+
+def test_an_earlier_stage_that_never_mapped_the_board_taints_every_step(monkeypatch):
+    """Its silence is not "no failure": it could not have written one."""
+    board = StageBoard(board_name(), 3, 1, create=True)
+    try:
+        later = StageTaint(2, 0, 3, 1)
+        later.bind(board.name)
+        StageTaint(0, 0, 3, 1).bind(board.name)  # stage 0 has it; stage 1 never came
+        assert later.upstream_until() == pp_taint.NO_BOARD
+        board.mark(1, 0)
+        assert later.upstream_until() == -1
+        later.close()
+    finally:
+        board.close()
+
+
+def test_workers_map_the_board_without_the_resource_tracker(monkeypatch):
+    """vLLM's workers share the scheduler process's resource tracker: an attach that
+    registered and unregistered the name would delete the scheduler's own entry."""
+    from multiprocessing import resource_tracker
+
+    board = StageBoard(board_name(), 2, 1, create=True)
+
+    def refuse(*a, **k):
+        raise AssertionError(f"resource tracker called: {a}")
+
+    try:
+        monkeypatch.setattr(resource_tracker, "register", refuse)
+        monkeypatch.setattr(resource_tracker, "unregister", refuse)
+        worker = StageTaint(1, 0, 2, 1)
+        worker.bind(board.name)
+        assert worker.board is not None and worker.upstream_until() == pp_taint.NO_BOARD  # stage 0 not here yet
+        worker.close()
+        monkeypatch.undo()
+    finally:
+        board.close()
 
 
 def test_a_worker_that_cannot_map_the_board_saves_nothing_after_the_first_stage(monkeypatch):
@@ -152,9 +196,9 @@ def test_a_worker_that_cannot_map_the_board_saves_nothing_after_the_first_stage(
     assert later.upstream_until() >= 2**62
     board = StageBoard(board_name(), 2, 1, create=True)
     try:
-        later.bind(board.name)  # a board after all: the stage saves again
-        assert later.upstream_until() == -1
+        later.bind(board.name)  # a board after all, and stage 0 on it: the stage saves again
         first.bind(board.name)
+        assert later.upstream_until() == -1
         first.publish(4)
         assert later.upstream_until() == 4
         later.close()
