@@ -158,7 +158,7 @@ class BlockOps:
         mgr, remote = self.node.mgr, self.node.remote
         keys = self.node.ids(args.keys, "keys", np.uint64)
         found = self.node.lookup(session, keys)
-        if remote is not None and np.any(found < 0):  # look the misses up in the cluster: answered later
+        if remote is not None and (found < 0).any():  # look the misses up in the cluster: answered later
             w = remote.lookup(session, keys, found, args.seq)
             if w is not None:
                 return w
@@ -241,7 +241,7 @@ class BlockOps:
             raise ProtocolError(P.INTERNAL, f"invariant broken: {e}") from None
         t = mgr.table
         held = sum((np.asarray(s.pins) for s in self.engines.values()), np.zeros(t.max_blocks, dtype=np.int64))
-        if np.any(t.pins < held) or np.any(held < 0):
+        if (t.pins < held).any() or (held < 0).any():
             b = int(np.argmax((t.pins < held) | (held < 0)))
             raise ProtocolError(P.INTERNAL, f"block {b}: engines hold {held[b]} pins, table has {t.pins[b]}")
         return {"ok": True}

@@ -91,7 +91,7 @@ class Node:
         if allow_keys and getattr(args, "keys", None) is not None:
             keys = self.ids(args.keys, "keys", np.uint64)
             found = self.lookup(session, keys)
-            if np.any(found < 0):
+            if (found < 0).any():
                 raise ProtocolError(P.INVALID, f"unknown key {int(keys[np.argmax(found < 0)]):#x}")
             parts.append(found)
         if getattr(args, "seqs", None):

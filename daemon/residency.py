@@ -181,7 +181,7 @@ class ResidencyOps:
         waiting = self._waiter_pins(session) if self.waiters else None
         if waiting:  # pins an unfinished acquire holds are its own: it drops them when it ends
             own = session.pins[blocks] - np.array([waiting.get(b, 0) for b in blocks.tolist()], dtype=np.int64)
-            if np.any(own <= 0):
+            if (own <= 0).any():
                 b = int(blocks[np.argmax(own <= 0)])
                 raise ProtocolError(P.INVALID, f"block {b} is pinned only by an unfinished acquire of engine "
                                                f"{session.engine_id!r}; release it after the acquire completes")

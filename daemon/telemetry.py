@@ -38,7 +38,7 @@ def ingest(node: Node, counters: Counter[str], msg: Any, session: EngineSession)
     try:
         blocks = node.ids(msg.get("blocks"), "blocks")
         t = node.mgr.table
-        if blocks.size == 0 or np.any((blocks < 0) | (blocks >= t.max_blocks)):
+        if blocks.size == 0 or ((blocks < 0) | (blocks >= t.max_blocks)).any():
             raise ProtocolError(P.BAD_REQUEST, "bad blocks")
         live = (t.state[blocks] != FREE) & node.mine(session, blocks)
         skip = _stale(t, session, msg.get("at"), blocks)
@@ -50,7 +50,7 @@ def ingest(node: Node, counters: Counter[str], msg: Any, session: EngineSession)
         kind = msg.get("kind")
         if kind == "attention":
             mass = P.ids(msg.get("mass"), np.float32, node.max_batch_blocks, "mass")
-            if mass.size != blocks.size or not np.all(np.isfinite(mass)) or np.any(mass < 0):
+            if mass.size != blocks.size or not np.isfinite(mass).all() or (mass < 0).any():
                 raise ProtocolError(P.BAD_REQUEST, "bad mass")
             node.scores.report(blocks, mass, keep=live)  # shares and places over the whole report
             node.set_importance(blocks[live])

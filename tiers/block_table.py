@@ -93,9 +93,9 @@ class BlockTable:
     def read_hold(self, blocks: np.ndarray, delta: int) -> None:
         """Take (+1) or end (-1) a read hold on sealed blocks: it counts in ``busy`` (nothing evicts,
         drops, demotes or frees them), but is no move (they may be pinned and gain copies)."""
-        if delta > 0 and np.any(self.state[blocks] != SEALED):
+        if delta > 0 and (self.state[blocks] != SEALED).any():
             raise ValueError("only sealed blocks are read by a remote write")
-        if delta < 0 and np.any(self.readers[blocks] == 0):
+        if delta < 0 and (self.readers[blocks] == 0).any():
             raise ValueError("unhold of a block that is not held")
         if delta > 0:
             self.busy[blocks] += 1
@@ -166,9 +166,9 @@ class BlockTable:
         keys = np.asarray(keys, dtype=np.uint64)
         if n > len(self.free_blocks):
             raise ValueError(f"{n} blocks to adopt, {len(self.free_blocks)} entries free")
-        if n and (np.any(self.slot_owner[tier][slots] != NIL) or not all_distinct(slots)):
+        if n and ((self.slot_owner[tier][slots] != NIL).any() or not all_distinct(slots)):
             raise ValueError(f"a {Tier(tier).name} slot to adopt is taken or repeated")
-        if not all_distinct(keys) or (n and np.any(self.keys.get_many(keys) != NIL)):
+        if not all_distinct(keys) or (n and (self.keys.get_many(keys) != NIL).any()):
             raise ValueError("a key to adopt is repeated or already indexed")
         blocks = self.free_blocks.pop_front_n(n)
         self._init_entries(blocks)
@@ -293,6 +293,8 @@ class BlockTable:
         lst = self.nvme_idle
         want = (self.busy[blocks] == 0) & ((self.copies[blocks] >> NVME) & 1 == 1)
         have = lst.owner[blocks] == 0
+        if not (want ^ have).any():  # the common case on a move: nothing to change
+            return
         gone = ~want & have
         if gone.any():
             lst.remove_many(blocks[gone])
@@ -305,7 +307,7 @@ class BlockTable:
 
     def assign_slots(self, blocks: np.ndarray, tier: int) -> Optional[np.ndarray]:
         """Batch ``assign_slot``; None (and no change) if too few are free."""
-        if np.any(self.slot[tier, blocks] != NIL):
+        if (self.slot[tier, blocks] != NIL).any():
             raise ValueError(f"a block already holds a {Tier(tier).name} slot")
         if self.free_slots[tier].length() < blocks.size:
             return None
@@ -319,7 +321,7 @@ class BlockTable:
         if blocks.size == 0:
             return
         slots = self.slot[tier, blocks]
-        if np.any(slots == NIL):
+        if (slots == NIL).any():
             raise ValueError(f"a block has no {Tier(tier).name} slot")
         self.copies[blocks] &= np.uint8(~(1 << tier) & 0xFF)
         if tier == NVME:

@@ -134,7 +134,7 @@ class IndexLists:
         s = self.sentinel(lst)
         e = int(self.next[s])
         run = np.arange(e, e + k, dtype=np.int64)  # a fresh list holds its elements in id order: check that
-        if e + k <= self.capacity and bool(np.all(self.next[run[:-1]] == run[1:])):
+        if e + k <= self.capacity and bool((self.next[run[:-1]] == run[1:]).all()):
             out[:] = run
             e = int(self.next[run[-1]])
         else:
@@ -155,7 +155,7 @@ class IndexLists:
         elems = np.asarray(elems, dtype=np.int64)
         if elems.size == 0:
             return
-        if np.any(self.owner[elems] != NIL) or not all_distinct(elems):
+        if (self.owner[elems] != NIL).any() or not all_distinct(elems):
             raise ValueError("extend_back: some elements are already linked or repeated")
         self.append_unlinked(elems, lst)
 
@@ -185,10 +185,10 @@ class IndexLists:
                 self.remove(e)
             return
         srt = np.sort(elems)
-        if np.any(srt[1:] == srt[:-1]) or np.any(self.owner[srt] == NIL):
+        if (srt[1:] == srt[:-1]).any() or (self.owner[srt] == NIL).any():
             raise ValueError("remove_many: some elements are repeated or not linked")
         emptied = np.bincount(self.owner[srt].astype(np.int64), minlength=self.n_lists)
-        if np.all((emptied == 0) | (emptied == self.lengths)):  # whole lists go (a restart adopting every slot)
+        if ((emptied == 0) | (emptied == self.lengths)).all():  # whole lists go (a restart adopting every slot)
             for lst in np.flatnonzero(emptied).tolist():
                 s = self.sentinel(lst)
                 self.next[s] = self.prev[s] = s

@@ -22,10 +22,10 @@ def all_distinct(a: np.ndarray) -> bool:
     if a.size < 2:
         return True
     a = a.reshape(-1)
-    if bool(np.all(a[1:] > a[:-1])):  # already increasing (slot and block ranges): no sort needed
+    if bool((a[1:] > a[:-1]).all()):  # already increasing (slot and block ranges): no sort needed
         return True
     s = np.sort(a)
-    return not bool(np.any(s[1:] == s[:-1]))
+    return not bool((s[1:] == s[:-1]).any())
 
 
 class KeyIndex:
@@ -102,11 +102,11 @@ class KeyIndex:
             raise ValueError(f"{q.size} keys but {vals.size} values")
         if q.size == 0:
             return
-        if np.any(vals < 0):
+        if (vals < 0).any():
             raise ValueError("values must be >= 0")
         if self.size + q.size > self.max_entries:
             raise ValueError("key index is full")
-        if not checked and (not all_distinct(q) or np.any(self.get_many(q) >= 0)):
+        if not checked and (not all_distinct(q) or (self.get_many(q) >= 0).any()):
             raise ValueError("a key to insert is repeated or already indexed")
         with np.errstate(over="ignore"):
             pos = ((q * np.uint64(_MUL)) >> np.uint64(self.shift)).astype(np.int64)

@@ -268,7 +268,7 @@ class TierManager(TierMoves):
     def unpin_many(self, blocks: np.ndarray, checked: bool = False) -> None:
         t = self.table
         arr = blocks if checked else self.check_blocks(blocks)
-        if np.any(t.pins[arr] <= 0):
+        if (t.pins[arr] <= 0).any():
             raise ValueError(f"block {int(arr[np.argmax(t.pins[arr] <= 0)])} is not pinned")
         t.pins[arr] -= 1
         self._reap(arr)

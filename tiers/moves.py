@@ -31,6 +31,7 @@ from .types import DATA_PLANE_EVENTS, DRAM, FREE, HBM, NVME, ORPHAN_OWNER, SEALE
 EventListener = Callable[[str, int, int], None]  # (kind, block, tier)
 FailureListener = Callable[[np.ndarray, int], None]  # (blocks a failed move left in tier, tier)
 log = logging.getLogger("kvtier.tiers")
+PATH_NAMES = {(int(a), int(b)): f"{a.name.lower()}->{b.name.lower()}" for a in Tier for b in Tier}  # counter keys
 TID_WRAP = (1 << 31) - 1  # transfer ids cycle through 1 .. 2^31-1: 4 B a block, not 8
 
 
@@ -158,13 +159,13 @@ class TierMoves:
         dst = parse_tier(dst)
         arr = self.check_blocks(blocks)
         copies = self.table.copies[arr].astype(np.int64)
-        if np.any((copies >> dst) & 1):
+        if ((copies >> dst) & 1).any():
             raise ValueError(f"block {int(arr[np.argmax((copies >> dst) & 1)])} is already in {dst.name}")
         lower = copies >> (dst + 1)
-        if np.any(lower == 0):
+        if (lower == 0).any():
             raise ValueError(f"block {int(arr[np.argmax(lower == 0)])} has no copy below {dst.name} to promote")
         src = dst + 1 + np.log2(lower & -lower).astype(np.int64)
-        if np.any(src != src[0]):
+        if (src != src[0]).any():
             raise ValueError("promote: blocks come from different tiers; split the request")
         return self._move(arr, Tier(int(src[0])) if arr.size else dst, dst, keep_source=True, chunks=chunks)
 
@@ -176,15 +177,12 @@ class TierMoves:
         copies = t.copies[arr]
         sealed = t.state[arr] == SEALED
         keep = keep_source & sealed  # open blocks always move (one copy)
-        problems = (
-            ((copies >> s) & 1 == 0, f"has no valid copy in {src.name}"),
-            (t.moving(arr), "is already moving"),
-            ((t.pins[arr] != 0) & (not keep_source), "is pinned"),
-            ((t.readers[arr] != 0) & ~keep, "is being read by a remote write; its copies stay"),
-        )
-        for mask, why in problems:
-            if np.any(mask):
-                raise ValueError(f"block {int(arr[np.argmax(mask)])} {why}")
+        busy, readers = t.busy[arr], t.readers[arr]
+        refused = ((copies >> s) & 1 == 0) | (busy != readers) | ((readers != 0) & ~keep)
+        if not keep_source:
+            refused |= t.pins[arr] != 0
+        if refused.any():  # one test on the way through: the reasons only for a refusal
+            self._refuse(arr, copies, keep, src, keep_source)
         need_io = (copies >> d) & 1 == 0
         io = arr[need_io]
         if t.free_slot_count(d) < io.size:
@@ -192,7 +190,7 @@ class TierMoves:
         clean = arr[~need_io & ~keep]  # dst copy already valid: just drop the source
         t.release_slots(clean, s)
         self._emit_many("removed", clean, s)
-        self.counters[f"clean_{src.name.lower()}->{dst.name.lower()}"] += int((~need_io).sum())
+        self.counters["clean_" + PATH_NAMES[s, d]] += int(arr.size - io.size)
         if io.size == 0:
             return 0
         dst_slots = t.assign_slots(io, d)
@@ -218,6 +216,16 @@ class TierMoves:
         t.refresh_nvme_idle_many(io)
         return tid
 
+    def _refuse(self, arr: np.ndarray, copies: np.ndarray, keep: np.ndarray, src: Tier, keep_source: bool) -> None:
+        """Raise the first reason, in this order, that a block of ``arr`` cannot move."""
+        t = self.table
+        for mask, why in (((copies >> int(src)) & 1 == 0, f"has no valid copy in {src.name}"),
+                          (t.moving(arr), "is already moving"), ((t.pins[arr] != 0) & (not keep_source), "is pinned"),
+                          ((t.readers[arr] != 0) & ~keep, "is being read by a remote write; its copies stay")):
+            if mask.any():
+                raise ValueError(f"block {int(arr[np.argmax(mask)])} {why}")
+        raise AssertionError("_refuse called for blocks that can move")
+
     def _apply(self, group: list[Completion]) -> None:
         """Apply completions of one path as one (``_groups``). A listener that raises, even
         with an interrupt, does not cut the bookkeeping short (slots, failures, orphans,
@@ -237,13 +245,10 @@ class TierMoves:
             raise raised
 
     def _groups(self, done: list[Completion]) -> list[list[Completion]]:
-        """Consecutive memory-copy completions of one path (as one poll took them from the
-        mover), each group applied in one pass: the mover copies descriptors queued back to
-        back as one copy, so they finish together, and applying each on its own cost ~0.1 ms
-        of fixed numpy work a descriptor on the owner thread, which on a host whose copy
-        threads fill every core is wall time added to the move. Events of a group come per
-        kind (every block's "stored", then the "removed"): in order per block and per tier,
-        not across blocks."""
+        """Consecutive memory-copy completions of one path (as one poll took them), applied
+        in one pass: the mover copies descriptors queued back to back as one copy, and ~0.1 ms
+        of numpy work a descriptor on the owner is wall time added to the move where copy
+        threads fill every core. A group's events come per kind ("stored", then "removed")."""
         out: list[list[Completion]] = []
         key = None
         for c in done:
@@ -276,7 +281,7 @@ class TierMoves:
     def _apply_completion(self, p: _Pending, c: Completion) -> None:
         t = self.table
         s, d = int(p.src), int(p.dst)
-        path = f"{p.src.name.lower()}->{p.dst.name.lower()}"
+        path = PATH_NAMES[s, d]
         blocks = p.blocks
         t.busy[blocks] -= 1
         self.inflight[blocks] = 0
