@@ -276,17 +276,25 @@ class TieredCache(Cache):
         return torch.as_tensor(row.slots, dtype=torch.long)[pos // T], pos % T
 
     def _gather(self, layer: int, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Full K/V of every row, [B, H, S, D], read from the paged slots."""
-        T = self.layout.block_tokens
-        out_k, out_v = [], []
-        for row in self.rows:
-            n_tok = row.length + q_len
-            n_blk = -(-n_tok // T)
-            kv = self.pool[torch.as_tensor(row.slots[:n_blk], dtype=torch.long), layer]  # [blocks, 2, H, T, D]
-            kv = kv.permute(1, 2, 0, 3, 4).reshape(2, self.layout.num_kv_heads, n_blk * T, self.layout.head_dim)
-            out_k.append(kv[0, :, :n_tok])
-            out_v.append(kv[1, :, :n_tok])
-        return torch.stack(out_k).contiguous(), torch.stack(out_v).contiguous()
+        """Full K/V of every row, [B, H, S, D] each, contiguous, from the paged slots in two
+        copies: the layer's blocks, then their tokens into place (a reshape and stack made three)."""
+        T, H, D = self.layout.block_tokens, self.layout.num_kv_heads, self.layout.head_dim
+        if len(lengths := {row.length + q_len for row in self.rows}) != 1:
+            raise RuntimeError(f"rows of different lengths in one batch: {sorted(lengths)} tokens")
+        n = lengths.pop()
+        full, rest = divmod(n, T)
+        layer_pool = self.pool[:, layer]  # a view: [slots, 2, H, T, D]
+        k = torch.empty(len(self.rows), H, n, D, dtype=self.pool.dtype, device=self.pool.device)
+        v = torch.empty_like(k)
+        for i, row in enumerate(self.rows):
+            idx = torch.as_tensor(row.slots[: full + (rest > 0)], dtype=torch.long, device=self.pool.device)
+            kv = torch.index_select(layer_pool, 0, idx)  # [blocks, 2, H, T, D]
+            for out, part in ((k[i], kv[:, 0]), (v[i], kv[:, 1])):  # part: [blocks, H, T, D]
+                if full:
+                    out[:, : full * T].view(H, full, T, D).copy_(part[:full].permute(1, 0, 2, 3))
+                if rest:
+                    out[:, full * T:].copy_(part[full, :, :rest])
+        return k, v
 
     def _end_step(self, q_len: int) -> None:
         """The step is in the slots: count it, then seal every row's newly full blocks."""
