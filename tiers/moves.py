@@ -158,6 +158,8 @@ class TierMoves:
             raise ValueError(f"chunks={chunks} must divide block_bytes={self.block_bytes}")
         dst = parse_tier(dst)
         arr = self.check_blocks(blocks)
+        if arr.size == 0:
+            return 0  # nothing to move, as ``demote`` answers
         copies = self.table.copies[arr].astype(np.int64)
         if ((copies >> dst) & 1).any():
             raise ValueError(f"block {int(arr[np.argmax((copies >> dst) & 1)])} is already in {dst.name}")
@@ -167,7 +169,7 @@ class TierMoves:
         src = dst + 1 + np.log2(lower & -lower).astype(np.int64)
         if (src != src[0]).any():
             raise ValueError("promote: blocks come from different tiers; split the request")
-        return self._move(arr, Tier(int(src[0])) if arr.size else dst, dst, keep_source=True, chunks=chunks)
+        return self._move(arr, Tier(int(src[0])), dst, keep_source=True, chunks=chunks)
 
     def _move(self, arr: np.ndarray, src: Tier, dst: Tier, keep_source: bool, chunks: int = 1) -> Optional[int]:
         t = self.table

@@ -392,3 +392,14 @@ def test_move_refusals_name_the_block_and_reason_in_order_and_change_nothing(man
     m.wait()
     assert m.table.copies[b] == 0b010 and m.table.copies[a] == 0b001
     m.check_invariants()
+
+
+def test_empty_moves_are_no_ops(manager):
+    m = manager
+    b = _new_sealed(m, 41)
+    before = snapshot(m)
+    assert m.promote([]) == 0 and m.promote([], Tier.DRAM) == 0  # an IndexError before
+    assert m.demote([], "hbm", "dram") == 0
+    assert_same(before, snapshot(m))
+    assert m.table.copies[b] == 0b001
+    m.check_invariants()
