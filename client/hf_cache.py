@@ -276,16 +276,13 @@ class TieredCache(Cache):
         return torch.as_tensor(row.slots, dtype=torch.long)[pos // T], pos % T
 
     def _gather(self, layer: int, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Full K/V of every row, [B, H, S, D] each, contiguous, from the paged slots in two
-        copies: the layer's blocks, then their tokens into place (a reshape and stack made three)."""
+        """Every row's K/V, [B, H, S, D] each, contiguous: the layer's blocks, then their tokens."""
         T, H, D = self.layout.block_tokens, self.layout.num_kv_heads, self.layout.head_dim
         if len(lengths := {row.length + q_len for row in self.rows}) != 1:
             raise RuntimeError(f"rows of different lengths in one batch: {sorted(lengths)} tokens")
-        n = lengths.pop()
-        full, rest = divmod(n, T)
+        full, rest = divmod(n := lengths.pop(), T)
         layer_pool = self.pool[:, layer]  # a view: [slots, 2, H, T, D]
-        k = torch.empty(len(self.rows), H, n, D, dtype=self.pool.dtype, device=self.pool.device)
-        v = torch.empty_like(k)
+        k, v = (torch.empty(len(self.rows), H, n, D, dtype=self.pool.dtype, device=self.pool.device) for _ in range(2))
         for i, row in enumerate(self.rows):
             idx = torch.as_tensor(row.slots[: full + (rest > 0)], dtype=torch.long, device=self.pool.device)
             kv = torch.index_select(layer_pool, 0, idx)  # [blocks, 2, H, T, D]

@@ -287,10 +287,8 @@ class BlockTable:
             lst.remove(b)
 
     def refresh_nvme_idle_many(self, blocks: np.ndarray) -> None:
-        """Batch form: vectorised membership test, O(1) fix per mismatch; the blocks
-        added are unlinked by construction, so only their distinctness is checked."""
-        blocks = np.asarray(blocks, dtype=np.int64)
-        lst = self.nvme_idle
+        """Batch form: vectorised membership test, O(1) fix per mismatch (added blocks are unlinked)."""
+        blocks, lst = np.asarray(blocks, dtype=np.int64), self.nvme_idle
         want = (self.busy[blocks] == 0) & ((self.copies[blocks] >> NVME) & 1 == 1)
         have = lst.owner[blocks] == 0
         if not (want ^ have).any():  # the common case on a move: nothing to change

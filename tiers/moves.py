@@ -35,6 +35,14 @@ PATH_NAMES = {(int(a), int(b)): f"{a.name.lower()}->{b.name.lower()}" for a in T
 TID_WRAP = (1 << 31) - 1  # transfer ids cycle through 1 .. 2^31-1: 4 B a block, not 8
 
 
+def _refuse(arr: np.ndarray, masks: tuple[np.ndarray, ...], src: Tier) -> None:
+    """Raise the first of ``_move``'s refusal reasons, in order, for the first block it names."""
+    reasons = (f"has no valid copy in {src.name}", "is already moving", "is pinned",
+               "is being read by a remote write; its copies stay")
+    mask, why = next((m, r) for m, r in zip(masks, reasons) if m.any())
+    raise ValueError(f"block {int(arr[np.argmax(mask)])} {why}")
+
+
 def _most_urgent(errors: list[BaseException]) -> Optional[BaseException]:
     """The error to raise of those a group's listeners deferred: an interrupt first."""
     return next((e for e in errors if not isinstance(e, Exception)), errors[0] if errors else None)
@@ -179,12 +187,10 @@ class TierMoves:
         copies = t.copies[arr]
         sealed = t.state[arr] == SEALED
         keep = keep_source & sealed  # open blocks always move (one copy)
-        busy, readers = t.busy[arr], t.readers[arr]
-        refused = ((copies >> s) & 1 == 0) | (busy != readers) | ((readers != 0) & ~keep)
-        if not keep_source:
-            refused |= t.pins[arr] != 0
-        if refused.any():  # one test on the way through: the reasons only for a refusal
-            self._refuse(arr, copies, keep, src, keep_source)
+        masks = ((copies >> s) & 1 == 0, t.moving(arr), (t.pins[arr] != 0) & (not keep_source),
+                 (t.readers[arr] != 0) & ~keep)
+        if (masks[0] | masks[1] | masks[2] | masks[3]).any():  # one test on the way through
+            _refuse(arr, masks, src)
         need_io = (copies >> d) & 1 == 0
         io = arr[need_io]
         if t.free_slot_count(d) < io.size:
@@ -213,26 +219,13 @@ class TierMoves:
         t.busy[io] += 1
         self._pending[tid] = _Pending(io, src, dst, keep[need_io].copy(), chunks if layered else 1, progress)
         self.mover.submit(xfer)
-        # the list upkeep overlaps the copy: only this thread reads the lists, and the
-        # transfer is already tracked whatever happens below
-        t.refresh_nvme_idle_many(io)
+        t.refresh_nvme_idle_many(io)  # overlaps the copy: only this thread reads the lists
         return tid
 
-    def _refuse(self, arr: np.ndarray, copies: np.ndarray, keep: np.ndarray, src: Tier, keep_source: bool) -> None:
-        """Raise the first reason, in this order, that a block of ``arr`` cannot move."""
-        t = self.table
-        for mask, why in (((copies >> int(src)) & 1 == 0, f"has no valid copy in {src.name}"),
-                          (t.moving(arr), "is already moving"), ((t.pins[arr] != 0) & (not keep_source), "is pinned"),
-                          ((t.readers[arr] != 0) & ~keep, "is being read by a remote write; its copies stay")):
-            if mask.any():
-                raise ValueError(f"block {int(arr[np.argmax(mask)])} {why}")
-        raise AssertionError("_refuse called for blocks that can move")
-
     def _apply(self, group: list[Completion]) -> None:
-        """Apply completions of one path as one (``_groups``). A listener that raises, even
-        with an interrupt, does not cut the bookkeeping short (slots, failures, orphans,
-        lists, counters): once it is done the first interrupt, else the first error, is
-        raised and every other listener error of the group is logged."""
+        """Apply completions of one path as one (``_groups``). A listener that raises (even an
+        interrupt) does not cut the bookkeeping short: after it, the first interrupt, else the
+        first error, is raised and every other listener error of the group is logged."""
         self._deferred = []
         raised: Optional[BaseException] = None
         try:
