@@ -221,10 +221,15 @@ class BlockOps:
 
     # -- whole-node ------------------------------------------------------------------------
     def op_clear(self, session: Optional[EngineSession], args: Any) -> dict:
-        """Drop every cached (unreferenced, idle) block: AllBlocksCleared. A disk that refuses
-        the new header key (``void_headers``) is an I/O error, not a bug: nothing is dropped."""
+        """Drop every cached (unreferenced, unpinned) block: AllBlocksCleared. Transfers in
+        flight finish first; a disk too slow to finish them in time (``CLEAR_DRAIN_S``), or
+        one that refuses the new header key (``void_headers``), is an error, not a bug:
+        nothing is dropped."""
         try:
             dropped = self.node.mgr.drop_cached()
+        except TimeoutError as e:  # (an OSError too: before the disk's errors)
+            raise ProtocolError(P.TIMEOUT, f"clear: {e} (transfers in flight to a slow disk); nothing was "
+                                           "dropped, try again") from None
         except OSError as e:
             code = P.NO_SPACE if e.errno == errno.ENOSPC else P.IO_ERROR
             raise ProtocolError(code, f"clear: the NVMe tier's headers cannot be voided ({e}); nothing was dropped") from None

@@ -51,10 +51,9 @@ def count_read_failure(t: BlockTable, io_failures: np.ndarray, counters: Counter
 
 
 def read_nvme_verified(nvme: NvmeStore, counters: Counter[str], b: int, slot: int, length: int,
-                       checksum: "int | None") -> bytes:
-    """Payload of ``b`` from NVMe ``slot``, checked against ``checksum`` (None: not
-    verified, an open block's) on the I/O thread that read it; a failed or mismatching
-    read is read again before it raises."""
+                       checksum: int) -> bytes:
+    """Payload of ``b`` from NVMe ``slot``, checked against ``checksum`` on the I/O thread
+    that read it; a failed or mismatching read is read again before it raises."""
     buf = aligned_empty(nvme.data_stride)
     err: Optional[BaseException] = None
     for attempt in range(READ_ATTEMPTS):

@@ -1,8 +1,9 @@
 """The metadata owner: block lifecycle and placement over three tiers.
 
 ``TierManager`` pairs a ``BlockTable`` with the pools, the NVMe store and the
-mover (``moves.TierMoves``, its base, owns those and every transfer in flight;
-this class adds the block lifecycle and persistence). It is the only code that
+mover (its bases: ``moves.TierMoves`` owns those and every transfer in flight,
+``remote_blocks.RemoteBlocks`` adds the blocks a remote read fills or a remote write
+reads; this class adds the block lifecycle and persistence). It is the only code that
 mutates metadata; it must be called from one thread (the daemon's owner loop). Error conventions follow vLLM: ``None`` for
 "does not fit", ``ValueError`` for caller misuse (raised before any state
 changes), ``RuntimeError`` for a broken invariant. A failed transfer leaves
@@ -27,15 +28,16 @@ from kvtier.kernels.checksum import block_checksum
 from .integrity import read_nvme_verified, unindexed, unreachable_idle
 from .intrusive import NIL
 from .io_backends import IOBackend
-from .moves import TierMoves
 from .ownership import Unclaimed
+from .remote_blocks import RemoteBlocks
 from .slot_index import recovered_entries, sealed_entries, take_index, write_index
-from .types import DRAM, FREE, HBM, NVME, OPEN, SEALED, UNCLAIMED_NS, Tier, TierError, parse_tier
+from .types import HBM, NVME, OPEN, SEALED, UNCLAIMED_NS, Tier, TierError, parse_tier
 
 log = logging.getLogger("kvtier.tiers")
+CLEAR_DRAIN_S = 5.0  # how long a clear waits for transfers in flight (a healthy disk: milliseconds)
 
 
-class TierManager(TierMoves):
+class TierManager(RemoteBlocks):
     def __init__(
         self,
         block_bytes: int,
@@ -193,15 +195,25 @@ class TierManager(TierMoves):
         """The scorer's importance of ``blocks``, kept beside the rest of their metadata."""
         self.table.importance[blocks] = values
 
-    def drop_cached(self) -> int:
-        """Drop every unreferenced, unpinned, idle block (NVMe headers voided first, or none); how many."""
+    def drop_cached(self, drain_s: float = CLEAR_DRAIN_S) -> int:
+        """Drop every cached (unreferenced, unpinned) block; how many (``kvtier clear``).
+
+        Transfers in flight are applied first, for ``drain_s`` at most (else TimeoutError, and
+        nothing is voided or dropped): a cached block being moved was skipped and still
+        served after the clear, and an NVMe write queued before it packed its header under
+        the new key, so the cleared entry came back after a crash. Then the NVMe headers are
+        voided. A cached block a remote write is still reading loses its key now (no lookup
+        finds it) and is released at its last ``unhold``."""
+        self.wait(timeout=drain_s)
         if self.nvme is not None:
             self.nvme.void_headers()
         t = self.table
-        cached = np.flatnonzero((t.state != FREE) & (t.refcount == 0) & (t.pins == 0) & (t.busy == 0))
-        for b in cached.tolist():
+        cached = (t.state == SEALED) & (t.refcount == 0) & (t.pins == 0)  # (a remote read's placeholders: OPEN)
+        for b in np.flatnonzero(cached & (t.busy != 0)).tolist():  # nothing moves now: held by a remote write
+            t.detach_key(b)
+        for b in np.flatnonzero(cached & (t.busy == 0)).tolist():
             self.drop(b)
-        return int(cached.size)
+        return int(np.count_nonzero(cached))
 
     def free(self, b: int, allow_pinned: bool = False) -> None:
         """Drop one reference. OPEN blocks die; SEALED ones become cached.
@@ -273,14 +285,6 @@ class TierManager(TierMoves):
         t.pins[arr] -= 1
         self._reap(arr)
 
-    def _reap(self, arr: np.ndarray) -> None:
-        """Release blocks no lookup reaches whose last reference went while they were pinned."""
-        t = self.table
-        dead = arr[unreachable_idle(t, self.corrupt, arr)]
-        for b in dead.tolist():
-            self._emit("removed", b, -1)
-            t.release_block(b)
-
     def unpin(self, b: int) -> None:
         b = self._check_block(b)
         t = self.table
@@ -289,55 +293,6 @@ class TierManager(TierMoves):
         t.pins[b] -= 1
         t.refresh_nvme_idle(b)
         self._reap(np.array([b]))
-
-    # -- remote tier: blocks whose bytes a remote read writes, blocks a remote write reads -------
-    def reserve_fetch(self, n: int, ns: int, tier: int = DRAM) -> np.ndarray:
-        """Up to ``n`` placeholder blocks, each with a ``tier`` slot a remote read will fill:
-        OPEN, unreferenced and busy (nothing moves, evicts, seals or serves them) until
-        ``finish_fetch``. Fewer (or none) when slots or table entries run short."""
-        t = self.table
-        n = min(int(n), t.free_slot_count(tier), len(t.free_blocks))
-        if n <= 0:
-            return np.zeros(0, dtype=np.int64)
-        out = np.fromiter((t.new_block() for _ in range(n)), dtype=np.int64, count=n)
-        t.refcount[out] = 0
-        t.busy[out] = 1
-        self.namespace[out] = ns
-        t.assign_slots(out, tier)
-        return out
-
-    def finish_fetch(self, blocks: np.ndarray, ok: np.ndarray, keys: np.ndarray, lengths: np.ndarray,
-                     checksums: np.ndarray, tier: int = DRAM) -> np.ndarray:
-        """Apply a remote read of ``reserve_fetch`` blocks: a verified one becomes a cached
-        SEALED block whose one copy is its ``tier`` slot; the others are released. Per block,
-        the block now holding its key (the fetched one, or one sealed here meanwhile), or -1."""
-        t = self.table
-        t.busy[blocks] -= 1
-        out = np.full(blocks.size, -1, dtype=np.int64)
-        kept = []
-        for i, b in enumerate(blocks.tolist()):
-            key = int(keys[i])
-            existing = t.lookup(key)
-            if ok[i] and existing < 0:
-                t.nbytes[b] = int(lengths[i])
-                t.seal(b, key, int(checksums[i]))
-                t.copies[b] |= np.uint8(1 << tier)
-                kept.append(b)
-                out[i] = b
-            else:
-                t.release_block(b)  # never visible to anyone: no event
-                out[i] = existing
-        arr = np.asarray(kept, dtype=np.int64)
-        t.refresh_nvme_idle_many(arr)
-        self._emit_many("stored", arr, tier)
-        return out
-
-    def hold(self, blocks: np.ndarray) -> None:
-        """A remote write reads these sealed blocks' bytes (``BlockTable.read_hold``)."""
-        self.table.read_hold(blocks, +1)
-
-    def unhold(self, blocks: np.ndarray) -> None:
-        self.table.read_hold(blocks, -1)
 
     # -- reading (tests, CLI) ------------------------------------------------
     def read(self, b: int) -> bytes:
@@ -354,8 +309,9 @@ class TierManager(TierMoves):
         if home == Tier.DRAM:
             return self.dram.read(slot)[:length]
         assert self.nvme is not None  # home is NVMe
-        return read_nvme_verified(self.nvme, self.counters, b, slot, length,
-                                  int(t.checksum[b]) if t.state[b] == SEALED else None)
+        # an open block's copy too: its write-back computed the checksum the table holds (an open
+        # block has one copy, so the bytes on disk are the last ones written), and promote checks it
+        return read_nvme_verified(self.nvme, self.counters, b, slot, length, int(t.checksum[b]))
 
     # -- persistence ---------------------------------------------------------
     def _recover(self, verify_payload: bool) -> None:

@@ -182,3 +182,26 @@ def test_a_clear_the_disk_refuses_is_an_io_error_and_drops_nothing(tmp_path, mon
         assert call(svc, "clear", "a")["dropped"] == 1
     finally:
         svc.close()
+
+
+def test_a_clear_that_cannot_drain_its_transfers_is_a_timeout_and_drops_nothing(tmp_path, monkeypatch):
+    """Transfers to a disk too slow to finish within the clear's drain time: ``timeout`` (not
+    ``io_error``, though a TimeoutError is an OSError), nothing dropped, and a retry works."""
+    svc = _service(tmp_path)
+    try:
+        call(svc, "register", "a", pid=0, block_bytes=BB, namespace="tenant-a")
+        b = _sealed_on_nvme(svc, "a", 7, 0x5A, BB)
+        mgr = svc.node.mgr
+        slow = mgr.wait
+
+        def stuck(timeout=None):  # the fault: a transfer that outlasts the drain time
+            raise TimeoutError("1 transfers still pending")
+        monkeypatch.setattr(mgr, "wait", stuck)
+        with pytest.raises(P.ProtocolError) as ei:
+            call(svc, "clear", "a")
+        assert ei.value.code == P.TIMEOUT and "nothing was dropped" in str(ei.value)
+        assert ids(call(svc, "lookup", "a", keys=_keys(7))["blocks"]) == [b]
+        monkeypatch.setattr(mgr, "wait", slow)
+        assert call(svc, "clear", "a")["dropped"] == 1
+    finally:
+        svc.close()

@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 
 from kvtier.tiers import io_backends
 from kvtier.tiers.faults import FaultyBackend
 from kvtier.tiers.io_backends import PosixBackend
 from kvtier.tiers.manager import TierManager
-from kvtier.tiers.types import BlockState, Tier
+from kvtier.tiers.types import BlockState, CorruptBlockError, Tier
 
 from ..conftest import pattern
 from .verify_spy import spy_verifications
@@ -86,6 +87,27 @@ def test_one_corrupt_read_in_read_is_retried(nvme_dir):
         b = _sealed_on_nvme(m, 3, KEY)
         fb.corrupt_reads = 1
         assert m.read(b) == pattern(3, BB).tobytes()
+    finally:
+        m.close()
+
+
+def test_read_verifies_an_open_blocks_written_back_copy(nvme_dir):
+    """An open block written back to NVMe has the checksum its write-back computed: ``read``
+    serves its bytes and refuses a corrupt copy, as promoting it does (it had returned
+    the flipped bytes unverified)."""
+    m, _ = _manager(nvme_dir)
+    try:
+        b = int(m.alloc(1)[0])
+        m.write(b, pattern(6, BB))  # open, never sealed
+        m.demote([b], "hbm", "nvme"); m.wait()
+        assert m.table.copies[b] == 1 << Tier.NVME and m.table.state[b] == BlockState.OPEN
+        assert m.read(b) == pattern(6, BB).tobytes()
+        _flip_on_disk(m, b)
+        with pytest.raises(CorruptBlockError, match=f"block {b}"):
+            m.read(b)
+        assert m.counters["nvme_read_retries"] == 1  # read again before it raised
+        m.promote([b], "hbm"); m.wait()  # the same verdict on the promote path
+        assert "checksum" in m.last_errors[b] and m.table.copies[b] == 1 << Tier.NVME
     finally:
         m.close()
 
