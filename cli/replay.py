@@ -30,8 +30,8 @@ def expand_policies(text: str, registered: dict) -> list[str]:
 
 def configure(name: str, p: argparse.ArgumentParser) -> None:
     p.add_argument("traces", nargs="+", metavar="TRACE",
-                   help="Mooncake or Qwen-Bailian JSONL trace, or synthetic:FAMILY (zipf, scan, loop, shifting, "
-                        "chat, agent)")
+                   help="Mooncake or Qwen-Bailian JSONL trace, or synthetic:FAMILY[:SEED] (zipf, scan, loop, "
+                        "shifting, chat, agent; seed 0 by default)")
     p.add_argument("--part", choices=("all", "first", "second"), default="all",
                    help="replay only the first or second half of each trace's requests (tune on one, report the other)")
     p.add_argument("--capacity", default="1%,2%,5%,10%,20%", help="capacities as %% of unique blocks")

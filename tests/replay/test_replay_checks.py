@@ -195,3 +195,18 @@ def test_several_traces_plot_to_one_file_each():
 
     assert plot_path("out.png", "synthetic:zipf") == "out-synthetic:zipf.png"
     assert plot_path("plots/out", "conv.jsonl") == "plots/out-conv.jsonl"  # no extension: still its own file
+
+
+def test_synthetic_seed_in_the_name():
+    """``synthetic:FAMILY:SEED`` is that seed's draw (the same as ``seed=``), another seed
+    is another trace, seed 0 keeps the plain name, and a bad seed is refused by name."""
+    a = synthetic_trace("synthetic:loop:3", requests=300)
+    b = synthetic_trace("loop", requests=300, seed=3)
+    assert a.name == "synthetic:loop:3"
+    assert np.array_equal(a.block, b.block) and np.array_equal(a.cls, b.cls)
+    c = synthetic_trace("synthetic:loop:4", requests=300)
+    assert c.block.size != a.block.size or not np.array_equal(c.block, a.block)
+    assert synthetic_trace("synthetic:loop:0", requests=300).name == "synthetic:loop"
+    for bad in ("synthetic:loop:x", "synthetic:loop:-1", "synthetic:loop:"):
+        with pytest.raises(ValueError, match="non-negative integer"):
+            synthetic_trace(bad, requests=10)
