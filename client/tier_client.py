@@ -45,8 +45,9 @@ from .telemetry import TelemetrySender, resolve_endpoints
 
 log = logging.getLogger("kvtier.client")
 
-# requests that change what an engine holds: one whose reply is lost leaves the session unknown
-SESSION_OPS = frozenset({"alloc", "seal", "ref", "free", "acquire", "release"})
+# requests that change what an engine holds (a poll that completes an acquire hands its pins to
+# the session): one whose reply is lost leaves the session unknown
+SESSION_OPS = frozenset({"alloc", "seal", "ref", "free", "acquire", "acquire_poll", "release"})
 
 if TYPE_CHECKING:  # torch is loaded when a region is mapped, so the CLI and a stats call never pay for it
     from multiprocessing.shared_memory import SharedMemory

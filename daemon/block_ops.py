@@ -42,6 +42,8 @@ class BlockOps:
         self.alloc_waiters: list[AllocWaiter] = []
         # blocks a session's unfinished acquires have pinned (ResidencyOps'); seal must not take those pins
         self.acquiring: Callable[[EngineSession], set[int]] = lambda session: set()
+        # pins what landed for the acquires waiting on it (the service's, after applied completions)
+        self.pin_landed: Callable[[], None] = lambda: None
 
     # -- alloc ------------------------------------------------------------------------
     def op_alloc(self, session: EngineSession, args: Any) -> Any:
@@ -226,7 +228,7 @@ class BlockOps:
         one that refuses the new header key (``void_headers``), is an error, not a bug:
         nothing is dropped."""
         try:
-            dropped = self.node.mgr.drop_cached()
+            dropped = self.node.mgr.drop_cached(landed=self.pin_landed)
         except TimeoutError as e:  # (an OSError too: before the disk's errors)
             raise ProtocolError(P.TIMEOUT, f"clear: {e} (transfers in flight to a slow disk); nothing was "
                                            "dropped, try again") from None

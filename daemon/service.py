@@ -36,6 +36,7 @@ from .stats import snapshot
 from .telemetry import ingest
 
 log = logging.getLogger("kvtier.service")
+FENCED_WHYS = frozenset({"timeout", "replaced"})  # reclaims whose process may still write its slots
 
 
 class Service:
@@ -122,8 +123,10 @@ class Service:
         self._refuse_a_second_process(engine_id, process)
         geometry = (int(args.block_bytes), int(args.block_tokens))
         ns = self.namespaces.id(args.namespace, geometry)  # may refuse: before anything of the old session goes
-        if engine_id in self.engines:  # a restarted engine: its old holdings are void
-            self.reclaim(engine_id, "re-registered")
+        old = self.engines.get(engine_id)
+        if old is not None:  # a restarted engine: its old holdings are void. Another process took the
+            # id (the old one dead or silent past the timeout): fenced as a timeout is, as it may still write
+            self.reclaim(engine_id, "re-registered" if (old.pid, old.pid_ns) == process else "replaced")
         for f in [f for f in self.fences if f.engine_id == engine_id and f.process == process]:
             self._lift(f)  # the same process starts over: its old client writes no more
         others = self.namespaces.others(args.namespace, geometry)
@@ -174,6 +177,7 @@ class Service:
         self.residency = ResidencyOps(node, self.cfg, self.counters, self.clock)
         b, r = self.blocks, self.residency
         b.acquiring = r.pinned_by_waiters
+        b.pin_landed = self._pin_landed
         self.node_ops = {"alloc": b.op_alloc, "seal": b.op_seal, "ref": b.op_ref, "lookup": b.op_lookup, "free": b.op_free,
                          "acquire": r.op_acquire, "acquire_poll": r.op_acquire_poll, "release": r.op_release,
                          "hint": r.op_hint}
@@ -186,9 +190,10 @@ class Service:
     def reclaim(self, engine_id: str, why: str) -> int:
         """Drop an engine's pins, waiters and references; other engines are untouched.
 
-        A silent engine (``why == "timeout"``) whose process may still run is fenced:
-        its pins and references stay in the table until its process is gone (see
-        ``liveness``), so no other engine is handed a slot it may still be writing."""
+        A silent engine (``why`` "timeout", or "replaced": another process registered its
+        id) whose process may still run is fenced: its pins and references stay in the
+        table until its process is gone (see ``liveness``), so no other engine is handed a
+        slot it may still be writing."""
         session = self.engines.pop(engine_id, None)
         if session is None or self.node is None:
             return 0
@@ -198,7 +203,7 @@ class Service:
             self.orphans.append((w, gone))
         held = session.pins.nonzero_ids()
         self.counters[f"reclaimed_{why.replace('-', '_')}"] += 1
-        may_write = why == "timeout" and (not session.pid_checkable or pid_alive(session.pid))
+        may_write = why in FENCED_WHYS and (not session.pid_checkable or pid_alive(session.pid))
         if may_write and held.size:  # keep what it holds until it surely cannot write any more
             pins = np.repeat(held, session.pins[held])
             self.fences.append(Fence(engine_id, session.pid if session.pid_checkable else None,

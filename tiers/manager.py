@@ -195,7 +195,7 @@ class TierManager(RemoteBlocks):
         """The scorer's importance of ``blocks``, kept beside the rest of their metadata."""
         self.table.importance[blocks] = values
 
-    def drop_cached(self, drain_s: float = CLEAR_DRAIN_S) -> int:
+    def drop_cached(self, drain_s: float = CLEAR_DRAIN_S, landed: Callable[[], None] = lambda: None) -> int:
         """Drop every cached (unreferenced, unpinned) block; how many (``kvtier clear``).
 
         Transfers in flight are applied first, for ``drain_s`` at most (else TimeoutError, and
@@ -203,8 +203,11 @@ class TierManager(RemoteBlocks):
         served after the clear, and an NVMe write queued before it packed its header under
         the new key, so the cleared entry came back after a crash. Then the NVMe headers are
         voided. A cached block a remote write is still reading loses its key now (no lookup
-        finds it) and is released at its last ``unhold``."""
+        finds it) and is released at its last ``unhold``. ``landed`` runs between the drain and
+        the drop: the daemon pins there what just landed for the acquires waiting on it (a
+        poll may already have reported its slot), as after every poll."""
         self.wait(timeout=drain_s)
+        landed()
         if self.nvme is not None:
             self.nvme.void_headers()
         t = self.table

@@ -45,8 +45,9 @@ class RemoteBlocks(TierMoves):
                 t.copies[b] |= np.uint8(1 << tier)
                 kept.append(b)
                 out[i] = b
-            else:
-                t.release_block(b)  # never visible to anyone: no event
+            else:  # an engine may have named its id (a hint, a report): what listeners keep by id goes
+                self._emit("removed", b, -1)
+                t.release_block(b)
                 out[i] = existing
         arr = np.asarray(kept, dtype=np.int64)
         t.refresh_nvme_idle_many(arr)

@@ -92,6 +92,42 @@ def test_a_request_whose_reply_is_lost_ends_the_session_and_a_new_one_holds_noth
         assert d.stop() == 0
 
 
+def test_a_lost_reply_to_the_poll_that_completes_an_acquire_ends_the_session(tmp_path):
+    """The poll that completes an acquire hands its pins to the session; lost, the engine
+    never learns the slots and nothing would ever release them (the next poll answers
+    "unknown ticket", a free is refused for the pins). It ends the session as a lost
+    acquire does, and the next register takes them back."""
+    bb = 4096
+    d = DaemonProcess(tmp_path, f"tiers.hbm_bytes={8 * bb}", f"tiers.dram_bytes={32 * bb}", "tiers.nvme_bytes=0")
+    c = d.client(engine_id="e", heartbeat_s=None, timeout_s=10.0)
+    try:
+        c.register(block_bytes=bb)
+        first, _ = c.alloc(8, seq=1, pin=True)
+        c.seal(first, list(range(1, 9)), seq=1)
+        c.release(blocks=first)
+        second, _ = c.alloc(8, seq=2, pin=True)  # pushes the first 8 down to DRAM
+        c.release(blocks=second)
+        c.free(seqs=[2])
+        h = c.acquire_async(blocks=first)
+        assert not h.done
+        time.sleep(1.0)  # the promotions land and are pinned for the ticket
+        c.timeout_s = 1e-9  # this poll reaches the daemon; its reply is lost
+        with pytest.raises(RequestTimeout):
+            h.poll()
+        c.timeout_s = 10.0
+        with pytest.raises(EngineReclaimed):
+            c.free(seqs=[1])
+        deadline = time.monotonic() + 10
+        while not c.reattach() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        me = _mine(c)
+        assert me["pins"] == 0 and me["live_blocks"] == 0
+        c.check()
+    finally:
+        c.close()
+        assert d.stop() == 0
+
+
 def test_a_failed_register_leaves_the_client_unregistered_and_old_handles_dead(tmp_path):
     d = DaemonProcess(tmp_path, "tiers.hbm_bytes=16384", "tiers.dram_bytes=65536", "tiers.nvme_bytes=0")
     a, b = d.client(heartbeat_s=None), d.client(heartbeat_s=None)

@@ -265,3 +265,40 @@ def test_a_hint_of_an_unreadable_block_does_not_hold_up_the_hints_behind_it(faul
         if mgr.table.has_copy(m, HBM):
             break
     assert mgr.table.has_copy(m, HBM) and len(svc.node.prefetcher) == 0
+
+
+def test_a_clear_does_not_drop_a_block_whose_slot_a_poll_reported(tmp_path):
+    """A cached block an engine acquires by key lands while a clear drains the transfers in
+    flight, after a poll already told the engine its slot: the clear pins it for the ticket
+    before it drops anything, so the slot is never handed to another tenant's alloc."""
+    svc = _service(tmp_path, 4, 8, 0)
+    try:
+        for engine, ns in (("A", "tenant-a"), ("B", "tenant-b")):
+            call(svc, "register", engine, pid=0, block_bytes=BB, namespace=ns, layout={"layers": 4})
+        mgr = svc.node.mgr
+        r = call(svc, "alloc", "B", n=1, seq=1, pin=True)
+        y, slot = ids(r["blocks"])[0], ids(r["slots"])[0]
+        mgr.hbm.host_view(slot)[:] = 0xBB
+        key = P.id_bytes(np.array([2], dtype=np.uint64), np.uint64)
+        y = ids(call(svc, "seal", "B", blocks=[y], keys=key)["blocks"])[0]
+        call(svc, "release", "B", blocks=[y])
+        call(svc, "free", "B", blocks=[y])  # cached: sealed, no reference
+        mgr.demote([y], HBM, DRAM)
+        mgr.wait()
+        _tick(svc)
+        r = call(svc, "acquire", "B", keys=key, timeout_s=30, wait=False)
+        assert not r["done"]
+        mgr.mover.drain()  # copied on the mover thread, not applied yet
+        r = call(svc, "acquire_poll", "B", ticket=r["ticket"])
+        ((layers, reported),) = zip(ids(r["layers_ready"]), ids(r["slots"]))
+        assert layers == 4 and reported >= 0  # B may read every layer from that slot now
+        assert call(svc, "clear", "A")["dropped"] == 0  # y is the acquire's, not the cache's
+        free = int(mgr.table.free_slot_count(HBM))
+        for s in ids(call(svc, "alloc", "A", n=free, seq=9, pin=True)["slots"]):
+            assert s != reported
+            mgr.hbm.host_view(s)[:] = 0xAA
+        assert bool((mgr.hbm.host_view(reported) == 0xBB).all())
+        r = call(svc, "acquire_poll", "B", ticket=r["ticket"]) if not r["done"] else r
+        assert r["done"] and ids(r["blocks"]) == [y]
+    finally:
+        svc.close()

@@ -161,3 +161,26 @@ def test_a_fenced_engine_that_registers_again_gets_its_slots_back(env):
     assert not svc.fences and svc.counters["fences_lifted"] == 1
     assert set(ids(call(svc, "alloc", "e", n=8, seq=1, pin=True)["slots"])) == mine
     assert call(svc, "check", "e")["ok"]
+
+
+@pytest.mark.parametrize("checked_first", [True, False], ids=["timed-out-first", "replaced-directly"])
+def test_another_process_taking_a_silent_engines_id_keeps_its_pins_fenced(env, checked_first):
+    """An engine in another pid namespace goes silent past the timeout and another process
+    registers its id. Whether the heartbeat check reclaimed it first or the register does,
+    its pins stay fenced: no other engine gets the slots it may still be writing (the
+    register had dropped them at once)."""
+    svc, clock = env
+    other_ns = own_pid_namespace() + 1
+    call(svc, "register", "w", pid=100, pid_ns=other_ns, block_bytes=BB)
+    call(svc, "register", "b", pid=0, block_bytes=BB)
+    mine = set(ids(call(svc, "alloc", "w", n=4, seq=1, pin=True)["slots"]))
+    clock.t += 1.5
+    call(svc, "heartbeat", "b")
+    if checked_first:
+        assert svc.check_engines() == ["w"]
+    call(svc, "register", "w", pid=200, pid_ns=other_ns, block_bytes=BB)  # another process, same id
+    assert len(svc.fences) == 1 and svc.fences[0].process == (100, other_ns)
+    assert svc.node.mgr.table.free_slot_count(0) == 4  # HBM: w's four slots are not free
+    got = set(ids(call(svc, "alloc", "b", n=4, seq=2, pin=True)["slots"]))
+    assert not mine & got
+    assert svc.counters["reclaimed_timeout" if checked_first else "reclaimed_replaced"] == 1

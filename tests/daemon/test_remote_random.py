@@ -288,3 +288,39 @@ def test_a_publish_stuck_on_a_hung_shard_does_not_hold_up_an_acquire(tmp_path, r
         assert call(a, "check", "a1") == {"ok": True}
     finally:
         a.close()
+
+
+def test_a_missed_fetchs_placeholder_leaves_nothing_to_the_next_block_of_its_id(tmp_path, redis_cluster):
+    """An engine names a remote fetch's placeholder by id (a hint, an attention report); the
+    fetch misses and the id is freed. The next block to take the id, another tenant's, starts
+    with no hint protection and a neutral score (they had carried over: the placeholder went
+    without a "removed" event)."""
+    svc = _service(tmp_path, "a", redis_cluster, "leak")
+    try:
+        call(svc, "register", "x", pid=0, block_bytes=BB, namespace="tenant-x")
+        call(svc, "register", "y", pid=0, block_bytes=BB, namespace="tenant-y")
+        node = svc.node
+        t = node.mgr.table
+        w = call(svc, "ref", "x", keys=[0xDEAD_BEEF])  # in no cluster: a placeholder, then a miss
+        assert isinstance(w, RefWaiter)
+        (ph,) = node.remote.fetching.values()
+        call(svc, "hint", "x", blocks=[ph], deadline_s=3600.0)
+        assert svc.ingest({"v": P.VERSION, "engine": "x", "kind": "attention", "blocks": P.id_bytes([ph]),
+                           "mass": np.array([1.0], np.float32).tobytes()}) == 1
+        assert ids(_settle(svc, w)[id(w)]["blocks"]) == [-1]
+        assert t.state[ph] == 0  # FREE
+        fresh = ids(call(svc, "alloc", "y", n=1, seq=1, pin=False)["blocks"])[0]
+        got = fresh
+        for _ in range(t.max_blocks + 1):  # round the free list until y's alloc takes the id
+            if got == ph:
+                break
+            call(svc, "free", "y", blocks=[got])
+            got = ids(call(svc, "alloc", "y", n=1, seq=1, pin=False)["blocks"])[0]
+        assert got == ph
+        assert node.placement.protect_until[ph] <= svc.clock()
+        assert node.scores.reports[ph] == 0
+        other = ids(call(svc, "alloc", "y", n=1, seq=2, pin=False)["blocks"])[0]  # a block no one named
+        assert node.scores.score(np.array([ph]))[0] == node.scores.score(np.array([other]))[0]
+        svc.blocks.op_check(None, None)
+    finally:
+        svc.close()
