@@ -231,9 +231,11 @@ class Prefetcher:
         return len(self._heap)
 
     def refill(self, now: float) -> None:
-        """Bank bandwidth budget for the time passed (at most 50 ms worth)."""
+        """Bank bandwidth budget for the time passed (at most 50 ms worth, and never less
+        than one block: a budget under 20 blocks/s had capped the bank below a block, so
+        no hinted block was ever promoted ahead of its deadline)."""
         if self._last is not None:
-            burst = self.budget_bytes_per_s * 0.05
+            burst = max(self.budget_bytes_per_s * 0.05, float(self.block_bytes))
             self._tokens = min(burst, self._tokens + (now - self._last) * self.budget_bytes_per_s)
         self._last = now
 

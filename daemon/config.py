@@ -17,7 +17,7 @@ import os
 from contextvars import ContextVar
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal, Mapping, Optional, Sequence
+from typing import Annotated, Any, Literal, Mapping, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -35,7 +35,10 @@ RESTART_SECTIONS = ("server", "tiers", "metrics")  # sockets, pools and the expo
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    # allow_inf_nan=False: an infinite budget or epoch, or a NaN weight, passed ``gt=0`` and
+    # then broke arithmetic far from the config (int(inf // block) in the prefetcher's bucket)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,
+                              allow_inf_nan=False)
 
 
 class ServerConfig(_Section):
@@ -98,6 +101,14 @@ class TiersConfig(_Section):
     """Block-table size; 0 = the total slot count of all tiers."""
     remote: RemoteConfig = Field(default_factory=RemoteConfig)
     """The shared remote tier ([tiers.remote]; off by default)."""
+
+    @model_validator(mode="after")
+    def _watermarks_ordered(self) -> "TiersConfig":
+        # a low mark above the high one made each demotion pass stop while the tier was still above high
+        if self.low_watermark > self.high_watermark:
+            raise ValueError(f"tiers.low_watermark ({self.low_watermark}) is above tiers.high_watermark "
+                             f"({self.high_watermark}): demotion runs from above high down to low")
+        return self
 
     @model_validator(mode="after")
     def _nvme_dir_given(self) -> "TiersConfig":
@@ -166,7 +177,7 @@ class ScoringConfig(_Section):
     """Trailing blocks of a sequence kept at importance >= recency_floor."""
     recency_floor: float = Field(default=0.5, ge=0, le=1)
     """Importance floor of the recency window."""
-    segment_weights: dict[str, float] = Field(
+    segment_weights: dict[str, Annotated[float, Field(ge=0)]] = Field(
         default_factory=lambda: {"system": 1.0, "user": 0.8, "assistant": 0.7, "document": 0.6})
     """Multiplier of the attention EMA per segment tag (unknown tags weigh 1); the sink and
     recency priors are not scaled."""

@@ -44,6 +44,9 @@ class Placement:
         self.tracked = np.zeros((2, n), dtype=bool)
         self.feature_class = np.zeros(n, dtype=np.int16)
         self._log = np.zeros(1 << 16, dtype=np.int64)
+        # each logged access's block generation: an access of a block freed before the drain
+        # must not be credited to the next block that takes its id
+        self._log_gen = np.zeros(1 << 16, dtype=np.uint32)
         self._log_n = 0
         self.epoch_s = float(params.get("epoch_s", 1.0))
         self.logged_epoch = np.full(n, -1, dtype=np.int32)  # epoch mod 2^31: equality is all it is read for
@@ -114,8 +117,10 @@ class Placement:
         self.logged_epoch[blocks] = epoch
         n = blocks.size
         if self._log_n + n > self._log.size:
-            self._log = np.resize(self._log, max(self._log.size * 2, self._log_n + n))
+            size = max(self._log.size * 2, self._log_n + n)
+            self._log, self._log_gen = np.resize(self._log, size), np.resize(self._log_gen, size)
         self._log[self._log_n: self._log_n + n] = blocks
+        self._log_gen[self._log_n: self._log_n + n] = self.mgr.table.generation[blocks]
         self._log_n += n
 
     @property
@@ -127,14 +132,15 @@ class Placement:
         n = min(limit, self._log_n)
         if n == 0:
             return 0
-        batch = self._log[:n].tolist()
+        t = self.mgr.table
+        logged = self._log[:n]
+        # a block freed since its access was logged (its id maybe taken again) is skipped
+        batch = logged[(t.generation[logged] == self._log_gen[:n]) & (t.state[logged] != FREE)].tolist()
         self._log[: self._log_n - n] = self._log[n: self._log_n]
+        self._log_gen[: self._log_n - n] = self._log_gen[n: self._log_n]
         self._log_n -= n
         now = self.clock()
-        t = self.mgr.table
         for b in batch:
-            if t.state[b] == FREE:
-                continue
             cls = int(self.feature_class[b])
             for tier, pol in self.policies.items():  # every policy sees every access, as in replay:
                 pol.observe(b, now, cls)  # a block's history follows it from tier to tier
@@ -187,7 +193,8 @@ class Placement:
         ``urgent``: for a running sequence (alloc, acquire): may evict hinted blocks too."""
         mgr, t = self.mgr, self.mgr.table
         if tier == NVME:
-            return self._drop_cached_nvme(n)
+            have = self._drop_cached_nvme(n, hinted=False)
+            return self._drop_cached_nvme(n, hinted=True) if urgent and have < n else have
         have = t.free_slot_count(tier) + mgr.pending_out(tier)
         if have >= n or tier not in self.policies:
             return have
@@ -214,7 +221,7 @@ class Placement:
         for tier in self.policies:
             slots = t.slots_per_tier[tier]
             if t.used_slot_count(tier) - self.mgr.pending_out(tier) > high * slots:
-                self.make_room(tier, int(slots - low * slots))
+                self.make_room(tier, slots - int(low * slots))  # down to low: floor(6 - 5.1) asked for nothing
 
     def _write_back(self, tier: int, blocks: list[int]) -> tuple[int, list[int]]:
         """Demote blocks one tier down (or further), dropping cached ones that fit
@@ -267,8 +274,12 @@ class Placement:
         self.declined += int((~ok).sum())
         return arr[ok].tolist(), arr[~ok].tolist()
 
-    def _drop_cached_nvme(self, n: int) -> int:
+    def _drop_cached_nvme(self, n: int, hinted: bool) -> int:
+        """Drop cached NVMe blocks, oldest first, until ``n`` slots are free. A hinted block
+        (its acquire announced) goes only when ``hinted``: otherwise a hint for a block whose
+        last copy is on NVMe was lost to the first demotion that needed a disk slot."""
         mgr, t = self.mgr, self.mgr.table
+        now = self.clock()
         have = t.free_slot_count(NVME)
         lst = t.nvme_idle
         b = int(lst.next[lst.capacity]) if lst.length() else -1
@@ -276,14 +287,15 @@ class Placement:
         while have < n and b >= 0 and b < lst.capacity and budget > 0:
             nxt = int(lst.next[b])
             budget -= 1
-            if t.refcount[b] == 0 and t.pins[b] == 0 and t.state[b] == SEALED:
+            if t.refcount[b] == 0 and t.pins[b] == 0 and t.state[b] == SEALED and \
+                    (hinted or self.protect_until[b] <= now):
                 if t.copies[b] == (1 << NVME):
                     mgr.drop(b)
                 else:
                     mgr.drop_copy(b, NVME)
                 self.dropped += 1
                 have += 1
-            else:  # live or pinned: rotate it behind, so the next scan starts on fresh candidates
+            else:  # live, pinned or hinted: rotate it behind, so the next scan starts on fresh candidates
                 lst.move_to_back(b)
             b = nxt
         return have

@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 
 class RemoteConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,
+                              allow_inf_nan=False)
 
     enabled: bool = False
     """Use a shared remote tier below NVMe (needs the redis package: pip install 'kvtier[remote]')."""

@@ -69,3 +69,27 @@ def test_invalid_reload_raises_and_keeps_current(tmp_path):
     with pytest.raises(ConfigError, match="scoring.ema"):
         reload_hot(cur, p, environ={})
     assert cur.model_dump() == before
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("policy.prefetch_budget_bytes_per_s=inf", "finite number"),  # int(inf // block) broke every maintain
+    ("policy.epoch_s=nan", "finite number"),
+    ("policy.memory_horizons=inf", "finite number"),
+    ("tiers.remote.timeout_s=inf", "finite number"),
+    ("scoring.segment_weights={system=nan}", "finite number"),  # NaN weights never evicted, NaN metrics
+    ("scoring.segment_weights={system=inf}", "finite number"),
+    ("scoring.segment_weights={system=-3.0}", "greater than or equal to 0"),
+    ("tiers.low_watermark=0.96", "above tiers.high_watermark"),  # demotion stopped above high
+])
+def test_non_finite_negative_and_crossed_values_are_refused(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(environ={}, overrides=[override])
+
+
+def test_a_reload_with_an_infinite_budget_is_refused_and_keeps_current(tmp_path):
+    cur = load_config(environ={})
+    before = cur.model_dump()
+    p = write(tmp_path, "[policy]\nprefetch_budget_bytes_per_s = inf\n")
+    with pytest.raises(ConfigError, match="finite number"):
+        reload_hot(cur, p, environ={})
+    assert cur.model_dump() == before
