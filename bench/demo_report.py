@@ -8,6 +8,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvtier.bench.args import positive_float, positive_int
+
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     from kvtier.bench.demo import WORKLOADS, DemoOptions
@@ -15,12 +17,12 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
 
     d = DemoOptions()
     p.add_argument("--model", default=d.model, choices=sorted(MODEL_SIZES), help="model size (random weights, seed)")
-    p.add_argument("--sessions", type=int, default=d.sessions, help="chat sessions sharing a system prompt")
-    p.add_argument("--turns", type=int, default=d.turns, help="turns per session")
-    p.add_argument("--system-tokens", type=int, default=d.system_tokens)
-    p.add_argument("--user-tokens", type=int, default=d.user_tokens)
-    p.add_argument("--gen-tokens", type=int, default=d.gen_tokens, help="tokens generated per turn")
-    p.add_argument("--budget", type=float, default=d.budget, help="HBM budget as a fraction of the workload's KV")
+    p.add_argument("--sessions", type=positive_int, default=d.sessions, help="chat sessions sharing a system prompt")
+    p.add_argument("--turns", type=positive_int, default=d.turns, help="turns per session")
+    p.add_argument("--system-tokens", type=positive_int, default=d.system_tokens)
+    p.add_argument("--user-tokens", type=positive_int, default=d.user_tokens)
+    p.add_argument("--gen-tokens", type=positive_int, default=d.gen_tokens, help="tokens generated per turn")
+    p.add_argument("--budget", type=positive_float, default=d.budget, help="HBM budget as a fraction of the workload's KV")
     p.add_argument("--policy", default=d.policy, help="placement policy of the daemon")
     p.add_argument("--no-hints", action="store_true", help="do not tell the daemon the schedule (no prefetch)")
     p.add_argument("--seed", type=int, default=d.seed)

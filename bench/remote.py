@@ -26,16 +26,17 @@ from typing import Any, Optional
 
 import numpy as np
 
+from kvtier.bench.args import positive_int
 from kvtier.kernels.checksum import block_checksum
 
 PW = "kvtier-bench"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--blocks", type=int, default=256, help="blocks written and read per repetition")
-    p.add_argument("--block-kib", type=int, default=256, help="block size in KiB")
-    p.add_argument("--batch", type=int, default=32, help="blocks per pipelined batch")
-    p.add_argument("--reps", type=int, default=5, help="repetitions (the median ratio is reported)")
+    p.add_argument("--blocks", type=positive_int, default=256, help="blocks written and read per repetition")
+    p.add_argument("--block-kib", type=positive_int, default=256, help="block size in KiB")
+    p.add_argument("--batch", type=positive_int, default=32, help="blocks per pipelined batch")
+    p.add_argument("--reps", type=positive_int, default=5, help="repetitions (the median ratio is reported)")
     p.add_argument("--nodes", default="", help="host:port,... of an existing cluster (default: start a local one)")
     p.add_argument("--password", default=None, help="its password (default: none; the local one has its own)")
     p.add_argument("--no-nodes-run", action="store_true", help="skip the two-daemon prefill run")

@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from kvtier.bench.args import positive_int
+
 ECHO = r"""
 import sys, zmq
 ctx = zmq.Context(); s = ctx.socket(zmq.ROUTER); s.bind(sys.argv[1]); reply = b"x" * int(sys.argv[2])
@@ -34,9 +36,9 @@ while True:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--blocks", type=int, default=128, help="blocks per acquire")
-    p.add_argument("--iters", type=int, default=2000, help="round trips per measurement")
-    p.add_argument("--telemetry-messages", type=int, default=500, help="telemetry messages of 1024 blocks")
+    p.add_argument("--blocks", type=positive_int, default=128, help="blocks per acquire")
+    p.add_argument("--iters", type=positive_int, default=2000, help="round trips per measurement")
+    p.add_argument("--telemetry-messages", type=positive_int, default=500, help="telemetry messages of 1024 blocks")
     p.add_argument("--keep", action="store_true", help="keep the temp directory (daemon log, sockets)")
 
 

@@ -33,6 +33,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from kvtier.bench.args import positive_float, positive_int
+
 from .scale_worker import OPS
 
 BLOCK = 4096
@@ -41,15 +43,15 @@ WORKER = "from kvtier.bench.scale_worker import main; main()"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--blocks", type=float, nargs="+", default=[1e5, 1e6, 1e7], help="blocks tracked by the daemon")
-    p.add_argument("--engines", type=int, nargs="+", default=[1, 4, 16], help="engine process counts")
-    p.add_argument("--seconds", type=float, default=4.0, help="measured seconds per (blocks, engines) point")
-    p.add_argument("--batch", type=int, default=16, help="blocks per request")
-    p.add_argument("--real-blocks", type=int, default=32768,
+    p.add_argument("--blocks", type=positive_float, nargs="+", default=[1e5, 1e6, 1e7], help="blocks tracked by the daemon")
+    p.add_argument("--engines", type=positive_int, nargs="+", default=[1, 4, 16], help="engine process counts")
+    p.add_argument("--seconds", type=positive_float, default=4.0, help="measured seconds per (blocks, engines) point")
+    p.add_argument("--batch", type=positive_int, default=16, help="blocks per request")
+    p.add_argument("--real-blocks", type=positive_int, default=32768,
                    help="recovered blocks with real payloads (the ones acquired missing)")
-    p.add_argument("--hbm-slots", type=int, default=8192)
-    p.add_argument("--dram-slots", type=int, default=8192)
-    p.add_argument("--metadata-blocks", type=int, default=1_000_000, help="blocks of the metadata walk")
+    p.add_argument("--hbm-slots", type=positive_int, default=8192)
+    p.add_argument("--dram-slots", type=positive_int, default=8192)
+    p.add_argument("--metadata-blocks", type=positive_int, default=1_000_000, help="blocks of the metadata walk")
     p.add_argument("--plot", metavar="PNG", help="per-op p50 latency against blocks, one line per op")
     p.add_argument("--dir", default=None, help="where the slabs go (default: $KVTIER_BENCH_DIR or /tmp)")
     p.add_argument("--keep", action="store_true", help="keep the daemon's directory")

@@ -24,13 +24,15 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.bench.args import positive_float, positive_int
+
 BB = 16384
 WORKER = "from kvtier.bench.soak_worker import main; main()"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engines", type=int, default=4, help="engine processes")
-    p.add_argument("--minutes", type=float, default=5.0, help="how long they run")
+    p.add_argument("--engines", type=positive_int, default=4, help="engine processes")
+    p.add_argument("--minutes", type=positive_float, default=5.0, help="how long they run")
     p.add_argument("--faults", action="store_true", help="NVMe writes and reads fail or corrupt now and then")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep", action="store_true", help="keep the daemon's directory (logs, slabs)")

@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from kvtier.bench.args import positive_int
 from kvtier.tiers.manager import TierManager
 from kvtier.tiers.types import Tier
 
@@ -39,21 +40,21 @@ SETTLE_S = 0.03
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--block-kib", type=int, nargs="+", default=[256, 2048], help="block sizes in KiB")
-    p.add_argument("--total-mib", type=int, default=256, help="bytes moved per measurement")
-    p.add_argument("--reps", type=int, default=6,
+    p.add_argument("--block-kib", type=positive_int, nargs="+", default=[256, 2048], help="block sizes in KiB")
+    p.add_argument("--total-mib", type=positive_int, default=256, help="bytes moved per measurement")
+    p.add_argument("--reps", type=positive_int, default=6,
                    help="repetitions; raw and kvtier run back to back, each first in every other rep (median per-rep ratio)")
-    p.add_argument("--copy-rounds", type=int, default=3,
+    p.add_argument("--copy-rounds", type=positive_int, default=3,
                    help="HBM<->DRAM copy measurements per repetition (cheap, and the noisiest figure)")
     p.add_argument("--nvme-dir", default=None, help="directory on the NVMe device; the bench works in a temp "
                                                     "dir inside it (default: in $KVTIER_BENCH_DIR or /tmp)")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (slab and raw O_DIRECT files)")
-    p.add_argument("--io-backend", default="auto", help="auto | posix | kvikio")
-    p.add_argument("--io-threads", type=int, default=8)
-    p.add_argument("--batch-mib", type=int, default=64,
+    p.add_argument("--io-backend", default="auto", choices=("auto", "posix", "kvikio"), help="auto | posix | kvikio")
+    p.add_argument("--io-threads", type=positive_int, default=8)
+    p.add_argument("--batch-mib", type=positive_int, default=64,
                    help="bytes per transfer descriptor, in MiB (the daemon demotes a watermark's worth of "
                         "blocks in one descriptor; 64 MiB = 256 blocks of 256 KiB or 32 of 2 MiB)")
-    p.add_argument("--metadata-blocks", type=int, default=1_000_000)
+    p.add_argument("--metadata-blocks", type=positive_int, default=1_000_000)
 
 
 def _batches(arr: np.ndarray, size: int) -> list[np.ndarray]:

@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
+from kvtier.bench.args import positive_int
 from kvtier.bench.spawn import DaemonProcess
 from kvtier.bench.vllm_run import MODELS, make_model
 
@@ -40,9 +41,9 @@ OFFLOADERS = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=sorted(MODELS), default="bench", help="random-weight Llama size")
-    p.add_argument("--sessions", type=int, default=8)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--blocks", type=int, default=9, help="vLLM KV blocks for the compared runs (about a quarter)")
+    p.add_argument("--sessions", type=positive_int, default=8)
+    p.add_argument("--turns", type=positive_int, default=4)
+    p.add_argument("--blocks", type=positive_int, default=9, help="vLLM KV blocks for the compared runs (about a quarter)")
     p.add_argument("--skip-offload", action="store_true", help="do not start vLLM's offloading connectors")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (logs, per-run JSON)")
 

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from kvtier.bench.args import positive_int
+
 MODELS: dict[str, dict[str, int]] = {  # name -> LlamaConfig fields
     "tiny": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
              "num_key_value_heads": 2},
@@ -137,17 +139,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kvtier.bench.vllm_run")
     p.add_argument("--model-dir", required=True)
-    p.add_argument("--blocks", type=int, required=True, help="vLLM KV blocks (num_gpu_blocks_override)")
+    p.add_argument("--blocks", type=positive_int, required=True, help="vLLM KV blocks (num_gpu_blocks_override)")
     p.add_argument("--kv-transfer-config", default="")
-    p.add_argument("--sessions", type=int, default=8)
-    p.add_argument("--turns", type=int, default=3)
-    p.add_argument("--system-tokens", type=int, default=256)
-    p.add_argument("--user-tokens", type=int, default=140)
-    p.add_argument("--output-tokens", type=int, default=8)
-    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--sessions", type=positive_int, default=8)
+    p.add_argument("--turns", type=positive_int, default=3)
+    p.add_argument("--system-tokens", type=positive_int, default=256)
+    p.add_argument("--user-tokens", type=positive_int, default=140)
+    p.add_argument("--output-tokens", type=positive_int, default=8)
+    p.add_argument("--max-model-len", type=positive_int, default=1024)
     p.add_argument("--runtime-dir", default="", help="the kvtier daemon's (for its stats)")
     p.add_argument("--nvme-dir", default="")
-    p.add_argument("--corrupt-before-turn", type=int, default=None, help="fault drill: corrupt every NVMe copy first")
+    p.add_argument("--corrupt-before-turn", type=positive_int, default=None, help="fault drill: corrupt every NVMe copy first")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (slower start; a connector's "
                    "layer hooks split the graph, so compiled runs with and without one may round differently)")
     p.add_argument("--no-prefix-caching", action="store_true", help="recompute every prompt in full")

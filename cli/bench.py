@@ -6,7 +6,7 @@ import argparse
 import importlib
 from typing import Any
 
-from kvtier.cli.output import write_json
+from kvtier.cli.output import check_output, write_json
 
 # bench name -> module with ``add_arguments(p)`` and ``run(args) -> dict``
 BENCHES: dict[str, str] = {
@@ -39,6 +39,7 @@ def configure(name: str, p: argparse.ArgumentParser) -> None:
 
 
 def _run(mod: Any, args: argparse.Namespace) -> int:
+    check_output(args.json)  # before the bench: a bad path must not cost its minutes and results
     result = mod.run(args)
     write_json(args.json, result)
     return 0  # below-target ratios are reported (JSON "ok", table verdict), not errors

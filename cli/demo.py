@@ -16,8 +16,9 @@ def configure(name: str, p: argparse.ArgumentParser) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvtier.bench.demo_report import options_from, print_summary, run_with_progress
-    from kvtier.cli.output import write_json
+    from kvtier.cli.output import check_output, write_json
 
+    check_output(args.json)
     r = run_with_progress(options_from(args), keep=args.keep)
     print_summary(r)
     write_json(args.json, r)

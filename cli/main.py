@@ -56,7 +56,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
 EXPECTED: frozenset[str] = frozenset({
     "builtins.ValueError",  # bad arguments, ConfigError, pydantic's ValidationError
     "builtins.OSError",  # files, ports (FileNotFoundError, PermissionError, TimeoutError ...)
-    "kvtier.client.tier_client.KvtierError",  # no daemon, no reply, a rejected request
+    "kvtier.client.replies.KvtierError",  # no daemon, no reply, a rejected request
     "kvtier.daemon.dirlock.DirInUse",  # another daemon holds the runtime or NVMe directory
     "kvtier.cli.output.CliError",
     "kvtier.tiers.remote_store.RemoteError",  # the remote tier's cluster refused us or cannot be reached

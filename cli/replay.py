@@ -7,7 +7,7 @@ import math
 import os
 from typing import Any
 
-from kvtier.cli.output import CliError, write_json
+from kvtier.cli.output import CliError, check_output, check_plot, write_json
 
 PUBLISHED = ("arc", "lirs", "w-tinylfu", "s3fifo", "sieve", "2q", "lhd", "gdsf")
 """The published online policies ``kvtier replay`` ranks kvtier against (with LRU and Belady)."""
@@ -148,10 +148,25 @@ def _num(v: float | None, fmt: str) -> str:
 
 
 def plot_path(path: str, trace: str) -> str:
-    """One plot a trace when several are replayed: the trace's name before the extension
-    (``out.png`` -> ``out-zipf.png``; ``out`` -> ``out-zipf``), so none overwrites another."""
+    """One plot a trace when several are replayed: the trace's name, without its own
+    extension and with ``:`` as ``-``, before the plot's extension (``out.png`` and
+    ``conv.jsonl`` -> ``out-conv.png``; ``synthetic:loop:3`` -> ``out-synthetic-loop-3.png``),
+    so none overwrites another."""
     stem, ext = os.path.splitext(path)
-    return f"{stem}-{trace}{ext}"
+    name = os.path.splitext(trace)[0] if not trace.startswith("synthetic:") else trace
+    return f"{stem}-{name.replace(':', '-').replace(os.sep, '-')}{ext}"
+
+
+def check_traces(paths: list[str]) -> None:
+    """Every trace named can be read, before the first is replayed (a missing third trace
+    had cost the first two's replays and their JSON)."""
+    from kvtier.replay.synthetic import PREFIX, check_synthetic_name
+
+    for path in paths:
+        if path.startswith(PREFIX):
+            check_synthetic_name(path)
+        elif not os.path.isfile(path) or not os.access(path, os.R_OK):
+            raise CliError(f"trace not found or not readable: {path}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -169,6 +184,12 @@ def run(args: argparse.Namespace) -> int:
     tier_fractions = check_tier_args(args)  # before any replay: a bad option fails at once
     policies = expand_policies(args.policy, POLICIES)
     params = _params(args.config, policies)
+    tier_policies = [p for p in policies if p != "belady" and not getattr(POLICIES[p], "offline", False)]
+    if args.tiers and not tier_policies:
+        raise CliError("--tiers needs an online policy (offline ones, which know the future, are not tiered)")
+    check_traces(args.traces)
+    check_output(args.json)
+    check_plot(args.plot)
     # no emoji codes: a title "synthetic:loop: ..." rendered ":loop:" as a picture
     console = Console(emoji=False)
     if not console.is_terminal:  # piped: rich would wrap at 80 columns and cut the table
@@ -206,7 +227,6 @@ def run(args: argparse.Namespace) -> int:
         if args.plot:
             plot(rep, args.plot if len(args.traces) == 1 else plot_path(args.plot, trace.name))
         if args.tiers:
-            rep["tiers"] = _tiered(args, tier_fractions, trace, [p for p in policies if p != "belady" and
-                                                 not getattr(POLICIES[p], "offline", False)], params, console)
+            rep["tiers"] = _tiered(args, tier_fractions, trace, tier_policies, params, console)
     write_json(args.json, reports[0] if len(reports) == 1 else {"traces": reports})
     return 0

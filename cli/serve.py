@@ -86,7 +86,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvtier.daemon.server import Server
 
     pin_malloc_thresholds()  # before the daemon allocates: its RSS must follow what it holds
-    overrides = list(args.overrides) + ([f"server.runtime_dir={json.dumps(args.runtime_dir)}"] if args.runtime_dir else [])
+    overrides = list(args.overrides) + (  # a relative --runtime-dir is the shell's: made absolute here
+        [f"server.runtime_dir={json.dumps(os.path.abspath(args.runtime_dir))}"] if args.runtime_dir else [])
     config_path = resolve_config_path(args.config)
     cfg = load_config(config_path, overrides=overrides)
     summary = _setup_logging(args.log_level, getattr(args, "log_format", "text"))
@@ -117,11 +118,14 @@ def _ask(runtime_dir: "str | None", op: str, args: "dict | None" = None, timeout
 
     rt = runtime_dir or default_runtime_dir()
     try:
-        pid = int(read_info(rt).get("pid") or 0)
+        info = read_info(rt)
+        pid = int(info.get("pid") or 0) if isinstance(info, dict) else -1
     except FileNotFoundError:
         raise CliError(f"no kvtier daemon in {rt} (start one with `kvtier serve`)") from None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, TypeError) as e:
         raise CliError(f"cannot read {os.path.join(rt, INFO_FILE)}: {e}") from None
+    if pid < 0:  # a JSON list or string: not a file the daemon wrote
+        raise CliError(f"cannot read {os.path.join(rt, INFO_FILE)}: not a daemon info file")
     if pid > 0 and not _pid_alive(pid):
         raise CliError(f"the kvtier daemon is not running: pid {pid} in {os.path.join(rt, INFO_FILE)} is gone "
                        "(it did not stop cleanly; `kvtier serve` replaces its files)")

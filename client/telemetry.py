@@ -37,6 +37,9 @@ def resolve_endpoints(endpoint: Optional[str], runtime_dir: str) -> Endpoints:
             info = read_info(runtime_dir)
         except FileNotFoundError:
             raise DaemonUnavailable(f"no kvtier daemon in {runtime_dir} (start one with `kvtier serve`)") from None
+        if not isinstance(info, dict) or not isinstance(info.get("rpc"), str):  # torn or hand-edited
+            raise DaemonUnavailable(f"the daemon info file in {runtime_dir} names no RPC endpoint "
+                                    "(restart the daemon, or pass the endpoint)")
         return Endpoints(info["rpc"], info.get("telemetry"), info.get("events"))
     if "rpc.sock" not in endpoint:
         return Endpoints(endpoint, None, None)

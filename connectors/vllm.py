@@ -6,8 +6,9 @@ Load it without patching vLLM::
       '{"kv_connector":"KVTierConnector","kv_connector_module_path":"kvtier.connectors.vllm","kv_role":"kv_both"}'
 
 ``kv_connector_extra_config`` may set ``runtime_dir`` (the daemon's; default: the
-per-user one ``kvtier serve`` uses), ``namespace`` (default: the model) and
-``hint_deadline_s``, ``load_timeout_s`` and ``save_timeout_s``. Under vLLM, vLLM's
+per-user one ``kvtier serve`` uses), ``namespace`` (default: the model),
+``model_fingerprint`` (default: computed from the model's config and weight files,
+``model_identity``) and ``hint_deadline_s``, ``load_timeout_s`` and ``save_timeout_s``. Under vLLM, vLLM's
 paged KV is the HBM tier: its own prefix cache serves what it still holds, and
 kvtier (DRAM, NVMe) serves what fell out of it. The scheduler half
 (``vllm_scheduler``) decides loads and saves; the worker half moves the bytes:
@@ -37,6 +38,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.client.tier_client import TierClient
 
 from .keys import DIGEST_BYTES
+from .model_identity import vllm_fingerprint
 from .pp_taint import StageBoard, StageTaint, board_name
 from .tp_taint import tensor_parallel_agreement
 from .vllm_async import AsyncLoads
@@ -119,7 +121,10 @@ class KVTierConnector(KVConnectorBase_V1):
         self._stages = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
         # the KV cache dtype too: an fp8 and a bf16 cache of one model hold different bytes under equal keys
         kv_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
-        self._ns_model = f"vllm:{model}:{vllm_config.model_config.dtype}:kv-{kv_dtype}"
+        # and which weights: a second model served from the same path found the first's blocks
+        # (``model_identity``); ``model_fingerprint`` in the extra config states it instead
+        fingerprint = str(extra.get("model_fingerprint") or vllm_fingerprint(vllm_config.model_config))
+        self._ns_model = f"vllm:{model}@{fingerprint}:{vllm_config.model_config.dtype}:kv-{kv_dtype}"
         self._world = world
         self._load_timeout_s = float(extra.get("load_timeout_s", 30.0))
         self._save_timeout_s = float(extra.get("save_timeout_s", 10.0))

@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal, Mapping, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kvtier.predictor.cells import DEFAULT_CANDIDATES
 from kvtier.protocol.runtime import default_data_dir, default_runtime_dir
 
 from .config_sources import ConfigError, env_names, explain, layers, redacted, settings_class
@@ -32,6 +33,13 @@ _DEFAULTS_ENVIRON: ContextVar[Optional[Mapping[str, str]]] = ContextVar("kvtier_
 
 HOT_SECTIONS = ("policy", "scoring", "predictor")  # reloadable without restart
 RESTART_SECTIONS = ("server", "tiers", "metrics")  # sockets, pools and the exporter are built once, at start
+
+
+def _absolute(key: str, path: str) -> str:
+    if not os.path.isabs(path):
+        raise ValueError(f"{key} must be an absolute path (a relative one depends on the daemon's working "
+                         f"directory), got {path!r}")
+    return path
 
 
 class _Section(BaseModel):
@@ -47,6 +55,12 @@ class ServerConfig(_Section):
     tcp_port: Optional[int] = Field(default=None, ge=1, le=65535)
     """Not served: RPC over TCP had no authentication (any local user could act as any engine, or clear
     and reload the daemon). Engines attach over the ipc socket (0600, in a 0700 directory)."""
+
+    @field_validator("runtime_dir")
+    @classmethod
+    def _absolute_runtime_dir(cls, v: str) -> str:
+        # a relative one was served as ipc://relative/rpc.sock: clients in another directory never found it
+        return _absolute("server.runtime_dir", v)
 
     @field_validator("tcp_port")
     @classmethod
@@ -102,6 +116,11 @@ class TiersConfig(_Section):
     remote: RemoteConfig = Field(default_factory=RemoteConfig)
     """The shared remote tier ([tiers.remote]; off by default)."""
 
+    @field_validator("nvme_dir")
+    @classmethod
+    def _absolute_nvme_dir(cls, v: str) -> str:
+        return v if not v.strip() else _absolute("tiers.nvme_dir", v)  # empty: refused below where NVMe is on
+
     @model_validator(mode="after")
     def _watermarks_ordered(self) -> "TiersConfig":
         # a low mark above the high one made each demotion pass stop while the tier was still above high
@@ -136,7 +155,7 @@ class PolicyConfig(_Section):
     """kvtier: the evidence decays with a time constant of this many eviction ages of the cache."""
     shadow_blocks: int = Field(default=128, ge=8, le=1 << 16)
     """kvtier: residents of each shadow cache that chooses the value model online (larger: surer, costlier)."""
-    default_candidate: int = Field(default=2, ge=0)
+    default_candidate: int = Field(default=2, ge=0, le=len(DEFAULT_CANDIDATES) - 1)
     """kvtier: the candidate model used until the shadow caches have evidence (index in the grid)."""
     evidence_floor: float = Field(default=0.01, ge=0, le=1)
     """kvtier: a missed block does not displace a resident while both are reused within the horizon

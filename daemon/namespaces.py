@@ -17,8 +17,12 @@ from typing import Optional
 import numpy as np
 import xxhash
 
+from kvtier.tiers.types import geometry_ident
+
 MAX_NAMESPACES = (1 << 16) - 1  # the block column is uint16; its last value is ``UNCLAIMED_NS``
-Geometry = tuple[int, int]  # (block_bytes, block_tokens) of the blocks a namespace holds
+# (block_bytes, block_tokens, KV dtype or "") of the blocks a namespace holds: an fp16 and a bf16
+# cache of one model have equal sizes and hold different bytes under equal keys
+Geometry = tuple[int, int, str]
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
@@ -65,11 +69,20 @@ def unscoped_keys(keys: np.ndarray, scope: "int | np.ndarray") -> np.ndarray:
     return np.where(sc == 0, keys, out)
 
 
+def as_geometry(block_bytes: int, block_tokens: int, dtype: object = "") -> Geometry:
+    """A geometry from register's arguments (``dtype``: the layout's, where the engine states one)."""
+    return int(block_bytes), int(block_tokens), str(dtype or "")[:64]
+
+
+def describe(g: Geometry) -> str:
+    return f"{g[0]} bytes / {g[1]} tokens" + (f" / {g[2]}" if g[2] else "")
+
+
 def owner_of(name: str, geometry: "Geometry") -> int:
     """A namespace's stable identity, written beside its blocks' NVMe copies (``tiers.ownership``):
     the same every run, whatever order engines register in (ids are not); top bit set, so it is
     never 0 (the library's default) nor ``ORPHAN_OWNER``."""
-    ident = name.encode() + b"\0%dB/%dT" % (int(geometry[0]), int(geometry[1]))
+    ident = name.encode() + b"\0" + geometry_ident(geometry)
     return xxhash.xxh3_64_intdigest(ident) | (1 << 63)
 
 
@@ -108,7 +121,7 @@ class Namespaces:
     def id(self, name: str, geometry: Optional[Geometry] = None) -> int:
         """The id of ``name`` for blocks of ``geometry``. Id 0 goes to the default name's first
         geometry, whose keys stay as engines send them (a single-model node is unchanged)."""
-        g = None if geometry is None else (int(geometry[0]), int(geometry[1]))
+        g = None if geometry is None else as_geometry(*geometry)
         got = self._ids.get((name, g))
         if got is not None:
             return got
@@ -138,7 +151,8 @@ class Namespaces:
 
     def others(self, name: str, geometry: Geometry) -> list[Geometry]:
         """Other geometries engines registered ``name`` with (their blocks are not shared)."""
-        return [g for n, g in self._ids if n == name and g is not None and g != tuple(geometry)]
+        return [g for n, g in self._ids if n == name and g is not None and g != as_geometry(*geometry)]
 
 
-__all__ = ["Namespaces", "Geometry", "scoped_keys", "unscoped_keys", "owner_of", "key_scope", "MAX_NAMESPACES"]
+__all__ = ["Namespaces", "Geometry", "as_geometry", "describe", "scoped_keys", "unscoped_keys", "owner_of", "key_scope",
+           "MAX_NAMESPACES"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 
 class RemoteConfig(BaseModel):
@@ -21,6 +21,18 @@ class RemoteConfig(BaseModel):
     """Use a shared remote tier below NVMe (needs the redis package: pip install 'kvtier[remote]')."""
     nodes: list[str] = Field(default_factory=lambda: ["127.0.0.1:7000"])
     """Startup nodes of the Redis Cluster, host:port (any reachable one finds the rest)."""
+
+    @field_validator("nodes")
+    @classmethod
+    def _host_ports(cls, v: list[str]) -> list[str]:
+        # caught by `config validate`, not first at `serve` when the tier connects
+        if not v:
+            raise ValueError("the remote tier needs at least one startup node (host:port)")
+        for n in v:
+            host, _, port = n.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"remote node {n!r} is not host:port")
+        return v
     namespace: str = "kvtier"
     """The fleet's key space in the cluster: nodes that share blocks use the same value. Keys are scoped
     by this and by each engine's namespace (model, tenant, salt), so two models never meet."""

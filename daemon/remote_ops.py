@@ -78,7 +78,7 @@ class _Job:
 
 class RemoteOps:
     def __init__(self, mgr: TierManager, placement: Placement, cfg: RemoteConfig, tier: RemoteTier,
-                 ns_ident: Callable[[int], tuple[str, Optional[tuple[int, int]]]], counters: Counter[str],
+                 ns_ident: Callable[[int], tuple[str, Optional[tuple[int, int, str]]]], counters: Counter[str],
                  clock: Callable[[], float]) -> None:
         self.mgr, self.placement, self.cfg, self.tier = mgr, placement, cfg, tier
         self.ns_ident = ns_ident  # namespace id -> (its name, its blocks' geometry): what the remote tag binds

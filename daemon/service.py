@@ -27,7 +27,7 @@ from .acquire import Pending
 from .block_ops import BlockOps
 from .config import KvtierConfig
 from .liveness import Fence, own_pid_namespace, pid_alive, pid_checkable
-from .namespaces import Namespaces, key_scope, owner_of
+from .namespaces import Namespaces, as_geometry, describe, key_scope, owner_of
 from .node import Node, build_node
 from .remote_setup import attach_remote, start_remote_tier
 from .residency import ResidencyOps
@@ -121,7 +121,7 @@ class Service:
                 raise ProtocolError(P.CONFLICT, "the daemon already manages another HBM region")
         process = (int(args.pid), int(args.pid_ns))
         self._refuse_a_second_process(engine_id, process)
-        geometry = (int(args.block_bytes), int(args.block_tokens))
+        geometry = as_geometry(args.block_bytes, args.block_tokens, dict(args.layout).get("dtype"))
         ns = self.namespaces.id(args.namespace, geometry)  # may refuse: before anything of the old session goes
         old = self.engines.get(engine_id)
         if old is not None:  # a restarted engine: its old holdings are void. Another process took the
@@ -131,9 +131,9 @@ class Service:
             self._lift(f)  # the same process starts over: its old client writes no more
         others = self.namespaces.others(args.namespace, geometry)
         if others and not args.refs_only:  # e.g. a vLLM scheduler whose size differs from its worker's: it would see nothing
-            log.warning("engine %r registers namespace %r with blocks of %d bytes / %d tokens, other engines "
+            log.warning("engine %r registers namespace %r with blocks of %s, other engines "
                         "of it with %s: blocks are shared only between engines of one geometry",
-                        engine_id, args.namespace, *geometry, ", ".join(f"{b} bytes / {t} tokens" for b, t in others))
+                        engine_id, args.namespace, describe(geometry), ", ".join(describe(g) for g in others))
         self.engines[engine_id] = EngineSession(engine_id, args.pid, args.block_tokens, dict(args.layout),
                                                 self.clock(), node.mgr.table.max_blocks,
                                                 pid_checkable(args.pid, args.pid_ns, self.pid_ns), ns,
@@ -142,8 +142,8 @@ class Service:
                                                 tag=secrets.randbits(62))
         claimed = node.mgr.claim(owner_of(args.namespace, geometry), ns)  # its blocks a restart recovered
         if claimed:
-            log.info("namespace %r (%d bytes / %d tokens): %d recovered blocks are its own again",
-                     args.namespace, *geometry, claimed)
+            log.info("namespace %r (%s): %d recovered blocks are its own again",
+                     args.namespace, describe(geometry), claimed)
         self.counters["registers"] += 1
         return node.hbm_info() | {"heartbeat_timeout_s": self.cfg.server.heartbeat_timeout_s,
                                   "block_bytes": args.block_bytes, "slot_bytes": node.mgr.block_bytes,

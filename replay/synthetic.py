@@ -19,7 +19,7 @@ the shared trace. Every family is deterministic for a seed.
 from __future__ import annotations
 
 import heapq
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -142,21 +142,25 @@ FAMILIES: dict[str, Callable[[np.random.Generator, int], Records]] = {
 PREFIX = "synthetic:"
 
 
+def check_synthetic_name(name: str) -> tuple[str, Optional[int]]:
+    """(family, seed or None) of a ``synthetic:FAMILY[:SEED]`` name; ValueError if it names none."""
+    family = name[len(PREFIX):] if name.startswith(PREFIX) else name
+    family, sep, seed_text = family.partition(":")
+    if sep and not seed_text.isdigit():
+        raise ValueError(f"synthetic trace {name!r}: the seed after the family must be a "
+                         f"non-negative integer, as in synthetic:{family}:3")
+    if family not in FAMILIES:
+        raise ValueError(f"unknown synthetic family {family!r}; choose from {sorted(FAMILIES)}")
+    return family, int(seed_text) if sep else None
+
+
 def synthetic_trace(name: str, requests: int = 12_000, seed: int = 0) -> Trace:
     """``name`` is a family from ``FAMILIES`` (with or without the ``synthetic:`` prefix),
     optionally with a seed after a colon (``synthetic:loop:3``), which overrides ``seed``:
     a figure that holds on seed 0 alone may be that draw's, so the families are checked
     over several."""
-    family = name[len(PREFIX):] if name.startswith(PREFIX) else name
-    family, sep, seed_text = family.partition(":")
-    if sep:
-        if not seed_text.isdigit():
-            raise ValueError(f"synthetic trace {name!r}: the seed after the family must be a "
-                             f"non-negative integer, as in synthetic:{family}:3")
-        seed = int(seed_text)
-    try:
-        make = FAMILIES[family]
-    except KeyError:
-        raise ValueError(f"unknown synthetic family {family!r}; choose from {sorted(FAMILIES)}") from None
+    family, named_seed = check_synthetic_name(name)
+    seed = seed if named_seed is None else named_seed
+    make = FAMILIES[family]
     label = PREFIX + family + (f":{seed}" if seed else "")  # seed 0 keeps the name it always had
     return trace_from_records(label, "mooncake", make(np.random.default_rng(seed), requests))

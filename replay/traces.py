@@ -118,6 +118,10 @@ def _read_records(path: str, progress: Optional[Callable[[int], None]] = None) -
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise TraceError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+            except UnicodeDecodeError:
+                raise TraceError(f"{path}:{lineno}: not UTF-8 JSON lines (compressed? decompress it first)") from None
+            except RecursionError:
+                raise TraceError(f"{path}:{lineno}: JSON nested too deeply for a trace record") from None
             if fmt is None:
                 if not isinstance(rec, dict):
                     raise TraceError(f"{path}:{lineno}: expected a JSON object")
@@ -167,6 +171,8 @@ def trace_from_records(name: str, fmt: str, records: list[dict]) -> Trace:
         seen.update(ids)
     if not records:
         raise TraceError(f"{name}: empty trace")
+    if not blocks:  # every request's hash_ids empty: nothing to replay (a division by zero later)
+        raise TraceError(f"{name}: no request names a block (every hash_ids is empty)")
     raw = np.asarray(blocks, dtype=np.int64)
     uniq, dense = np.unique(raw, return_inverse=True)
     return Trace(name, fmt, dense.astype(np.int64), np.asarray(times), np.asarray(classes, np.int64),

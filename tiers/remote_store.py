@@ -43,7 +43,7 @@ import xxhash
 
 from kvtier.kernels.checksum import block_checksum
 
-from .types import TierError
+from .types import TierError, geometry_ident
 
 log = logging.getLogger("kvtier.remote")
 
@@ -83,15 +83,16 @@ class RemoteAuthError(RemoteError):
     """The cluster refused our credentials (wrong ACL user or password)."""
 
 
-def namespace_tag(fleet: str, engine_ns: str, geometry: Optional[tuple[int, int]] = None) -> int:
+def namespace_tag(fleet: str, engine_ns: str,
+                  geometry: "Optional[tuple[int, int] | tuple[int, int, str]]" = None) -> int:
     """64-bit tag of (the fleet's remote namespace, the engines' namespace, their blocks'
-    geometry: bytes and tokens): keys of two models, tenants, deployments or block sizes
+    geometry: bytes, tokens and the KV dtype an engine stated): keys of two models, tenants, deployments or block sizes
     never meet. Without the geometry, a node whose engines write 2 KiB blocks and one whose
     engines of the same namespace write 4 KiB blocks (another KV dtype) read each other's
     values: the larger served the smaller's bytes and the rest of its slot as a hit."""
     ident = fleet.encode() + b"\0" + engine_ns.encode()
     if geometry is not None:
-        ident += b"\0%dB/%dT" % (int(geometry[0]), int(geometry[1]))
+        ident += b"\0" + geometry_ident(geometry)
     return xxhash.xxh3_64_intdigest(ident)
 
 

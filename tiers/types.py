@@ -58,6 +58,15 @@ def parse_tier(value: "Tier | int | str") -> Tier:
     except ValueError:
         raise ValueError(f"unknown tier {value!r}") from None
 
+def geometry_ident(geometry: "tuple[int, int] | tuple[int, int, str]") -> bytes:
+    """Bytes naming a block geometry (bytes, tokens and, where the engine stated it, KV dtype) in
+    the stable identities (NVMe owner, remote tag). Without a dtype it is what it was before the
+    dtype joined the geometry, so blocks a restart recovers keep their owner."""
+    ident = b"%dB/%dT" % (int(geometry[0]), int(geometry[1]))
+    dtype = str(geometry[2]) if len(geometry) > 2 else ""
+    return ident + (b"/" + dtype.encode() if dtype else b"")
+
+
 # counted by the tiers (and placement's NVMe skips): in stats io.events and kvtier_tier_events_total
 DATA_PLANE_EVENTS = ("corrupt_copies", "keys_detached", "nvme_read_retries", "nvme_write_backoffs",
                      "nvme_backoff_skips", "seal_dedup", "seal_kept_distinct", "slots_zeroed")

@@ -63,6 +63,36 @@ def test_stats_of_a_dead_daemon_answers_at_once(tmp_path):
     assert "not running" in line and str(gone.pid) in line
 
 
+def test_every_expected_error_class_exists():
+    """A class that moved (KvtierError went to ``client.replies``) made every daemon-connection
+    failure (no reply, no socket) a traceback."""
+    import importlib
+
+    from kvtier.cli.main import EXPECTED
+
+    for name in EXPECTED:
+        module, _, qualname = name.rpartition(".")
+        cls = getattr(importlib.import_module(module), qualname)
+        assert f"{cls.__module__}.{cls.__qualname__}" == name  # matched by its defining module's name
+
+
+def test_stats_with_a_live_pid_and_no_socket_is_one_line(tmp_path):
+    rt = tmp_path / "run"
+    rt.mkdir()  # pid 1 is alive (a reused pid after a crash); the socket is gone
+    (rt / "daemon.json").write_text(json.dumps({"pid": 1, "rpc": f"ipc://{rt / 'rpc.sock'}"}))
+    line = one_error_line(kvtier("stats", "--runtime-dir", str(rt), timeout=30))
+    assert "no daemon socket" in line
+
+
+@pytest.mark.parametrize("info", [[1], {"pid": 1}, "x"])
+def test_stats_with_a_malformed_info_file_is_one_line(tmp_path, info):
+    rt = tmp_path / "run"
+    rt.mkdir()
+    (rt / "daemon.json").write_text(json.dumps(info))
+    line = one_error_line(kvtier("stats", "--runtime-dir", str(rt), timeout=30))
+    assert "daemon" in line
+
+
 def test_stats_without_a_daemon(tmp_path):
     line = one_error_line(kvtier("stats", "--runtime-dir", str(tmp_path / "none"), timeout=5))
     assert "no kvtier daemon" in line
@@ -99,3 +129,64 @@ def test_every_help_works(argv, capsys):
         main([*argv, "--help"])
     out = capsys.readouterr()
     assert e.value.code == 0 and "Traceback" not in out.err and out.out.startswith("usage: kvtier")
+
+
+def _tiny_trace(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_text("".join(json.dumps({"timestamp": i, "hash_ids": [i % 7]}) + "\n" for i in range(40)))
+    return p
+
+
+@pytest.mark.parametrize("flag, target, needle", [
+    ("--json", "adir", "is a directory"),
+    ("--json", "afile/out.json", "cannot write there"),
+    ("--plot", "out.xyz", "name a file ending in one of"),
+])
+def test_replay_refuses_an_unwritable_output_before_it_runs(tmp_path, flag, target, needle):
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("")
+    line = one_error_line(kvtier("replay", str(_tiny_trace(tmp_path)), "--policy", "lru", "--capacity", "10%",
+                                 flag, str(tmp_path / target)))
+    assert needle in line
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["adir", "afile", "t.jsonl"]  # nothing left behind
+    assert not list((tmp_path / "adir").iterdir())
+
+
+def test_replay_checks_every_trace_before_the_first(tmp_path):
+    line = one_error_line(kvtier("replay", str(_tiny_trace(tmp_path)), "synthetic:nope", "--policy", "lru",
+                                 "--capacity", "10%", "--json", str(tmp_path / "r.json")))
+    assert "unknown synthetic family 'nope'" in line and not (tmp_path / "r.json").exists()
+    line = one_error_line(kvtier("replay", str(_tiny_trace(tmp_path)), str(tmp_path / "missing.jsonl"),
+                                 "--policy", "lru", "--capacity", "10%"))
+    assert "missing.jsonl" in line
+
+
+@pytest.mark.parametrize("body, needle", [
+    (b'{"timestamp":0,"hash_ids":[]}\n{"timestamp":1,"hash_ids":[]}\n', "no request names a block"),
+    (b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03", "not UTF-8"),  # a gzipped trace
+    (b"[" * 100_000 + b"]" * 100_000 + b"\n", "nested too deeply"),
+])
+def test_replay_of_a_trace_it_cannot_use_is_one_line(tmp_path, body, needle):
+    p = tmp_path / "bad.jsonl"
+    p.write_bytes(body)
+    line = one_error_line(kvtier("replay", str(p), "--policy", "lru", "--capacity", "10%"))
+    assert needle in line
+
+
+def test_replay_tiers_with_offline_policies_only_is_one_line(tmp_path):
+    line = one_error_line(kvtier("replay", str(_tiny_trace(tmp_path)), "--policy", "belady", "--capacity", "10%",
+                                 "--tiers", "10%,20%"))
+    assert "needs an online policy" in line
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["bench", "tiers", "--block-kib", "0"], "must be at least 1"),  # a ZeroDivisionError traceback before
+    (["bench", "tiers", "--total-mib", "-1"], "must be at least 1"),  # ran, on nothing
+    (["bench", "tiers", "--reps", "0"], "must be at least 1"),
+    (["bench", "tiers", "--io-backend", "bogus"], "invalid choice"),  # refused after shared memory was made
+    (["bench", "scale", "--seconds", "inf"], "positive finite number"),
+    (["demo", "--budget", "0"], "positive finite number"),
+])
+def test_bench_sizes_counts_and_durations_must_be_positive(argv, needle):
+    r = kvtier(*argv, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and needle in r.stderr, r.stderr

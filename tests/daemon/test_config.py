@@ -80,6 +80,11 @@ def test_invalid_reload_raises_and_keeps_current(tmp_path):
     ("scoring.segment_weights={system=inf}", "finite number"),
     ("scoring.segment_weights={system=-3.0}", "greater than or equal to 0"),
     ("tiers.low_watermark=0.96", "above tiers.high_watermark"),  # demotion stopped above high
+    ("policy.default_candidate=99", "less than or equal to"),  # validated, then every register refused
+    ("tiers.remote.nodes=[]", "at least one startup node"),
+    ('tiers.remote.nodes=["nohostport"]', "is not host:port"),
+    ('server.runtime_dir="relative/run"', "must be an absolute path"),  # clients elsewhere never found it
+    ('tiers.nvme_dir="~/nvme"', "must be an absolute path"),
 ])
 def test_non_finite_negative_and_crossed_values_are_refused(override, needle):
     with pytest.raises(ConfigError, match=needle):

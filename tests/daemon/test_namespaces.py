@@ -131,8 +131,10 @@ def test_one_name_with_two_geometries_is_two_namespaces():
     n = Namespaces()
     small, big = n.id("m", (BB // 2, 16)), n.id("m", (BB, 16))
     assert small != big and n.id("m", (BB, 16)) == big and n.id("m", (BB, 32)) not in (small, big)
-    assert n.geometry(big) == (BB, 16) and n.name(big) == n.name(small) == "m"
-    assert n.others("m", (BB, 16)) == [(BB // 2, 16), (BB, 32)]
+    assert n.geometry(big) == (BB, 16, "") and n.name(big) == n.name(small) == "m"
+    assert n.others("m", (BB, 16)) == [(BB // 2, 16, ""), (BB, 32, "")]
+    fp16, bf16 = n.id("m", (BB, 16, "float16")), n.id("m", (BB, 16, "bfloat16"))  # equal sizes, other bytes
+    assert len({fp16, bf16, big}) == 3 and n.id("m", (BB, 16, "float16")) == fp16
     assert n.id("", (BB, 16)) == 0 and n.id("", (BB // 2, 16)) > 0  # the default name's first keeps raw keys
     assert n.geometry(n.id("other")) is None
 
@@ -165,6 +167,23 @@ def test_engines_of_two_sizes_in_one_namespace_never_share_blocks(svc, caplog):
     assert ids(call(svc, "ref", "big", keys=_keys(77))["blocks"]) == [-1]  # kept out of the index
     assert svc.node.mgr.read(b_blk) == bytes([9]) * BB and svc.node.mgr.read(s_blk) == bytes([3]) * (BB // 2)
     assert call(svc, "check", "big") == {"ok": True}
+
+
+def test_engines_of_two_kv_dtypes_of_one_size_never_share_blocks(svc):
+    """An fp16 and a bf16 cache of one model have blocks of one size: keyed by tokens alone,
+    the bf16 engine's ``ref`` got the fp16 engine's block and read its bytes as bf16. The dtype
+    the layout states is part of the geometry."""
+    call(svc, "register", "fp16", pid=0, block_bytes=BB, namespace="m", layout={"dtype": "float16"})
+    call(svc, "register", "bf16", pid=0, block_bytes=BB, namespace="m", layout={"dtype": "bfloat16"})
+    r = call(svc, "alloc", "fp16", n=1, pin=True)
+    blk, slot = ids(r["blocks"])[0], ids(r["slots"])[0]
+    svc.node.mgr.hbm.tensor[slot, :BB] = 5
+    blk = ids(call(svc, "seal", "fp16", blocks=[blk], keys=_keys(31))["blocks"])[0]
+    call(svc, "release", "fp16", blocks=[blk])
+    assert ids(call(svc, "ref", "bf16", keys=_keys(31))["blocks"]) == [-1]  # another dtype: a miss
+    assert ids(call(svc, "ref", "fp16", keys=_keys(31))["blocks"]) == [blk]
+    call(svc, "register", "fp16-b", pid=0, block_bytes=BB, namespace="m", layout={"dtype": "float16"})
+    assert ids(call(svc, "ref", "fp16-b", keys=_keys(31))["blocks"]) == [blk]  # one dtype: shared
 
 
 def test_a_refs_only_engine_sees_every_geometry_of_its_name_and_touches_no_bytes(svc):

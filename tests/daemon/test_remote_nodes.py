@@ -66,6 +66,11 @@ def two_nodes(tmp_path, cluster, layout, fleet) -> Iterator[tuple[Any, Any, Daem
         assert a.stop() == 0 and b.stop() == 0
 
 
+def geometry_of(layout, block_tokens: int) -> tuple[int, int, str]:
+    """The geometry the daemon binds into the remote tag: bytes, tokens and the stated dtype."""
+    return layout.block_bytes, block_tokens, layout.describe()["dtype"]
+
+
 def prefix_keys(tokens: list[int]) -> list[int]:
     """The engine's chained keys of the full blocks of ``tokens`` (what TieredCache seals)."""
     keys, parent = [], 0
@@ -151,7 +156,7 @@ def test_a_killed_shard_degrades_then_recovers(model, redis_cluster, tmp_path):
     system, user = tokens(3, 6 * T), tokens(4, 7)
     with two_nodes(tmp_path, redis_cluster, layout, "fleet-2") as (ca, cb, a, b):
         keys, ref = publish_on_a(model, ca, layout, system, user)
-        shard = redis_cluster.shard_of(value_name(namespace_tag("fleet-2", "", (layout.block_bytes, T)), keys[0]))
+        shard = redis_cluster.shard_of(value_name(namespace_tag("fleet-2", "", geometry_of(layout, T)), keys[0]))
         redis_cluster.kill(shard)  # the shard holding the prefix's first block
         try:
             # no engine error: B misses, recomputes, and stays bit-exact; the tier says it is degraded
@@ -186,7 +191,7 @@ def test_a_corrupt_value_is_refused_deleted_and_recomputed(model, redis_cluster,
     with two_nodes(tmp_path, redis_cluster, layout, "fleet-3") as (ca, cb, a, b):
         keys, ref = publish_on_a(model, ca, layout, system, user)
         rc = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", p) for p in redis_cluster.ports], password=PW)
-        name = value_name(namespace_tag("fleet-3", "", (layout.block_bytes, T)), keys[1], 0)  # its payload
+        name = value_name(namespace_tag("fleet-3", "", geometry_of(layout, T)), keys[1], 0)  # its payload
         chunk = bytearray(rc.get(name))
         chunk[100] ^= 1
         rc.set(name, bytes(chunk))

@@ -193,8 +193,8 @@ def test_multi_tier_options_with_tiers_still_run(tmp_path, capsys):
 def test_several_traces_plot_to_one_file_each():
     from kvtier.cli.replay import plot_path
 
-    assert plot_path("out.png", "synthetic:zipf") == "out-synthetic:zipf.png"
-    assert plot_path("plots/out", "conv.jsonl") == "plots/out-conv.jsonl"  # no extension: still its own file
+    assert plot_path("out.png", "synthetic:zipf:3") == "out-synthetic-zipf-3.png"
+    assert plot_path("plots/out.svg", "conv.jsonl") == "plots/out-conv.svg"  # the trace's extension is not the plot's
 
 
 def test_synthetic_seed_in_the_name():
