@@ -125,7 +125,9 @@ def _tiered(args: argparse.Namespace, fr: list[float], trace: Any, policies: lis
     spec = TierSpec(max(1, round(fr[0] * trace.n_unique)), max(1, round(fr[1] * trace.n_unique)),
                     int(args.block_mib * 2**20), args.dram_gbps * 1e9, args.nvme_gbps * 1e9,
                     args.nodes, remote, args.remote_gbps * 1e9, args.publish_min_shares)
-    rows = [simulate_tiers(p, spec, trace, params.get(p, {})) for p in policies]
+    with progress_bar() as prog:
+        task = prog.add_task(f"tiers {escape(trace.name)}", total=trace.n_accesses * len(policies))
+        rows = [simulate_tiers(p, spec, trace, params.get(p, {}), lambda n: prog.advance(task, n)) for p in policies]
     fleet = f"{spec.nodes} nodes: " if spec.nodes > 1 else ""
     shared = f", remote {remote:,} shared" if remote else ""
     t = Table(title=f"{escape(trace.name)}: {fleet}tiers HBM {spec.hbm_blocks:,} + DRAM {spec.dram_blocks:,} blocks "
@@ -145,6 +147,15 @@ def _tiered(args: argparse.Namespace, fr: list[float], trace: Any, policies: lis
 def _num(v: float | None, fmt: str) -> str:
     """``v`` formatted, or a dash where there is none (no capacity or run to average)."""
     return "\u2014" if v is None else format(v, fmt)
+
+
+def progress_bar() -> Any:
+    """The bar on stderr every long step of a replay shows (transient: gone when it is done)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    return Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                    TimeRemainingColumn(), console=Console(stderr=True, emoji=False), transient=True)
 
 
 def plot_path(path: str, trace: str) -> str:
@@ -172,7 +183,6 @@ def check_traces(paths: list[str]) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
     from rich.table import Table
 
     from kvtier.policy import POLICIES
@@ -198,8 +208,7 @@ def run(args: argparse.Namespace) -> int:
     for path in args.traces:
         trace = split_trace(synthetic_trace(path) if path.startswith(PREFIX) else load_trace(path), args.part)
         total = trace.n_accesses * len(fractions) * sum(getattr(POLICIES[p], "passes", 1) for p in policies)
-        with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-                      TimeRemainingColumn(), console=Console(stderr=True, emoji=False), transient=True) as prog:
+        with progress_bar() as prog:
             task = prog.add_task(f"replay {escape(trace.name)}", total=total)
             rep = replay(trace, fractions, policies, params, lambda n, task=task: prog.advance(task, n))
         reports.append(rep)

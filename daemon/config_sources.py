@@ -201,18 +201,31 @@ def explain(error: ValidationError, sources: Sequence[PydanticBaseSettingsSource
 
 
 def _line_of(text: str, loc: Sequence[str]) -> Optional[int]:
-    """Best-effort line of ``section.key`` (or of ``[section]``) in TOML text."""
-    section, key = (loc[0], loc[1]) if len(loc) > 1 else (loc[0], None)
+    """Best-effort line of ``section.key`` (or of ``[section]``) in TOML text, at any depth:
+    ``tiers.remote.enabled`` is ``enabled =`` under ``[tiers.remote]``; a location inside a
+    value (``scoring.segment_weights.system``: an inline table) is the line of its key."""
+    loc = [str(x) for x in loc]
+    if len(loc) == 1:
+        return _find(text, loc[0], None)
+    for k in range(len(loc), 1, -1):  # the deepest key that is written as a line of its own
+        line = _find(text, ".".join(loc[: k - 1]), loc[k - 1])
+        if line:
+            return line
+    return _find(text, loc[0], None)
+
+
+def _find(text: str, table: str, key: Optional[str]) -> Optional[int]:
+    """Line of ``key =`` under ``[table]``, or of the ``[table]`` header when ``key`` is None."""
     current = None
     for i, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
         m = re.match(r"^\[\s*([A-Za-z0-9_.\-]+)\s*\]", line)
         if m:
             current = m.group(1)
-            if key is None and current == section:
+            if key is None and current == table:
                 return i
             continue
-        if key is not None and current == section and re.match(rf"^{re.escape(key)}\s*=", line):
+        if key is not None and current == table and re.match(rf"^{re.escape(key)}\s*=", line):
             return i
     return None
 

@@ -38,6 +38,8 @@ def test_precedence_file_env_cli(tmp_path):
     ('[policy]\nname = "nope"\n', "unknown policy 'nope'"),
     ('[nosuch]\nx = 1\n', ":1: nosuch: unknown key"),
     ('[policy\nname = 1\n', "TOML syntax error"),
+    ('[tiers.remote]\nenabled = "maybe"\n', ":2: tiers.remote.enabled: Input should be a valid boolean"),  # nested
+    ('[scoring]\n\nsegment_weights = {system = -1.0}\n', ":3: scoring.segment_weights.system:"),  # in a value
 ])
 def test_validation_errors_name_key_and_line(tmp_path, text, needle):
     p = write(tmp_path, text)
