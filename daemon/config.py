@@ -201,7 +201,8 @@ class ScoringConfig(_Section):
     """Multiplier of the attention EMA per segment tag (unknown tags weigh 1); the sink and
     recency priors are not scaled."""
     importance_floor: float = Field(default=0.2, ge=0, le=1)
-    """weight(s) = floor + (1 - floor) * s: importance tilts value, never zeroes it."""
+    """weight(s) = (floor + (1 - floor) * s) / (floor + (1 - floor) / 2): importance tilts value, never
+    zeroes it; a block nobody reported on (s = 0.5) weighs 1."""
 
 
 class PredictorConfig(_Section):

@@ -28,7 +28,8 @@ class DirLock:
         except BlockingIOError:
             holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(self.fd)
-            raise DirInUse(f"another kvtier daemon (pid {holder}) holds the {what} {directory}") from None
+            who = "this process already" if holder == str(os.getpid()) else f"another kvtier daemon (pid {holder})"
+            raise DirInUse(f"{who} holds the {what} {directory}") from None
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
 

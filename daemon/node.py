@@ -109,14 +109,19 @@ class Node:
         for pol in self.placement.policies.values():
             pol.set_weights(blocks, w)
 
-    def rescore(self) -> int:
-        """``[scoring]`` was reloaded: every live block scored before (a report or a segment
-        tag) is scored again, or an idle block, the kind demotion looks at, would keep the
-        old segment weights and floor until a report that may never come. O(blocks), once a
-        reload. Structural priors stay those of the settings at each block's last report
-        (its place in it is not kept). Returns the blocks rescored."""
+    def scored(self) -> np.ndarray:
+        """Live blocks scored so far (a report or a segment tag)."""
         s = self.scores
-        blocks = np.flatnonzero((self.mgr.table.state != FREE) & ((s.reports > 0) | (s.segment != 0)))
+        return np.flatnonzero((self.mgr.table.state != FREE) & ((s.reports > 0) | (s.segment != 0)))
+
+    def rescore(self, blocks: Optional[np.ndarray] = None) -> int:
+        """``[scoring]`` was reloaded: every live block scored before (``scored``, taken before
+        the new settings: a tag they remove maps its blocks to no segment) is scored again, or
+        an idle block, the kind demotion looks at, would keep the old segment weights and floor
+        until a report that may never come. O(blocks), once a reload. Structural priors stay
+        those of the settings at each block's last report (its place in it is not kept).
+        Returns the blocks rescored."""
+        blocks = self.scored() if blocks is None else blocks
         if blocks.size:
             self.set_importance(blocks)
         return int(blocks.size)

@@ -72,7 +72,10 @@ class Server:
         if tc.nvme_bytes:
             try:
                 ensure_private_dir(tc.nvme_dir)
-                self.locks.append(DirLock(tc.nvme_dir, "NVMe directory"))
+                # one directory for both: the runtime lock covers it (a second flock on a new
+                # descriptor of the same file was refused by our own first one)
+                if not os.path.samefile(tc.nvme_dir, self.runtime_dir):
+                    self.locks.append(DirLock(tc.nvme_dir, "NVMe directory"))
             except BaseException:
                 self.locks[0].release()
                 raise

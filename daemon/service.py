@@ -355,8 +355,9 @@ class Service:
         node = self.node
         assert node is not None
         if "scoring" in changed:
+            scored = node.scored()  # before: a tag the new settings remove leaves its blocks untagged
             node.scores.configure(**cfg.scoring.model_dump())
-            node.rescore()
+            node.rescore(scored)
         if "policy" in changed:
             node.placement.configure(cfg.policy.params())
             node.prefetcher.budget_bytes_per_s = cfg.policy.prefetch_budget_bytes_per_s

@@ -40,6 +40,8 @@ def ingest(node: Node, counters: Counter[str], msg: Any, session: EngineSession)
         t = node.mgr.table
         if blocks.size == 0 or ((blocks < 0) | (blocks >= t.max_blocks)).any():
             raise ProtocolError(P.BAD_REQUEST, "bad blocks")
+        if np.unique(blocks).size != blocks.size:  # as every RPC op refuses: one block named twice
+            raise ProtocolError(P.BAD_REQUEST, "bad blocks (repeated ids)")
         live = (t.state[blocks] != FREE) & node.mine(session, blocks)
         skip = _stale(t, session, msg.get("at"), blocks)
         if skip is None:
@@ -64,7 +66,8 @@ def ingest(node: Node, counters: Counter[str], msg: Any, session: EngineSession)
             cont, span = msg.get("cont"), msg.get("span")
             if not isinstance(cont, bool) or not isinstance(span, int) or isinstance(span, bool) or span < 0:
                 raise ProtocolError(P.BAD_REQUEST, "bad class features")
-            node.placement.on_seal(blocks[live & (t.state[blocks] != OPEN)], cont, span)
+            live &= t.state[blocks] != OPEN  # an open block's class comes from its alloc: not counted
+            node.placement.on_seal(blocks[live], cont, span)
         elif kind == "access":
             node.placement.log_access(blocks[live])
         else:

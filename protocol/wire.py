@@ -245,7 +245,7 @@ _LE = {np.dtype(t): np.dtype(t).newbyteorder("<") for t in (np.int64, np.uint64,
 
 
 def ids(value: Any, dtype: "np.dtype | type", max_n: int, what: str) -> np.ndarray:
-    """Decode a packed id array (bytes or list of ints)."""
+    """Decode a packed array (bytes, or a list of ints; of numbers for a float ``dtype``)."""
     dt = np.dtype(dtype)
     if value is None:
         return np.zeros(0, dtype=dt)
@@ -256,10 +256,10 @@ def ids(value: Any, dtype: "np.dtype | type", max_n: int, what: str) -> np.ndarr
         if arr.dtype != dt:
             arr = arr.astype(dt)
     else:
-        try:
-            arr = np.asarray(value, dtype=np.int64 if dt.kind == "i" else np.uint64)
+        try:  # a float array (attention mass) as floats: through uint64 [0.9, 0.1] became [0, 0]
+            arr = np.asarray(value, dtype=np.float64 if dt.kind == "f" else np.int64 if dt.kind == "i" else np.uint64)
         except (OverflowError, TypeError, ValueError):
-            raise ProtocolError(BAD_REQUEST, f"{what}: not a list of integers") from None
+            raise ProtocolError(BAD_REQUEST, f"{what}: not a list of {'numbers' if dt.kind == 'f' else 'integers'}") from None
         arr = arr.astype(dt, copy=False)
     if arr.ndim != 1 or arr.size > max_n:
         raise ProtocolError(TOO_LARGE, f"{what}: {arr.size} entries exceed the limit of {max_n}")

@@ -21,6 +21,7 @@ from typing import Mapping, Optional
 
 import numpy as np
 
+NEUTRAL = 0.5  # the importance of a block no report has named
 
 class ImportanceScores:
     def __init__(self, max_blocks: int, ema: float = 0.3, sink_blocks: int = 1, recency_blocks: int = 4,
@@ -70,8 +71,9 @@ class ImportanceScores:
             raise ValueError("blocks, mass (and keep) must have the same length")
         if blocks.size == 0:
             return
-        total = float(mass.sum())
-        share = mass / total * blocks.size if total > 0 else np.zeros_like(mass)
+        wide = mass.astype(np.float64)  # two float32 masses near 3e38 summed to inf in float32: every share 0
+        total = float(wide.sum())
+        share = wide / total * blocks.size if total > 0 else np.zeros_like(wide)
         x = np.clip(share, 0.0, 1.0)
         prior = self.structural_prior(np.arange(blocks.size), np.full(blocks.size, blocks.size))
         if keep is not None:
@@ -97,7 +99,7 @@ class ImportanceScores:
         else those of the last report that named them."""
         blocks = np.asarray(blocks, dtype=np.int64)
         s = self.ema_value[blocks].astype(np.float64)
-        s = np.where(self.reports[blocks] == 0, 0.5, s)  # unknown: neutral
+        s = np.where(self.reports[blocks] == 0, NEUTRAL, s)  # unknown: neutral
         s = s * self.segment_weight[self.segment[blocks]]
         if position is not None:
             prior = self.structural_prior(position, seq_len_blocks)
@@ -106,8 +108,12 @@ class ImportanceScores:
         return np.clip(np.maximum(s, prior), 0.0, 1.0)
 
     def weight(self, blocks: np.ndarray) -> np.ndarray:
-        """Multiplier of a block's value: floor + (1 - floor) x importance."""
-        return self.importance_floor + (1.0 - self.importance_floor) * self.score(blocks)
+        """Multiplier of a block's value: floor + (1 - floor) x importance, over the same of a
+        block nobody reported on (importance 0.5), so such a block weighs 1, as every block does
+        in a policy before any report. Unscaled, a tagged or reported block of neutral importance
+        weighed 0.6 against an unreported one's 1.0 and was evicted first."""
+        floor = self.importance_floor
+        return (floor + (1.0 - floor) * self.score(blocks)) / (floor + (1.0 - floor) * NEUTRAL)
 
     def forget(self, blocks: np.ndarray) -> None:
         self.ema_value[blocks] = 0

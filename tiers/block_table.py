@@ -52,7 +52,7 @@ class BlockTable:
         self.generation = np.zeros(n, dtype=np.uint32)
         self.releases = 0
         # -- policy columns (extension point: see ``add_column``) --
-        self.importance = np.zeros(n, dtype=np.float32)
+        self.importance = np.full(n, 0.5, dtype=np.float32)  # the scorer's neutral, until it says otherwise
         self.extra: dict[str, np.ndarray] = {}
         # -- indexes --
         self.keys = KeyIndex(n)
@@ -152,7 +152,7 @@ class BlockTable:
         self.checksum[b] = 0
         self.key[b] = 0
         self.detached[b] = False
-        self.importance[b] = 0.0
+        self.importance[b] = 0.5
         for col in self.extra.values():
             col[b] = 0
 

@@ -44,6 +44,17 @@ def test_a_second_daemon_on_the_same_nvme_dir_is_refused(tmp_path):
     assert b.stop() == 0, b.read_log()
 
 
+def test_one_directory_for_sockets_and_slabs_is_one_lock(tmp_path):
+    """The NVMe lock on the runtime directory was refused by the daemon's own runtime lock, and
+    blamed "another kvtier daemon" with the daemon's own pid."""
+    d = DaemonProcess(tmp_path / "b", *SMALL, f'tiers.nvme_dir="{tmp_path / "b" / "run"}"')  # its runtime dir
+    try:
+        with d.client(heartbeat_s=None) as c:
+            assert c.ping()["pong"]
+    finally:
+        assert d.stop() == 0, d.read_log()
+
+
 def test_an_oversized_frame_gets_a_too_large_reply(tmp_path):
     d = DaemonProcess(tmp_path, *SMALL, "server.max_message_bytes=65536")
     try:

@@ -48,16 +48,16 @@ def test_a_report_built_before_a_free_does_not_credit_the_recycled_ids(svc):
     new, before = _recycled(svc)
     imp = svc.node.mgr.table.importance
     assert _report(svc, new, before) == 0 and svc.counters["telemetry_skipped"] == 4
-    assert np.all(imp[new] == 0.0) and np.all(svc.node.scores.ema_value[new] == 0.0)
+    assert np.all(imp[new] == 0.5) and np.all(svc.node.scores.reports[new] == 0)  # neutral, unreported
     assert _report(svc, new, [svc.tag, svc.frees()]) == 4  # built after the new alloc: the new blocks' own
-    assert np.all(imp[new] > 0.0)
+    assert np.all(svc.node.scores.reports[new] == 1)
 
 
 def test_an_unstamped_report_is_applied_as_before(svc):
     """The control: a client that does not stamp gets the old behaviour, so the test above
     can fail (the recycled ids are credited)."""
     new, _ = _recycled(svc)
-    assert _report(svc, new, None) == 4 and np.all(svc.node.mgr.table.importance[new] > 0.0)
+    assert _report(svc, new, None) == 4 and np.all(svc.node.scores.reports[new] == 1)
 
 
 def test_only_the_ids_freed_since_the_stamp_are_skipped(svc):
@@ -114,14 +114,14 @@ def test_a_report_of_another_session_or_from_a_count_not_reached_is_dropped(svc)
     new, _ = _recycled(svc)
     assert _report(svc, new, [svc.tag ^ 1, svc.frees()]) == 0
     assert _report(svc, new, [svc.tag, svc.frees() + 1]) == 0
-    assert svc.counters["telemetry_stale"] == 2 and np.all(svc.node.mgr.table.importance[new] == 0.0)
+    assert svc.counters["telemetry_stale"] == 2 and np.all(svc.node.mgr.table.importance[new] == 0.5)
 
 
 @pytest.mark.parametrize("at", [[1], "x", [1, "2"], [True, 2], [1, 2, 3], {"a": 1}, [1, -1]])
 def test_a_malformed_stamp_is_rejected_and_changes_nothing(svc, at):
     blocks = ids(call(svc, "alloc", "e", n=2, seq=1)["blocks"])
     assert _report(svc, blocks, at) == 0 and svc.counters["telemetry_rejected"] == 1
-    assert np.all(svc.node.mgr.table.importance[blocks] == 0.0)
+    assert np.all(svc.node.mgr.table.importance[blocks] == 0.5)
 
 
 def test_the_free_count_tells_a_block_freed_since_across_the_wrap():
