@@ -291,9 +291,9 @@ class Placement:
                     (hinted or self.protect_until[b] <= now):
                 if t.copies[b] == (1 << NVME):
                     mgr.drop(b)
+                    self.dropped += 1  # gone from the cache; an NVMe copy of a block still above is not
                 else:
                     mgr.drop_copy(b, NVME)
-                self.dropped += 1
                 have += 1
             else:  # live, pinned or hinted: rotate it behind, so the next scan starts on fresh candidates
                 lst.move_to_back(b)
