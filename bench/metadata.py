@@ -33,8 +33,8 @@ import numpy as np
 BLOCK_BYTES = 4096  # one page: the smallest slot a pool has (tiny slots, metadata is what we count)
 SHARES = {"hbm": 0.25, "dram": 0.25, "nvme": 0.5}
 _SKIP_TYPES: tuple[type, ...] = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
-                                 types.CodeType, types.FrameType, str, bytes, int, float, bool, type(None),
-                                 memoryview)
+                                 types.CodeType, types.FrameType, str, bytes, bool, type(None), memoryview)
+SMALL_INTS = range(-5, 257)  # CPython's cached ints: shared, never allocated per block
 
 
 def _skip_type_names() -> tuple[str, ...]:
@@ -108,6 +108,11 @@ def walk(root: Any, depth: int = 3) -> Walk:
             continue
         if isinstance(obj, np.generic):
             continue
+        if isinstance(obj, (int, float)):  # a Counter's or a list's block ids are objects of their own
+            if not (isinstance(obj, int) and obj in SMALL_INTS):
+                out.total += sys.getsizeof(obj)
+                out.by_path[key] += sys.getsizeof(obj)
+            continue
         size = sys.getsizeof(obj, 0) if isinstance(obj, (dict, list, tuple, set, frozenset)) or \
             type(obj).__name__ in ("deque", "Counter", "OrderedDict", "defaultdict") else 0
         out.total += size
@@ -159,10 +164,15 @@ def service_bytes(max_blocks: int, slots: tuple[int, int, int], engines: int = 1
         svc = _service(d, max_blocks, slots, policy)
         try:
             _register(svc, engines)
+            # ids past CPython's cached small ints, as a running daemon's are: the held blocks'
+            # ids are then int objects of their own (the free list hands out the next ids)
             if hold:
+                _call(svc, "free", "e0", blocks=_call(svc, "alloc", "e0", n=hold)["blocks"])
                 blocks = np.frombuffer(_call(svc, "alloc", "e0", n=hold, seq=1)["blocks"], dtype="<i8")
                 _call(svc, "seal", "e0", blocks=P.id_bytes(blocks),
                       keys=P.id_bytes(np.arange(1, hold + 1, dtype=np.uint64) * 0x9E3779B97F4A7C15, np.uint64))
+            if svc.node is not None:
+                svc.node.events.take_batch()  # events wait one loop turn, not per block for ever
             gc.collect()
             return walk(svc)
         finally:
@@ -186,12 +196,13 @@ def report(blocks: int = 1_000_000, engines: int = 1, policy: str = "kvtier") ->
     parts = sorted(((k, v / blocks) for k, v in big.by_path.items() if v / blocks >= 0.5), key=lambda kv: -kv[1])
     return {
         "blocks": blocks, "engines": engines, "policy": policy,
-        "metadata_bytes_per_block_all": per_block + per_slot_blended,
+        # engines hold (reference, and sequence) at least the blocks in HBM: those are counted too
+        "metadata_bytes_per_block_all": per_block + per_slot_blended + SHARES["hbm"] * per_held,
         "per_block_arrays_bytes": per_block, "per_slot_bytes": per_slot,
         "per_slot_bytes_blended": per_slot_blended, "per_held_block_bytes": per_held,
         "arrays_counted": big.arrays, "by_part": dict(parts),
-        "note": "all = per-block arrays + slots at HBM 25% / DRAM 25% / NVMe 50% of the blocks; "
-                "per_held_block_bytes (engine refs and sequences of a live block) is extra while an engine holds it",
+        "note": "all = per-block arrays + slots at HBM 25% / DRAM 25% / NVMe 50% of the blocks + "
+                "per_held_block_bytes (engine refs and sequences of a live block) for the HBM 25% engines hold",
     }
 
 

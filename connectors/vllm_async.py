@@ -41,6 +41,7 @@ class _Pending:
     inverse: np.ndarray      # loaded block -> index into refs
     want: torch.Tensor       # [n, DIGEST_BYTES] expected trailers
     handle: AcquireHandle
+    session: int             # the client session its refs and pins are in
 
 
 class AsyncLoads:
@@ -63,6 +64,7 @@ class AsyncLoads:
         for t in loads:
             keys, inverse = np.unique(block_keys(t.hashes), return_inverse=True)
             self.stats["async_loads"] += 1
+            session = self.client.session
             try:
                 refs = self.client.ref(keys)
             except KvtierError as e:
@@ -80,7 +82,7 @@ class AsyncLoads:
                 self._fail(t.req_id, t.block_ids, held)
                 continue
             self.pending[t.req_id] = _Pending(t.req_id, list(t.block_ids), refs, inverse.reshape(-1),
-                                              torch.from_numpy(digests(t.hashes)), handle)
+                                              torch.from_numpy(digests(t.hashes)), handle, session)
 
     def poll(self) -> None:
         """Finish every load whose blocks have all landed (never waits for one that has not)."""
@@ -92,6 +94,10 @@ class AsyncLoads:
         self._last_poll = time.monotonic()
         for rid in list(self.pending):
             p = self.pending[rid]
+            if p.session != self.client.session:  # the daemon took that session's refs and pins back:
+                del self.pending[rid]  # its ids may be the new session's now, so no RPC names them
+                self._fail(rid, p.vids, np.zeros(0, dtype=np.int64))
+                continue
             try:
                 p.handle.poll()
                 if not p.handle.done:
@@ -100,20 +106,21 @@ class AsyncLoads:
             except KvtierError as e:  # the daemon dropped the acquire (and its pins)
                 log.warning("kvtier: async load of %s failed (%s); vLLM recomputes it", rid, e)
                 del self.pending[rid]
-                self._fail(rid, p.vids, p.refs)
+                self._fail(rid, p.vids, self._ours(p))
                 continue
             del self.pending[rid]
             ok = self._copy(p, slots[p.inverse])
-            try:
-                self.client.release(blocks=np.unique(p.refs))
-            except KvtierError as e:
-                log.warning("kvtier: releasing %s's loaded blocks failed: %s", rid, e)
+            if p.session == self.client.session:
+                try:
+                    self.client.release(blocks=np.unique(p.refs))
+                except KvtierError as e:
+                    log.warning("kvtier: releasing %s's loaded blocks failed: %s", rid, e)
             if ok:
-                self._free(p.refs)
+                self._free(self._ours(p))
                 self.finished.add(rid)
                 self.stats["async_loaded_blocks"] += len(p.vids)
             else:
-                self._fail(rid, p.vids, p.refs)
+                self._fail(rid, p.vids, self._ours(p))
 
     def _copy(self, p: _Pending, slots: np.ndarray) -> bool:
         """Every layer's trailer checked before any byte reaches vLLM's KV."""
@@ -130,6 +137,10 @@ class AsyncLoads:
                 self.geo.load(li, vid, r)
         self.geo.settle()  # the copies are done before the release hands the slots back
         return True
+
+    def _ours(self, p: _Pending) -> np.ndarray:
+        """``p``'s refs while its session lasts; none after a reattach (the daemon took them)."""
+        return p.refs if p.session == self.client.session else np.zeros(0, dtype=np.int64)
 
     def _fail(self, rid: str, vids: list[int], refs: np.ndarray) -> None:
         self._free(refs)

@@ -59,6 +59,9 @@ class _Req:
     span: int = 0
     system: int = 0                    # leading blocks shared with another conversation
     failed: int = 0                    # ... of which failed (recomputed)
+    # the first block a load of it failed at: never offered again (vLLM asks again after a
+    # failure that left it nothing computed, and the same load failed the same way for ever)
+    load_limit: Optional[int] = None
 
 
 class SchedulerSide:
@@ -121,6 +124,11 @@ class SchedulerSide:
         st.tiers = []
         st.load_async = False
         st.cont, st.span = start >= 2, max(len(hashes) - start, 0)
+        if st.load_limit is not None:
+            limit = min(limit, st.load_limit)
+        slots = int(self.client.info.get("hbm_slots", 0) or 0)  # a load is acquired into staging at once:
+        if slots:  # more blocks than it has slots was refused as "can never fit", every time
+            limit = min(limit, start + slots)
         if limit <= start or not all([c.reattach() for c in self.clients]):
             return 0, False  # (no daemon: vLLM computes everything, it never stops for kvtier)
         try:
@@ -217,6 +225,7 @@ class SchedulerSide:
             if bad:
                 st.saved_upto = min(st.saved_upto, bad[0])
                 st.failed += len(bad)
+                st.load_limit = bad[0] if st.load_limit is None else min(st.load_limit, bad[0])
 
     def finished(self, request: Any) -> tuple[bool, Optional[dict[str, Any]]]:
         """(hold the request's blocks until the worker reports its saves done, what kvtier

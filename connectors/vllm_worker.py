@@ -65,6 +65,7 @@ class _Load:
     pos: np.ndarray               # index of each loaded block in the handle's reply
     done_layers: int = 0
     failed: bool = False
+    session: int = 0              # the client session its refs and pins are in
 
 
 @dataclass
@@ -132,6 +133,7 @@ class WorkerSide:
         vids = [b for t in loads for b in t.block_ids]
         hashes = [h for t in loads for h in t.hashes]
         keys, inverse = np.unique(block_keys(hashes), return_inverse=True)  # sessions may share blocks
+        session = self.client.session
         try:
             refs = self.client.ref(keys)
         except KvtierError as e:  # no daemon: vLLM recomputes, it never stops for kvtier
@@ -149,7 +151,7 @@ class WorkerSide:
                 log.warning("kvtier: acquire of %d blocks failed (%s); vLLM recomputes them", refs.size, e)
                 failed = True
         self.load = _Load(loads, torch.tensor(vids, dtype=torch.int64), held, torch.from_numpy(digests(hashes)),
-                          handle, pos, failed=failed)
+                          handle, pos, failed=failed, session=session)
         if failed:
             self._fail()
 
@@ -213,18 +215,27 @@ class WorkerSide:
             return
         if not ld.failed:
             self.wait_layer(self.geo.layers[-1].name)
-        try:
-            if ld.handle is not None:  # our pins: wait for the acquire to settle, then let them go
+        if not ld.failed:
+            self.stats["loaded_blocks"] += int(ld.vids.numel())
+        if ld.session != self.client.session:  # reattached since: the daemon took its refs and pins
+            self.load = None  # back, and its ids may be the new session's
+            return
+        try:  # our pins: wait for the acquire to settle, then let them go (a failed acquire took them)
+            if ld.handle is not None:
                 ld.handle.wait(self.timeout_s)
                 self.geo.settle()  # the copies out of the staging slots are done before they go
                 self.client.release(blocks=np.unique(ld.blocks))
-                if not ld.failed:
-                    self.stats["loaded_blocks"] += int(ld.vids.numel())
-            if ld.blocks.size:
-                self.client.free(blocks=ld.blocks)
         except KvtierError as e:
             log.warning("kvtier: releasing loaded blocks failed: %s", e)
+        self._unref(ld.blocks)  # apart: a failed release must not keep the references for good
         self.load = None
+
+    def _unref(self, blocks: np.ndarray) -> None:
+        if blocks.size:
+            try:
+                self.client.free(blocks=blocks)
+            except KvtierError as e:
+                log.warning("kvtier: unreferencing blocks failed: %s", e)
 
     def _take_unsaved(self) -> list[Transfer]:
         """The saves ``save`` was never given. Their requests count as saving whether they are
@@ -379,19 +390,31 @@ class WorkerSide:
                 self.geo.save(layer, q.vid, row)
                 self.geo.trailer(layer, row).copy_(trailer[i])
         self.geo.settle()  # every byte is in the slots before the daemon may move them
+        session = self.client.session
         try:
             canon = self.client.seal(blocks, block_keys(hashes))
+        except KvtierError as e:  # refused: the staging blocks are still ours, pinned and referenced
+            log.warning("kvtier: saving %d blocks failed: %s", len(batch), e)
+            self.stats["save_dropped_blocks"] += len(batch)
+            if self.client.session == session and not self.client.reclaimed:  # else the daemon took them
+                try:
+                    self.client.release(blocks=blocks)
+                except KvtierError as e2:
+                    log.warning("kvtier: releasing unsaved staging blocks failed: %s", e2)
+                self._unref(blocks)
+            return True
+        self.stats["saved_blocks"] += len(batch)
+        try:
             self.client.release(blocks=canon[canon == blocks])  # a folded block's pins went with it
             for tag in sorted(set(segs.tolist())):
                 self.client.report_segment(canon[segs == tag], tag)
             feats = [(q.cont, q.span) for q in batch]
             for cont, span in sorted(set(feats)):
                 self.client.report_class(canon[[f == (cont, span) for f in feats]], cont, span)
-            self.client.free(blocks=canon)  # one reference per sealed block, folded or not
-            self.stats["saved_blocks"] += len(batch)
         except KvtierError as e:
-            log.warning("kvtier: saving %d blocks failed: %s", len(batch), e)
-            self.stats["save_dropped_blocks"] += len(batch)
+            log.warning("kvtier: after saving %d blocks: %s", len(batch), e)
+        if self.client.session == session:
+            self._unref(canon)  # one reference per sealed block, folded or not
         return True
 
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from multiprocessing import shared_memory
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
@@ -259,6 +261,14 @@ def _build_node(cfg: KvtierConfig, args: Any, clock: Callable[[], float]) -> Nod
         raise
 
 
+def attach_deciders(cfg: KvtierConfig, mgr: TierManager, block_bytes: int, block_tokens: int = 16,
+                    layers: int = 1, clock: Callable[[], float] = time.monotonic) -> Node:
+    """A node over a manager built elsewhere (``bench tiers``): the daemon's placement, scores,
+    events and prefetcher, listening to its moves as they do in a running daemon."""
+    args = SimpleNamespace(block_bytes=block_bytes, block_tokens=block_tokens, layout={"layers": layers})
+    return _complete_node(cfg, args, mgr, None, None, clock)
+
+
 def _complete_node(cfg: KvtierConfig, args: Any, mgr: TierManager, hbm_tensor: Optional[torch.Tensor],
                    hbm_shm: Optional[shared_memory.SharedMemory], clock: Callable[[], float]) -> Node:
     """The deciding objects over a built manager."""
@@ -292,4 +302,4 @@ def _complete_node(cfg: KvtierConfig, args: Any, mgr: TierManager, hbm_tensor: O
                 hbm_shm=hbm_shm, hbm_handle=handle)
 
 
-__all__ = ["Node", "build_node"]
+__all__ = ["Node", "build_node", "attach_deciders"]
