@@ -222,6 +222,12 @@ class Prefetcher:
             if state == 2:
                 self.speculative_wasted += 1
 
+    def on_events(self, kind: str, blocks: np.ndarray, tier: int) -> None:
+        """``on_event`` for a move's blocks at once: only speculative ones are looked at."""
+        if self._spec_live:
+            for b in blocks[self._spec[blocks] != 0].tolist():
+                self.on_event(kind, b, tier)
+
     def hint(self, blocks: np.ndarray, deadline: float, generations: np.ndarray) -> None:
         if blocks.size:
             heapq.heappush(self._heap, (deadline, next(self._seq), blocks, generations))

@@ -19,6 +19,7 @@ import time
 from typing import Optional
 
 import msgpack
+import numpy as np
 
 from kvtier.protocol import wire as P
 from kvtier.tiers.manager import TierManager
@@ -40,6 +41,7 @@ class EventCollector:
         self.block_tokens = block_tokens
         self.pending: list[tuple[str, int, str]] = []
         mgr.listeners.append(self.on_event)
+        mgr.batch_listeners[self.on_event] = self.on_events
 
     def on_event(self, kind: str, b: int, tier: int) -> None:
         t = self.mgr.table
@@ -57,6 +59,18 @@ class EventCollector:
             for tr, medium in MEDIUM.items():
                 if copies >> tr & 1:
                     self.pending.append(("BlockRemoved", key, medium))
+
+    def on_events(self, kind: str, blocks: np.ndarray, tier: int) -> None:
+        """``on_event`` for a move's blocks at once: the same events in the same order."""
+        t = self.mgr.table
+        blocks = blocks[t.state[blocks] == SEALED]
+        if tier < 0 or t.detached[blocks].any():  # rare: each block as ``on_event`` sees it
+            for b in blocks.tolist():
+                self.on_event(kind, b, tier)
+            return
+        name = "BlockStored" if kind == "stored" else "BlockRemoved"
+        medium = MEDIUM[tier]
+        self.pending.extend((name, k, medium) for k in t.key[blocks].view(np.int64).tolist())  # signed, as _signed
 
     def all_cleared(self) -> None:
         """Every block is gone: one AllBlocksCleared (the removals before it say the same)."""
@@ -90,6 +104,7 @@ class EventCollector:
     def close(self) -> None:
         if self.on_event in self.mgr.listeners:
             self.mgr.listeners.remove(self.on_event)
+            self.mgr.batch_listeners.pop(self.on_event, None)
 
 
 def encode_batch(batch: list) -> bytes:

@@ -293,10 +293,16 @@ def _complete_node(cfg: KvtierConfig, args: Any, mgr: TierManager, hbm_tensor: O
         if kind == "removed" and tier < 0:
             scores.forget(np.array([b]))
 
+    def _freed_many(kind: str, blocks: np.ndarray, tier: int) -> None:
+        if kind == "removed" and tier < 0:
+            scores.forget(blocks)
+
     mgr.listeners.append(_freed)
+    mgr.batch_listeners[_freed] = _freed_many
     events = EventCollector(mgr, args.block_tokens)
     prefetcher = Prefetcher(pc.prefetch_budget_bytes_per_s, args.block_bytes, mgr.table.max_blocks)
     mgr.listeners.append(prefetcher.on_event)
+    mgr.batch_listeners[prefetcher.on_event] = prefetcher.on_events
     return Node(mgr=mgr, placement=placement, scores=scores, events=events, prefetcher=prefetcher,
                 block_tokens=args.block_tokens, layers=layers, max_batch_blocks=cfg.server.max_batch_blocks,
                 hbm_shm=hbm_shm, hbm_handle=handle)

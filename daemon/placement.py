@@ -55,6 +55,7 @@ class Placement:
         self.demoted = 0
         self.declined = 0  # blocks a lower tier's policy did not find worth a slot
         mgr.listeners.append(self._on_event)
+        mgr.batch_listeners[self._on_event] = self._on_events
         mgr.failure_listeners.append(self._on_failed_move)
 
     # -- membership ------------------------------------------------------------
@@ -80,6 +81,29 @@ class Placement:
             self.feature_class[b] = 0
             self.logged_epoch[b] = -1
             self.protect_until[b] = 0.0
+
+    def _on_events(self, kind: str, blocks: np.ndarray, tier: int) -> None:
+        """``_on_event`` for a move's blocks at once (the membership arrays in one step each)."""
+        pol = self.policies.get(tier) if tier >= 0 else None
+        if pol is None:
+            if tier < 0:
+                for b in blocks.tolist():
+                    self._on_event(kind, b, tier)
+            return
+        if kind == "stored":
+            new = blocks[~self.tracked[tier, blocks]]
+            now = self.clock()
+            classes = self.feature_class[new].astype(np.int64)
+            unseen = ~pol.seen_many(new)  # e.g. recovered from NVMe: its access is still in the log
+            for b, cls in zip(new[unseen].tolist(), classes[unseen].tolist()):
+                pol.observe(b, now, cls)
+            pol.insert_many(new, now, classes)
+            self.tracked[tier, new] = True
+        elif kind == "removed":
+            gone = blocks[self.tracked[tier, blocks]]
+            for b in gone.tolist():
+                pol.remove(b)
+            self.tracked[tier, gone] = False
 
     def _on_failed_move(self, blocks: np.ndarray, tier: int) -> None:
         """A move out of ``tier`` failed and left these blocks there: victims chosen
@@ -332,6 +356,7 @@ class Placement:
     def close(self) -> None:
         if self._on_event in self.mgr.listeners:
             self.mgr.listeners.remove(self._on_event)
+            self.mgr.batch_listeners.pop(self._on_event, None)
         if self._on_failed_move in self.mgr.failure_listeners:
             self.mgr.failure_listeners.remove(self._on_failed_move)
 

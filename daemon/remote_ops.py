@@ -100,6 +100,7 @@ class RemoteOps:
         self._tags: dict[tuple[int, Any], int] = {}
         self.host_hbm = not mgr.hbm.is_cuda
         mgr.listeners.append(self._on_event)
+        mgr.batch_listeners[self._on_event] = self._on_events
         mgr.held_elsewhere.append(self._held)
 
     # -- bookkeeping ----------------------------------------------------------------------
@@ -136,6 +137,11 @@ class RemoteOps:
     def _on_event(self, kind: str, b: int, tier: int) -> None:
         if kind == "stored" and tier == DRAM and self.rule.wanted(self.shares[b : b + 1])[0]:
             self._offer(b)
+
+    def _on_events(self, kind: str, blocks: np.ndarray, tier: int) -> None:
+        if kind == "stored" and tier == DRAM:
+            for b in blocks[self.rule.wanted(self.shares[blocks])].tolist():
+                self._offer(b)
 
     def _offer(self, b: int) -> None:
         if self.published[b]:

@@ -130,6 +130,12 @@ class Policy:
         """Forget a resident block dropped by the mechanism (not a victim)."""
         raise NotImplementedError
 
+    def insert_many(self, blocks: "np.ndarray", now: float, classes: "np.ndarray") -> None:
+        """``insert`` of each block in order (a move's blocks landing at once); policies whose
+        insert is an append do it in one step."""
+        for b, cls in zip(blocks.tolist(), classes.tolist()):
+            self.insert(b, now, cls, -1)
+
     def admit_many(self, blocks: "np.ndarray", classes: "np.ndarray") -> "np.ndarray":
         """Which of these blocks (feature classes ``classes``, as ``observe`` gets them)
         are worth a slot here, against this tier's current victims? All by default;
@@ -144,6 +150,10 @@ class Policy:
     def seen(self, b: int) -> bool:
         """Has ``observe`` recorded an access of ``b`` (policies without per-block history: yes)?"""
         return True
+
+    def seen_many(self, blocks: "np.ndarray") -> "np.ndarray":
+        """``seen`` per block."""
+        return np.array([self.seen(b) for b in blocks.tolist()], dtype=bool)
 
     def residents(self) -> "Optional[np.ndarray]":
         """The block ids this policy holds, where it can list them cheaply (None: it cannot),

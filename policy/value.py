@@ -191,6 +191,13 @@ class ValuePolicy(Policy):
         self.where[b] = self.size
         self.size += 1
 
+    def insert_many(self, blocks: np.ndarray, now: float, classes: np.ndarray) -> None:
+        """``insert`` of each block in order, as one append."""
+        k = int(blocks.size)
+        self.slots[self.size: self.size + k] = blocks
+        self.where[blocks] = np.arange(self.size, self.size + k)
+        self.size += k
+
     def _unlink(self, b: int) -> None:
         self.size = swap_remove(self.slots, self.where, self.size, b)
 
@@ -312,6 +319,9 @@ class ValuePolicy(Policy):
 
     def seen(self, b: int) -> bool:
         return bool(self.model.count[b])
+
+    def seen_many(self, blocks: np.ndarray) -> np.ndarray:
+        return self.model.count[blocks] != 0
 
     def calibration(self) -> Optional[dict]:
         """Brier and ECE of the decisions taken (admissions and evictions, sampled), over

@@ -29,6 +29,7 @@ from .pools import DramPool, HbmPool
 from .types import DATA_PLANE_EVENTS, DRAM, FREE, HBM, NVME, ORPHAN_OWNER, SEALED, UNCLAIMED_NS, Tier, parse_tier
 
 EventListener = Callable[[str, int, int], None]  # (kind, block, tier)
+BatchListener = Callable[[str, np.ndarray, int], None]  # (kind, blocks, tier): one call a completion
 FailureListener = Callable[[np.ndarray, int], None]  # (blocks a failed move left in tier, tier)
 log = logging.getLogger("kvtier.tiers")
 PATH_NAMES = {(int(a), int(b)): f"{a.name.lower()}->{b.name.lower()}" for a in Tier for b in Tier}  # counter keys
@@ -96,6 +97,9 @@ class TierMoves:
         self.counters: Counter[str] = Counter(dict.fromkeys(DATA_PLANE_EVENTS, 0))
         self.last_errors: dict[int, str] = {}
         self.listeners: list[EventListener] = []
+        # a listener's vectorised twin, called once with a move's blocks (same effect as one call a
+        # block: a 256 KiB copy's per-block calls had cost a third of the copy's time)
+        self.batch_listeners: dict[EventListener, BatchListener] = {}
         self.failure_listeners: list[FailureListener] = []  # e.g. placement: the victims are still resident
         self.nvme_backoff = WriteBackoff(nvme_backoff_s, max(30.0, nvme_backoff_s))
         self.corrupt = self.table.add_column("corrupt", np.bool_)  # reset when the entry is reused
@@ -122,9 +126,19 @@ class TierMoves:
                 self._deferred.append(e)
 
     def _emit_many(self, kind: str, blocks: np.ndarray, tier: int) -> None:
-        if self.listeners:
+        if not self.listeners or not blocks.size:
+            return
+        if len(self.batch_listeners) < len(self.listeners):
             for b in blocks.tolist():
                 self._emit(kind, b, tier)
+            return
+        for fn in self.listeners:  # every listener has a batch twin: one call each
+            try:
+                self.batch_listeners[fn](kind, blocks, tier)
+            except BaseException as e:
+                if self._deferred is None:
+                    raise
+                self._deferred.append(e)
 
     # -- validation helpers ---------------------------------------------------
     def _check_block(self, b: int) -> int:
@@ -397,4 +411,4 @@ class TierMoves:
             raise RuntimeError("read holds disagree with the remote writes reading")
 
 
-__all__ = ["TierMoves", "EventListener", "FailureListener"]
+__all__ = ["TierMoves", "EventListener", "BatchListener", "FailureListener"]
