@@ -28,6 +28,17 @@ def hbm_only_service(tmp_path: Any, hbm_blocks: int, *overrides: str, block_byte
         f'server.runtime_dir="{tmp_path}/run"', "metrics.enabled=false", *overrides]))
 
 
+def pump(s: Service, rounds: int = 3) -> None:
+    """Run the owner loop's background turns until the moves they start have landed."""
+    for _ in range(rounds):
+        s.node.mgr.wait(timeout=10)
+        s.background()
+        s.advance()
+        s.maintain()
+    s.node.mgr.wait(timeout=10)
+    s.background()
+
+
 def call(svc: Service, op: str, engine: str = "e", **args: Any) -> Any:
     """Encode, decode and handle one request exactly as the server would."""
     req, a = P.decode_request(P.pack({"v": 1, "id": 1, "op": op, "engine": engine, "args": args}), 1 << 20)

@@ -11,7 +11,7 @@ from kvtier.daemon.config import load_config
 from kvtier.daemon.service import Service
 from kvtier.protocol.wire import ProtocolError
 
-from .service_calls import Clock, call, ids
+from .service_calls import Clock, call, ids, pump
 
 
 def _service(tmp_path, name: str, clock: Clock, policy: str) -> Service:
@@ -25,12 +25,7 @@ def _service(tmp_path, name: str, clock: Clock, policy: str) -> Service:
 
 
 def _step(s: Service) -> list:
-    s.node.mgr.wait(timeout=10)
-    s.background()
-    s.advance()
-    s.maintain()
-    s.node.mgr.wait(timeout=10)
-    s.background()
+    pump(s, rounds=1)
     batch = s.node.events.take_batch()
     return [] if batch is None else batch[1]
 

@@ -10,7 +10,7 @@ from kvtier.daemon.config import load_config
 from kvtier.daemon.service import Service
 from kvtier.protocol.wire import ProtocolError
 
-from .service_calls import Clock, call, ids
+from .service_calls import Clock, call, ids, pump
 
 
 def three_tiers(tmp_path, hbm: int, dram: int, nvme: int, *extra: str, block: int = 4096,
@@ -22,16 +22,6 @@ def three_tiers(tmp_path, hbm: int, dram: int, nvme: int, *extra: str, block: in
     s = Service(cfg, clock=clock)
     call(s, "register", "e", pid=0, block_bytes=block)
     return s
-
-
-def pump(s: Service, rounds: int = 3) -> None:
-    for _ in range(rounds):
-        s.node.mgr.wait(timeout=10)
-        s.background()
-        s.advance()
-        s.maintain()
-    s.node.mgr.wait(timeout=10)
-    s.background()
 
 
 def sealed(s: Service, n: int, keys: list[int]) -> list[int]:
