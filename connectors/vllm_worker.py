@@ -29,20 +29,20 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
-from kvtier.client.replies import AcquireHandle, KvtierError, RequestRejected
+from kvtier.client.replies import AcquireHandle, KvtierError
 from kvtier.client.tier_client import TierClient
-from kvtier.protocol.wire import NO_SPACE
 
 from .keys import block_keys, digests
 from .kv_geometry import Geometry
 from .pp_taint import StageTaint
 from .tp_taint import Agreement
 from .vllm_scheduler import Transfer
+from .vllm_staging import QueuedSave, stage, unref
 
 log = logging.getLogger("kvtier.connectors.vllm")
 
@@ -68,17 +68,6 @@ class _Load:
     session: int = 0              # the client session its refs and pins are in
 
 
-@dataclass
-class _Save:
-    req_id: str
-    vid: int
-    hash: Any
-    seg: str
-    since: float  # monotonic time it was queued
-    cont: bool    # its request's features (the daemon's predictor class)
-    span: int
-
-
 class WorkerSide:
     def __init__(self, client: TierClient, geometry: Geometry, timeout_s: float = 30.0,
                  save_timeout_s: float = 10.0, idle: Optional[Callable[[], None]] = None,
@@ -95,7 +84,7 @@ class WorkerSide:
         self.window = max(1, window)        # steps a failed load taints (``TAINTED_STEPS``)
         self.load: Optional[_Load] = None
         self.errors: set[int] = set()       # vLLM blocks that could not be loaded (reported once)
-        self.queue: deque[_Save] = deque()  # saves waiting for staging room, in order
+        self.queue: deque[QueuedSave] = deque()  # saves waiting for staging room, in order
         self.saving: set[str] = set()       # requests that handed us saves: vLLM holds their blocks until we say
         self.finishing: set[str] = set()    # ... and that vLLM has finished
         self.stats = {"loaded_blocks": 0, "saved_blocks": 0, "failed_blocks": 0, "load_wait_s": 0.0,
@@ -227,15 +216,8 @@ class WorkerSide:
                 self.client.release(blocks=np.unique(ld.blocks))
         except KvtierError as e:
             log.warning("kvtier: releasing loaded blocks failed: %s", e)
-        self._unref(ld.blocks)  # apart: a failed release must not keep the references for good
+        unref(self.client, ld.blocks)  # apart: a failed release must not keep the references for good
         self.load = None
-
-    def _unref(self, blocks: np.ndarray) -> None:
-        if blocks.size:
-            try:
-                self.client.free(blocks=blocks)
-            except KvtierError as e:
-                log.warning("kvtier: unreferencing blocks failed: %s", e)
 
     def _take_unsaved(self) -> list[Transfer]:
         """The saves ``save`` was never given. Their requests count as saving whether they are
@@ -307,7 +289,7 @@ class WorkerSide:
                 self.stats["save_dropped_blocks"] += len(t.block_ids)
                 continue
             for vid, h, seg in zip(t.block_ids, t.hashes, t.segment or ["user"] * len(t.block_ids)):
-                self.queue.append(_Save(t.req_id, vid, h, seg, now, t.cont, t.span))
+                self.queue.append(QueuedSave(t.req_id, vid, h, seg, now, t.cont, t.span))
                 added += 1
         self.flush()
         self.stats["save_queued_blocks"] += min(added, len(self.queue))  # ours are the queue's tail
@@ -358,64 +340,9 @@ class WorkerSide:
             self.save([t for t in skipped if t.req_id not in req_ids])
         self.saving -= req_ids  # the scheduler no longer waits for their saves (``SchedulerSide._preempted``)
 
-    def _save_batch(self, batch: list[_Save]) -> bool:
+    def _save_batch(self, batch: list[QueuedSave]) -> bool:
         """True when the batch is done with (saved, or failed for good); False: no room yet."""
-        hbm = self.client.hbm
-        if hbm is None:  # reclaimed: nothing to stage into until ``reattach``
-            self.stats["save_dropped_blocks"] += len(batch)
-            return True
-        keys_all = block_keys([q.hash for q in batch])
-        _, first = np.unique(keys_all, return_index=True)
-        if first.size < len(batch):  # one hash twice in a batch (identical prompts): saved once
-            self.stats["save_dropped_blocks"] += len(batch) - first.size
-            batch = [batch[i] for i in np.sort(first).tolist()]
-        try:
-            blocks, slots = self.client.alloc(len(batch), pin=True, wait=False)
-        except RequestRejected as e:
-            if e.code == NO_SPACE:
-                return False
-            log.warning("kvtier: no staging slots to save %d blocks (%s); they stay in vLLM only", len(batch), e)
-            self.stats["save_dropped_blocks"] += len(batch)
-            return True
-        except KvtierError as e:
-            log.warning("kvtier: no staging slots to save %d blocks (%s); they stay in vLLM only", len(batch), e)
-            self.stats["save_dropped_blocks"] += len(batch)
-            return True
-        hashes = [q.hash for q in batch]
-        segs = np.array([q.seg for q in batch])
-        trailer = torch.from_numpy(digests(hashes))
-        for i, (q, sl) in enumerate(zip(batch, slots.tolist())):
-            row = hbm[int(sl)]
-            for layer in range(len(self.geo.layers)):
-                self.geo.save(layer, q.vid, row)
-                self.geo.trailer(layer, row).copy_(trailer[i])
-        self.geo.settle()  # every byte is in the slots before the daemon may move them
-        session = self.client.session
-        try:
-            canon = self.client.seal(blocks, block_keys(hashes))
-        except KvtierError as e:  # refused: the staging blocks are still ours, pinned and referenced
-            log.warning("kvtier: saving %d blocks failed: %s", len(batch), e)
-            self.stats["save_dropped_blocks"] += len(batch)
-            if self.client.session == session and not self.client.reclaimed:  # else the daemon took them
-                try:
-                    self.client.release(blocks=blocks)
-                except KvtierError as e2:
-                    log.warning("kvtier: releasing unsaved staging blocks failed: %s", e2)
-                self._unref(blocks)
-            return True
-        self.stats["saved_blocks"] += len(batch)
-        try:
-            self.client.release(blocks=canon[canon == blocks])  # a folded block's pins went with it
-            for tag in sorted(set(segs.tolist())):
-                self.client.report_segment(canon[segs == tag], tag)
-            feats = [(q.cont, q.span) for q in batch]
-            for cont, span in sorted(set(feats)):
-                self.client.report_class(canon[[f == (cont, span) for f in feats]], cont, span)
-        except KvtierError as e:
-            log.warning("kvtier: after saving %d blocks: %s", len(batch), e)
-        if self.client.session == session:
-            self._unref(canon)  # one reference per sealed block, folded or not
-        return True
+        return stage(self.client, self.geo, batch, self.stats)
 
 
 __all__ = ["Geometry", "WorkerSide"]

@@ -23,14 +23,12 @@ from .backoff import WriteBackoff
 from .block_table import BlockTable
 from .integrity import count_read_failure, quarantine, unreachable_idle
 from .io_backends import IOBackend, select_backend
+from .listeners import BatchListener, EventListener, FailureListener, emit, emit_many, most_urgent
 from .mover import Completion, Mover, Transfer
 from .nvme import NvmeStore
 from .pools import DramPool, HbmPool
 from .types import DATA_PLANE_EVENTS, DRAM, FREE, HBM, NVME, ORPHAN_OWNER, SEALED, UNCLAIMED_NS, Tier, parse_tier
 
-EventListener = Callable[[str, int, int], None]  # (kind, block, tier)
-BatchListener = Callable[[str, np.ndarray, int], None]  # (kind, blocks, tier): one call a completion
-FailureListener = Callable[[np.ndarray, int], None]  # (blocks a failed move left in tier, tier)
 log = logging.getLogger("kvtier.tiers")
 PATH_NAMES = {(int(a), int(b)): f"{a.name.lower()}->{b.name.lower()}" for a in Tier for b in Tier}  # counter keys
 TID_WRAP = (1 << 31) - 1  # transfer ids cycle through 1 .. 2^31-1: 4 B a block, not 8
@@ -42,11 +40,6 @@ def _refuse(arr: np.ndarray, masks: tuple[np.ndarray, ...], src: Tier) -> None:
                "is being read by a remote write; its copies stay")
     mask, why = next((m, r) for m, r in zip(masks, reasons) if m.any())
     raise ValueError(f"block {int(arr[np.argmax(mask)])} {why}")
-
-
-def _most_urgent(errors: list[BaseException]) -> Optional[BaseException]:
-    """The error to raise of those a group's listeners deferred: an interrupt first."""
-    return next((e for e in errors if not isinstance(e, Exception)), errors[0] if errors else None)
 
 
 @dataclass
@@ -116,29 +109,10 @@ class TierMoves:
 
     # -- events ------------------------------------------------------------
     def _emit(self, kind: str, b: int, tier: int) -> None:
-        for fn in self.listeners:
-            if self._deferred is None:
-                fn(kind, b, tier)
-                continue
-            try:  # applying a group: its bookkeeping finishes first (see ``_apply``)
-                fn(kind, b, tier)
-            except BaseException as e:  # an interrupt too: half a group applied would leak its slots
-                self._deferred.append(e)
+        emit(self.listeners, self._deferred, kind, b, tier)  # deferred while a group is applied (``_apply``)
 
     def _emit_many(self, kind: str, blocks: np.ndarray, tier: int) -> None:
-        if not self.listeners or not blocks.size:
-            return
-        if len(self.batch_listeners) < len(self.listeners):
-            for b in blocks.tolist():
-                self._emit(kind, b, tier)
-            return
-        for fn in self.listeners:  # every listener has a batch twin: one call each
-            try:
-                self.batch_listeners[fn](kind, blocks, tier)
-            except BaseException as e:
-                if self._deferred is None:
-                    raise
-                self._deferred.append(e)
+        emit_many(self.listeners, self.batch_listeners, self._deferred, kind, blocks, tier)
 
     # -- validation helpers ---------------------------------------------------
     def _check_block(self, b: int) -> int:
@@ -244,7 +218,7 @@ class TierMoves:
         raised: Optional[BaseException] = None
         try:
             self._apply_completion(*self._merged([(self._pending.pop(c.tid), c) for c in group]))
-            raised = _most_urgent(self._deferred)
+            raised = most_urgent(self._deferred)
         finally:
             errors, self._deferred = self._deferred, None
             for e in errors:
