@@ -20,6 +20,7 @@ every HBM slot's block against the same engine holding none.
 
 from __future__ import annotations
 
+import array
 import gc
 import sys
 import tempfile
@@ -113,7 +114,7 @@ def walk(root: Any, depth: int = 3) -> Walk:
                 out.total += sys.getsizeof(obj)
                 out.by_path[key] += sys.getsizeof(obj)
             continue
-        size = sys.getsizeof(obj, 0) if isinstance(obj, (dict, list, tuple, set, frozenset)) or \
+        size = sys.getsizeof(obj, 0) if isinstance(obj, (dict, list, tuple, set, frozenset, array.array)) or \
             type(obj).__name__ in ("deque", "Counter", "OrderedDict", "defaultdict") else 0
         out.total += size
         out.by_path[key] += size

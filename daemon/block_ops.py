@@ -131,28 +131,33 @@ class BlockOps:
                 raise ProtocolError(P.INVALID, f"block {b} must be resident in HBM and idle to seal")
             if t.pins[b] != session.pins[b]:
                 raise ProtocolError(P.INVALID, f"block {b} is pinned by another engine")
-        out = np.empty_like(blocks)
+        out = blocks.copy()  # a block not sealed yet (an error midway) did not move
         nbytes = args.nbytes if args.nbytes is not None else (session.block_bytes or mgr.block_bytes)
         cont = session.continues(args.seq, blocks.size)
-        for i, (b, k) in enumerate(zip(blocks.tolist(), keys.tolist())):
-            existing = t.lookup(k)
-            folds = existing >= 0 and mgr.namespace[existing] == session.ns and not mgr.corrupt[existing]
-            if folds and args.fold_identical_only:  # checked once, here: the manager keeps b if not
-                folds = mgr.same_bytes(b, existing, nbytes)
-            if session.pins[b] and folds:  # folding into a shared block: our pins on b go (not when the
-                # key is another namespace's: b is sealed unindexed and stays ours, pinned as it was)
-                while session.pins[b]:
-                    mgr.unpin_many(np.array([b]), checked=True)
-                    session.pins[b] -= 1
-            c = mgr.seal(b, k, nbytes, fold=folds or not args.fold_identical_only)
-            if c != b:
-                session.replace(b, c)
-                self.counters["seal_shared"] += 1
-                if node.remote is not None:
-                    node.remote.note_shared(np.array([c]))
-            else:
-                node.placement.on_seal(c, cont, int(blocks.size))
-            out[i] = c
+        try:
+            for i, (b, k) in enumerate(zip(blocks.tolist(), keys.tolist())):
+                existing = t.lookup(k)
+                folds = existing >= 0 and mgr.namespace[existing] == session.ns and not mgr.corrupt[existing]
+                if folds and args.fold_identical_only:  # checked once, here: the manager keeps b if not
+                    folds = mgr.same_bytes(b, existing, nbytes)
+                if session.pins[b] and folds:  # folding into a shared block: our pins on b go (not when the
+                    # key is another namespace's: b is sealed unindexed and stays ours, pinned as it was)
+                    while session.pins[b]:
+                        mgr.unpin_many(np.array([b]), checked=True)
+                        session.pins[b] -= 1
+                c = mgr.seal(b, k, nbytes, fold=folds or not args.fold_identical_only)
+                out[i] = c
+                if c != b:
+                    session.fold(b, c)
+                    self.counters["seal_shared"] += 1
+                    if node.remote is not None:
+                        node.remote.note_shared(np.array([c]))
+                else:
+                    node.placement.on_seal(c, cont, int(blocks.size))
+        finally:  # the engine's sequences list what its references moved to, even after an error
+            moved = out != blocks
+            if moved.any():
+                session.relist(blocks[moved], out[moved], args.seq)
         self.counters["seals"] += int(blocks.size)
         return {"blocks": P.id_bytes(out)}
 
@@ -190,36 +195,49 @@ class BlockOps:
         mgr = self.node.mgr
         blocks = self.node.resolve(session, args, allow_keys=False)
         drops = self._references_named(session, blocks, args.seqs or [])
-        for b, n in drops.items():
-            if session.refs.get(b, 0) < n:
-                raise ProtocolError(P.INVALID, f"block {b} is held {session.refs.get(b, 0)} times by engine "
-                                               f"{session.engine_id!r}; the request frees it {n} times")
-            if session.pins[b] > session.refs.get(b, 0) - n:  # a pin needs a reference of its own
-                # (two sequences of one engine sharing a block: one may free its reference
-                # while the other holds its pin; pins are counted per engine, not per sequence)
-                raise ProtocolError(P.INVALID, f"block {b} is pinned; release it before freeing")
-        for b, n in drops.items():
-            for _ in range(n):
-                mgr.free(b, allow_pinned=True)  # our pins were checked above; others' pins are theirs
-                session.drop_ref(b)
+        held, pins = session.refs[blocks], session.pins[blocks]
+        short = held < drops
+        if short.any():
+            i = int(np.argmax(short))
+            raise ProtocolError(P.INVALID, f"block {int(blocks[i])} is held {int(held[i])} times by engine "
+                                           f"{session.engine_id!r}; the request frees it {int(drops[i])} times")
+        pinned = pins > held - drops  # a pin needs a reference of its own (two sequences of one
+        # engine sharing a block: one may free its reference while the other holds its pin;
+        # pins are counted per engine, not per sequence)
+        if pinned.any():
+            raise ProtocolError(P.INVALID, f"block {int(blocks[np.argmax(pinned)])} is pinned; release it before freeing")
+        done = 0
+        try:
+            for b, n in zip(blocks.tolist(), drops.tolist()):
+                for _ in range(n):
+                    mgr.free(b, allow_pinned=True)  # our pins were checked above; others' pins are theirs
+                done += 1
+        finally:  # the engine's counts follow the table's, block for block
+            session.refs[blocks[:done]] = held[:done] - drops[:done]
         for s in args.seqs or []:
             session.seqs.pop(s, None)
-        session.forget_blocks(set(blocks.tolist()))
+        if args.blocks is not None and len(args.blocks):  # by id: a listing may outlive its reference
+            session.loose = True
+        session.forget_blocks(blocks)
         self.counters["frees"] += int(blocks.size)
         return {"freed": int(blocks.size)}
 
     @staticmethod
-    def _references_named(session: EngineSession, blocks: np.ndarray, seqs: list[int]) -> Counter:
-        """References a free drops per block: one per place a named sequence holds it (two
-        sequences sharing a prefix block, or one naming a block twice, took one reference
-        each time), and one for a block named on its own. At most what the engine holds: a
-        sequence still lists a block the engine freed by id, as long as it holds it at all."""
-        drops: Counter = Counter()
-        for s in dict.fromkeys(seqs):  # a sequence named twice is freed once
-            drops.update(session.seqs[s])
-        for b in blocks.tolist():
-            drops[b] = max(1, min(drops[b], session.refs.get(b, 0)))
-        return drops
+    def _references_named(session: EngineSession, blocks: np.ndarray, seqs: list[int]) -> np.ndarray:
+        """References a free drops, per block of ``blocks`` (unique; the named sequences'
+        blocks among them): one per place a named sequence holds it (two sequences sharing
+        a prefix block, or one naming a block twice, took one reference each time), and one
+        for a block named on its own. At most what the engine holds: a sequence still lists
+        a block the engine freed by id, as long as it holds it at all."""
+        listed = np.zeros(blocks.size, dtype=np.int64)
+        entries = session.seq_entries(list(dict.fromkeys(seqs)))  # a sequence named twice is freed once
+        if entries.size:
+            order = np.argsort(blocks, kind="stable")
+            u, times = np.unique(entries, return_counts=True)
+            at = order[np.minimum(np.searchsorted(blocks[order], u), blocks.size - 1)]
+            ok = blocks[at] == u  # (every listed block is among ``blocks``: ``resolve`` added them)
+            listed[at[ok]] = times[ok]
+        return np.maximum(1, np.minimum(listed, session.refs[blocks]))
 
     # -- whole-node ------------------------------------------------------------------------
     def op_clear(self, session: Optional[EngineSession], args: Any) -> dict:

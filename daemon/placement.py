@@ -28,6 +28,8 @@ from kvtier.predictor.classes import block_class
 from kvtier.tiers.manager import TierManager
 from kvtier.tiers.types import DRAM, FREE, HBM, NVME, SEALED, Tier
 
+from .hint_deadlines import HintDeadlines
+
 EPOCH_WRAP = (1 << 31) - 1  # logged epochs are compared for equality only: int32 suffices
 
 
@@ -50,7 +52,7 @@ class Placement:
         self._log_n = 0
         self.epoch_s = float(params.get("epoch_s", 1.0))
         self.logged_epoch = np.full(n, -1, dtype=np.int32)  # epoch mod 2^31: equality is all it is read for
-        self.protect_until = np.zeros(n)  # hinted blocks: not victims before their acquire is due
+        self.protect_until = HintDeadlines(n, clock())  # hinted blocks: not victims before their acquire is due
         self.dropped = 0
         self.demoted = 0
         self.declined = 0  # blocks a lower tier's policy did not find worth a slot
@@ -80,7 +82,7 @@ class Placement:
                 pol.on_freed(b)
             self.feature_class[b] = 0
             self.logged_epoch[b] = -1
-            self.protect_until[b] = 0.0
+            self.protect_until.clear(b)
 
     def _on_events(self, kind: str, blocks: np.ndarray, tier: int) -> None:
         """``_on_event`` for a move's blocks at once (the membership arrays in one step each)."""
@@ -127,7 +129,7 @@ class Placement:
 
     # -- accesses (deferred) ---------------------------------------------------------
     def log_access(self, blocks: np.ndarray) -> None:
-        self.protect_until[blocks] = 0.0  # a hint is fulfilled by the acquire it announced
+        self.protect_until.clear(blocks)  # a hint is fulfilled by the acquire it announced
         self._log_access(blocks)
 
     def _log_access(self, blocks: np.ndarray) -> None:
@@ -183,7 +185,7 @@ class Placement:
         now = self.clock()
 
         def idle(bs: np.ndarray) -> np.ndarray:
-            return (t.pins[bs] == 0) & (t.busy[bs] == 0) & (self.protect_until[bs] <= now)
+            return (t.pins[bs] == 0) & (t.busy[bs] == 0) & self.protect_until.passed(bs, now)
 
         out = pol.victims(n, idle)
         if urgent and out.size < n:
@@ -209,7 +211,7 @@ class Placement:
 
     def protect(self, blocks: np.ndarray, until: float) -> None:
         """Keep hinted blocks out of victim selection until ``until`` (their acquire is due)."""
-        self.protect_until[blocks] = np.maximum(self.protect_until[blocks], until)
+        self.protect_until.extend(blocks, until)
 
     def make_room(self, tier: int, n: int, urgent: bool = False) -> int:
         """Start freeing ``n`` slots in ``tier``; returns how many are free or on their way.
@@ -312,7 +314,7 @@ class Placement:
             nxt = int(lst.next[b])
             budget -= 1
             if t.refcount[b] == 0 and t.pins[b] == 0 and t.state[b] == SEALED and \
-                    (hinted or self.protect_until[b] <= now):
+                    (hinted or self.protect_until.passed(b, now)):
                 if t.copies[b] == (1 << NVME):
                     mgr.drop(b)
                     self.dropped += 1  # gone from the cache; an NVMe copy of a block still above is not

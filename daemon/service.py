@@ -208,18 +208,21 @@ class Service:
             pins = np.repeat(held, session.pins[held])
             self.fences.append(Fence(engine_id, session.pid if session.pid_checkable else None,
                                      (session.pid, session.pid_ns), pins,
-                                     dict(session.refs), self.clock()))
+                                     dict(session.refs.items()), self.clock()))
             self.counters["fenced_pins"] += int(pins.size)
-            return len(session.refs)
+            return session.refs.held
         self._unpin(held, session.pins[held])
         return self._free_refs(session.refs)
 
-    def _free_refs(self, refs: "dict[int, int]") -> int:
+    def _free_refs(self, refs: Any) -> int:
+        """Drop every reference of ``refs`` (block -> count: a fence's dict or a session's counts)."""
         assert self.node is not None
+        blocks = 0
         for b, n in refs.items():
+            blocks += 1
             for _ in range(n):
                 self.node.mgr.free(b, allow_pinned=True)  # another engine may hold a shared block pinned
-        return len(refs)
+        return blocks
 
     def _unpin(self, blocks: np.ndarray, counts: np.ndarray) -> None:
         """Release ``counts[i]`` pins of ``blocks[i]`` through the manager (dead blocks are reaped)."""

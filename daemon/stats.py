@@ -27,7 +27,7 @@ def snapshot(cfg: KvtierConfig, counters: Counter[str], engines: dict[str, Engin
     stall_sum = res.stall_sum if res is not None else 0.0
     acquires = c["acquires"]
     out: dict[str, Any] = {
-        "engines": [{"engine": s.engine_id, "pid": s.pid, "live_blocks": len(s.refs), "pins": int(s.pins.sum()),
+        "engines": [{"engine": s.engine_id, "pid": s.pid, "live_blocks": s.refs.held, "pins": int(s.pins.sum()),
                      "sequences": len(s.seqs)} for s in engines.values()],
         "service": dict(c),
         # no acquires: no ratio (1.0 would claim a perfect prefetcher that was never asked)

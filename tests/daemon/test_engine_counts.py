@@ -1,28 +1,36 @@
-"""An engine's pin counts: 1 byte a block, exact past 255, indexed like the int array they replaced."""
+"""An engine's references and pins: one byte a block for both, exact past the nibble's
+limit, indexed like the int arrays they replaced, with their sums kept as they change."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kvtier.daemon.pin_counts import BIG, PinCounts
+from kvtier.daemon.engine_counts import BIG, EngineCounts
 
 
-def test_random_updates_match_an_int_array_across_the_one_byte_limit():
-    """Vectorised += and -= on unique ids, scalar updates, reads of ids, masks and
-    scalars: always equal to a plain int64 array, with counts pushed well past 255
-    and back down to 0 (the overflow dict empties again)."""
+@pytest.mark.parametrize("nibble", ["pins", "refs"])
+def test_random_updates_match_int_arrays_across_the_limit_and_leave_the_other_nibble_alone(nibble):
+    """Vectorised += and -= on unique ids, add/sub, add_many with repeats, scalar updates,
+    reads of ids, masks and scalars: always equal to a plain int64 array, with counts pushed
+    well past the limit and back down to 0 (the overflow dict empties again). The other
+    count sharing the byte is updated at random all along and never disturbed."""
     rng = np.random.default_rng(3)
     n = 64
-    pins, ref = PinCounts(n), np.zeros(n, dtype=np.int64)
-    hot = np.array([5, 9])  # pinned from hundreds of sequences at once
+    both = EngineCounts(n)
+    counts, other = getattr(both, nibble), both.refs if nibble == "pins" else both.pins
+    ref, ref_other = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    hot = np.array([5, 9])  # held from hundreds of sequences at once
     for step in range(20000):
         if step < 2000:
             blocks = np.unique(np.concatenate([hot, rng.integers(0, n, size=int(rng.integers(0, 8)))]))
-            if step % 2:
-                pins[blocks] += 1
+            if step % 3 == 0:
+                counts[blocks] += 1
+            elif step % 3 == 1:
+                counts.add(blocks)
             else:
-                pins.add(blocks)
+                counts.add_many(np.concatenate([blocks, blocks[:1]]))
+                ref[blocks[:1]] += 1
             ref[blocks] += 1
         else:
             blocks = np.flatnonzero(ref)[: int(rng.integers(1, 10))]
@@ -31,49 +39,63 @@ def test_random_updates_match_an_int_array_across_the_one_byte_limit():
             if step % 97 == 0:
                 continue
             if step % 2:
-                pins[blocks] -= 1
+                counts[blocks] -= 1
             else:
-                pins.sub(blocks)
+                counts.sub(blocks)
             ref[blocks] -= 1
         if step % 97 == 0 and step < 2000:
             b = int(rng.integers(0, n))
-            pins[b] = pins[b] + 3
+            counts[b] = counts[b] + 3
             ref[b] += 3
+        o = np.unique(rng.integers(0, n, size=3))
+        if step % 2 or not (ref_other[o] > 0).all():
+            other.add(o)
+            ref_other[o] += 1
+        else:
+            other.sub(o)
+            ref_other[o] -= 1
         probe = rng.integers(0, n, size=12)
-        assert pins[probe].tolist() == ref[probe].tolist()
-        assert pins[ref > 2].tolist() == ref[ref > 2].tolist()
-        assert [pins[int(b)] for b in probe] == ref[probe].tolist()
-        assert pins.sum() == int(ref.sum())
-        assert pins.pinned(probe).tolist() == (ref[probe] > 0).tolist()
-    assert ref.max() == 0 and step > 2000  # every pin was dropped again
-    assert np.asarray(pins).tolist() == ref.tolist()
-    assert pins.nonzero_ids().tolist() == np.flatnonzero(ref).tolist()
-    assert max(ref[hot]) == 0 and not pins.big  # back below the limit: nothing left in the dict
+        assert counts[probe].tolist() == ref[probe].tolist()
+        assert counts[ref > 2].tolist() == ref[ref > 2].tolist()
+        assert [counts[int(b)] for b in probe] == ref[probe].tolist()
+        assert counts.sum() == int(ref.sum()) and counts.held == int(np.count_nonzero(ref))
+        assert counts.pinned(probe).tolist() == (ref[probe] > 0).tolist()
+        assert np.asarray(other).tolist() == ref_other.tolist()
+        assert other.sum() == int(ref_other.sum()) and other.held == int(np.count_nonzero(ref_other))
+    assert ref.max() == 0 and step > 2000  # every count was dropped again
+    assert np.asarray(counts).tolist() == ref.tolist() and not counts
+    assert counts.nonzero_ids().tolist() == np.flatnonzero(ref).tolist()
+    assert max(ref[hot]) == 0 and not counts.big  # back below the limit: nothing left in the dict
 
 
 def test_counts_past_the_limit_are_exact():
-    pins = PinCounts(4)
+    both = EngineCounts(4)
+    pins = both.pins
     for _ in range(BIG + 45):
         pins[np.array([1, 2])] += 1
+    both.refs.add(np.array([1, 3]))
     assert pins[np.array([0, 1, 2])].tolist() == [0, BIG + 45, BIG + 45]
-    assert pins[1] == BIG + 45 and pins.small[1] == BIG and pins.big == {1: BIG + 45, 2: BIG + 45}
+    assert pins[1] == BIG + 45 and pins.big == {1: BIG + 45, 2: BIG + 45}
     pins[np.array([1])] -= 46
-    assert pins[1] == BIG - 1 and pins.small[1] == BIG - 1 and 1 not in pins.big
+    assert pins[1] == BIG - 1 and 1 not in pins.big
     assert pins.sum() == (BIG - 1) + (BIG + 45)
-    assert pins.small.dtype == np.uint8 and pins.small.nbytes == 4  # one byte a block
+    assert both.refs[np.arange(4)].tolist() == [0, 1, 0, 1] and dict(both.refs.items()) == {1: 1, 3: 1}
+    assert both.packed.dtype == np.uint8 and both.packed.nbytes == 4  # one byte a block for both counts
 
 
 def test_a_negative_count_is_refused_and_changes_nothing():
-    pins = PinCounts(8)
+    both = EngineCounts(8)
+    pins = both.pins
     pins[np.array([1, 2, 3])] += 1
-    before = np.asarray(pins).copy()
+    both.refs.add(np.array([1, 2, 3, 4]))
+    before = both.packed.copy()
     with pytest.raises(ValueError, match="negative"):
         pins[np.array([1, 4])] -= 1  # block 4 holds no pin
     with pytest.raises(ValueError, match="negative"):
         pins[6] = -1
     with pytest.raises(ValueError, match="negative"):
         pins.sub(np.array([2, 5]))
-    assert np.asarray(pins).tolist() == before.tolist()
+    assert both.packed.tolist() == before.tolist() and pins.sum() == 3 and pins.held == 3
 
 
 def test_one_engine_pins_one_block_from_300_sequences_through_the_daemon(tmp_path):
