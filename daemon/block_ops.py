@@ -71,7 +71,7 @@ class BlockOps:
             blocks = mgr.alloc(args.n, full=True, ns=session.ns)
         if blocks is None:
             return None
-        session.add_refs(blocks, args.seq)
+        session.add_refs(blocks, args.seq, unique=True)
         if args.pin:  # the engine writes them next: keep them in HBM until it releases them
             mgr.pin_many(blocks, checked=True)
             session.pins.add(blocks)
@@ -194,8 +194,8 @@ class BlockOps:
     def op_free(self, session: EngineSession, args: Any) -> dict:
         mgr = self.node.mgr
         blocks = self.node.resolve(session, args, allow_keys=False)
-        drops = self._references_named(session, blocks, args.seqs or [])
         held, pins = session.refs[blocks], session.pins[blocks]
+        drops = self._references_named(session, blocks, held, args.seqs or [])
         short = held < drops
         if short.any():
             i = int(np.argmax(short))
@@ -206,14 +206,16 @@ class BlockOps:
         # pins are counted per engine, not per sequence)
         if pinned.any():
             raise ProtocolError(P.INVALID, f"block {int(blocks[np.argmax(pinned)])} is pinned; release it before freeing")
-        done = 0
+        dropped = [0] * blocks.size
         try:
-            for b, n in zip(blocks.tolist(), drops.tolist()):
+            for i, (b, n) in enumerate(zip(blocks.tolist(), drops.tolist())):
                 for _ in range(n):
                     mgr.free(b, allow_pinned=True)  # our pins were checked above; others' pins are theirs
-                done += 1
-        finally:  # the engine's counts follow the table's, block for block
-            session.refs[blocks[:done]] = held[:done] - drops[:done]
+                    dropped[i] += 1
+        finally:  # the engine's counts follow the table's, reference for reference
+            went = np.asarray(dropped, dtype=np.int64)
+            some = went > 0
+            session.refs[blocks[some]] = held[some] - went[some]
         for s in args.seqs or []:
             session.seqs.pop(s, None)
         if args.blocks is not None and len(args.blocks):  # by id: a listing may outlive its reference
@@ -223,7 +225,8 @@ class BlockOps:
         return {"freed": int(blocks.size)}
 
     @staticmethod
-    def _references_named(session: EngineSession, blocks: np.ndarray, seqs: list[int]) -> np.ndarray:
+    def _references_named(session: EngineSession, blocks: np.ndarray, held: np.ndarray,
+                          seqs: list[int]) -> np.ndarray:
         """References a free drops, per block of ``blocks`` (unique; the named sequences'
         blocks among them): one per place a named sequence holds it (two sequences sharing
         a prefix block, or one naming a block twice, took one reference each time), and one
@@ -232,12 +235,15 @@ class BlockOps:
         listed = np.zeros(blocks.size, dtype=np.int64)
         entries = session.seq_entries(list(dict.fromkeys(seqs)))  # a sequence named twice is freed once
         if entries.size:
-            order = np.argsort(blocks, kind="stable")
             u, times = np.unique(entries, return_counts=True)
-            at = order[np.minimum(np.searchsorted(blocks[order], u), blocks.size - 1)]
-            ok = blocks[at] == u  # (every listed block is among ``blocks``: ``resolve`` added them)
-            listed[at[ok]] = times[ok]
-        return np.maximum(1, np.minimum(listed, session.refs[blocks]))
+            if u.size == blocks.size and (u == blocks).all():  # sequences only: ``resolve``'s sorted union
+                listed = times
+            else:
+                order = np.argsort(blocks, kind="stable")
+                at = order[np.minimum(np.searchsorted(blocks[order], u), blocks.size - 1)]
+                ok = blocks[at] == u  # (every listed block is among ``blocks``: ``resolve`` added them)
+                listed[at[ok]] = times[ok]
+        return np.maximum(1, np.minimum(listed, held))
 
     # -- whole-node ------------------------------------------------------------------------
     def op_clear(self, session: Optional[EngineSession], args: Any) -> dict:

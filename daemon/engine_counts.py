@@ -10,7 +10,9 @@ int32 each was 8 B a block an engine, 128 B a block with 16 engines, half the
 metadata budget. So both counts share one uint8 a block: references in the low
 nibble, pins in the high one. A count of 15 or more (one engine holding one shared
 prefix block from 15 sequences at once) is marked 15 in its nibble and kept exactly
-in a small dict. Reads and writes look like an int array's: ``pins[blocks] += 1``.
+in a small dict (a sorted overflow array updated in numpy was slower: its fixed cost
+per call outweighs a dict update for the hundred-odd blocks of a shared prefix).
+Reads and writes look like an int array's: ``pins[blocks] += 1``.
 """
 
 from __future__ import annotations
@@ -28,17 +30,21 @@ class PackedCounts:
     """Non-negative counts per block id in 4 bits of a shared byte array (ids or unique ids),
     with the sum and the number of blocks counted kept as they change (O(1) to read)."""
 
-    def __init__(self, packed: np.ndarray, shift: int) -> None:
+    def __init__(self, packed: np.ndarray, shift: int, count_held: bool = True) -> None:
         self.packed = packed  # shared with the other nibble's counts; owned by ``EngineCounts``
         self.shift = shift
+        self.count_held = count_held  # keep ``held`` (references: an engine's live blocks)
         self.mask = np.uint8(BIG << shift)
         self.unit = np.uint8(1 << shift)
         self.big: dict[int, int] = {}  # block -> count, for counts >= BIG
         self.total = 0  # the sum of every count
-        self.held = 0  # blocks whose count is not 0
+        self.held = 0  # blocks whose count is not 0 (kept where ``count_held``)
 
     def _small(self, idx: Any) -> np.ndarray:
-        return (self.packed[idx] >> self.shift) & BIG
+        return self._nibble(self.packed[idx])
+
+    def _nibble(self, c: np.ndarray) -> np.ndarray:
+        return c >> self.shift if self.shift else c & BIG  # (one numpy op: the RPC path counts them)
 
     def __getitem__(self, idx: Index) -> Any:
         if isinstance(idx, (int, np.integer)):
@@ -80,29 +86,48 @@ class PackedCounts:
 
     def _count(self, old: np.ndarray, new: np.ndarray) -> None:
         self.total += int(new.sum() - old.sum())
-        self.held += int(np.count_nonzero(new)) - int(np.count_nonzero(old))
+        if self.count_held:
+            self.held += int(np.count_nonzero(new)) - int(np.count_nonzero(old))
 
     def add(self, blocks: np.ndarray) -> None:
-        """One more on each of ``blocks`` (unique ids): the RPC path's update, a few numpy
-        calls while no count nears the limit."""
+        """One more on each of ``blocks`` (unique ids): the RPC path's update, four to six
+        numpy calls; a block at or past the limit (many sequences sharing one prefix)
+        costs a dict update more, not a per-block call."""
         c = self.packed[blocks]
         if not c.size:
             return
-        n = (c >> self.shift) & BIG
-        if int(n.max()) >= BIG - 1:
-            self[blocks] = self[blocks] + 1
-            return
-        self.held += int(np.count_nonzero(n == 0))
+        # the high nibble is compared as the byte itself: one numpy call fewer
+        n = None if self.shift else c & BIG
+        near = int(c.max()) >= (BIG - 1) << 4 if n is None else int(n.max()) >= BIG - 1
+        if self.count_held:
+            n = self._nibble(c) if n is None else n
+            self.held += int(c.size - np.count_nonzero(n))
+        if near:
+            n = self._nibble(c) if n is None else n
+            over = n >= BIG - 1  # 14 becomes 15 (into the dict) or 15 (in the dict) grows
+            big = self.big
+            for b in blocks[over].tolist():
+                big[b] = big.get(b, BIG - 1) + 1
+            c[over] |= self.mask
+            c[~over] += self.unit
+        else:
+            c += self.unit
         self.total += int(c.size)
-        self.packed[blocks] = c + self.unit
+        self.packed[blocks] = c
 
     def add_many(self, blocks: np.ndarray) -> None:
         """One more per occurrence in ``blocks`` (ids may repeat: keys looked up twice)."""
-        u, k = np.unique(blocks, return_counts=True)
-        if u.size == blocks.size:
-            self.add(u)
-        else:
-            self[u] = self[u] + k
+        if blocks.size > 1:
+            if blocks.size <= 64:  # a set of a few ids is quicker than a sort
+                repeats = len(set(blocks.tolist())) < blocks.size
+            else:
+                s = np.sort(blocks)
+                repeats = not (s[1:] != s[:-1]).all()
+            if repeats:
+                u, k = np.unique(blocks, return_counts=True)
+                self[u] = self[u] + k
+                return
+        self.add(blocks)
 
     def sub(self, blocks: np.ndarray) -> None:
         """One fewer on each of ``blocks`` (unique ids); a block counted 0 is refused
@@ -110,22 +135,41 @@ class PackedCounts:
         c = self.packed[blocks]
         if not c.size:
             return
-        n = (c >> self.shift) & BIG
-        if int(n.min()) == 0:
+        n = None if self.shift else c & BIG
+        lo, hi = (int(c.min()) >> 4, int(c.max()) >> 4) if n is None else (int(n.min()), int(n.max()))
+        if lo == 0:
+            n = self._nibble(c) if n is None else n
             raise ValueError(f"block {int(blocks[np.argmin(n)])}: a count cannot be negative")
-        if int(n.max()) == BIG:
-            self[blocks] = self[blocks] - 1
-            return
-        self.held -= int(np.count_nonzero(n == 1))
+        if self.count_held:
+            n = self._nibble(c) if n is None else n
+            self.held -= int(np.count_nonzero(n == 1))
+        if hi == BIG:  # counts in the dict: one fewer there; back in the nibble at 14
+            n = self._nibble(c) if n is None else n
+            over = n == BIG
+            big, ids = self.big, blocks[over].tolist()
+            left = np.empty(len(ids), dtype=np.uint8)
+            for i, b in enumerate(ids):
+                v = big[b] - 1
+                if v >= BIG:
+                    big[b] = v
+                    left[i] = BIG
+                else:
+                    del big[b]
+                    left[i] = v
+            c[over] = (c[over] & ~self.mask) | (left << self.shift)
+            c[~over] -= self.unit
+        else:
+            c -= self.unit
         self.total -= int(c.size)
-        self.packed[blocks] = c - self.unit
+        self.packed[blocks] = c
 
     def _set_one(self, b: int, v: int) -> None:
         if v < 0:
             raise ValueError(f"block {b}: a count cannot be negative ({v})")
         old = self[b]
         self.total += v - old
-        self.held += (v > 0) - (old > 0)
+        if self.count_held:
+            self.held += (v > 0) - (old > 0)
         if v >= BIG:
             self.big[b] = v
         else:
@@ -157,7 +201,7 @@ class PackedCounts:
         return self.total
 
     def __bool__(self) -> bool:
-        return self.held > 0
+        return self.held > 0 if self.count_held else self.total > 0
 
 
 class EngineCounts:
@@ -166,7 +210,7 @@ class EngineCounts:
     def __init__(self, n: int) -> None:
         self.packed = np.zeros(n, dtype=np.uint8)
         self.refs = PackedCounts(self.packed, 0)
-        self.pins = PackedCounts(self.packed, 4)
+        self.pins = PackedCounts(self.packed, 4, count_held=False)  # their sum is all that is read
 
 
 __all__ = ["EngineCounts", "PackedCounts", "BIG"]

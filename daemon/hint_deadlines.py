@@ -41,7 +41,7 @@ class HintDeadlines:
 
     def passed(self, blocks: "np.ndarray | int", now: float) -> "np.ndarray | bool":
         """Is ``now`` at or past each block's deadline (an unhinted block's always is)?"""
-        return self.until[blocks] <= np.float32(now - self.base)
+        return self.until[blocks] <= np.float32(max(now - self.base, 0.0))  # (a clock set back: 0 is passed)
 
     def __getitem__(self, blocks: "np.ndarray | int") -> "np.ndarray | float":
         """The deadlines as clock readings (0 where none)."""

@@ -47,8 +47,13 @@ class EngineSession:
         self.counts = EngineCounts(self.max_blocks)
         self.refs, self.pins = self.counts.refs, self.counts.pins
 
-    def add_refs(self, blocks: np.ndarray, seq: "int | None") -> None:
-        self.refs.add_many(blocks)
+    def add_refs(self, blocks: np.ndarray, seq: "int | None", unique: bool = False) -> None:
+        """One reference per entry of ``blocks`` (``unique``: no id twice, as an alloc's),
+        listed in ``seq`` if given."""
+        if unique:
+            self.refs.add(blocks)
+        else:
+            self.refs.add_many(blocks)
         if seq is not None:
             self.seqs.setdefault(seq, array("i")).frombytes(blocks.astype(np.int32).tobytes())
 

@@ -40,3 +40,12 @@ def test_a_rebase_keeps_pending_deadlines_and_passed_ones_passed():
     assert d.base > 0.0
     assert d.passed(0, late) and not d.passed(1, late) and d.passed(1, late + 20.1)
     assert abs(float(d[1]) - (late + 20.0)) <= 1 / 16 and float(d[0]) <= late
+
+
+def test_a_clock_read_before_the_base_finds_unhinted_blocks_passed():
+    """A settable clock set back behind the base (tests do it): a block never hinted is
+    still no hinted block, so victim selection keeps finding it."""
+    d = HintDeadlines(4, 1000.0)
+    assert d.passed(np.array([0, 1, 2, 3]), 999.0).all()
+    d.extend(np.array([1]), 1005.0)
+    assert d.passed(np.array([0, 2]), 999.0).all() and not d.passed(1, 999.0)

@@ -141,3 +141,33 @@ def test_random_holdings_match_the_old_bookkeeping(tmp_path, seed, by_id):
         assert int(t.refcount.sum()) == 0
     finally:
         svc.close()
+
+
+def test_a_free_that_fails_midway_leaves_the_engines_references_equal_to_the_tables(tmp_path):
+    """The table's free of a block a sequence lists three times fails on its second drop
+    (injected): the engine's count follows the table's, reference for reference, so the
+    engine's teardown frees exactly what is left and the invariants hold."""
+    svc = hbm_only_service(tmp_path, 16, 'policy.name="lru"')
+    try:
+        call(svc, "register", "e", pid=0, block_bytes=4096)
+        b = int(ids(call(svc, "alloc", "e", n=1, seq=1)["blocks"])[0])
+        call(svc, "seal", "e", blocks=[b], keys=_keys([77]), seq=1)
+        call(svc, "ref", "e", keys=_keys([77, 77]), seq=1)  # sequence 1 lists b three times
+        mgr, t = svc.node.mgr, svc.node.mgr.table
+        real, calls = mgr.free, [0]
+
+        def flaky(blk: int, allow_pinned: bool = False) -> None:
+            calls[0] += 1
+            if calls[0] == 2:
+                raise ValueError("injected failure")
+            real(blk, allow_pinned=allow_pinned)
+
+        mgr.free = flaky
+        with pytest.raises(P.ProtocolError):
+            call(svc, "free", "e", seqs=[1])
+        mgr.free = real
+        assert int(t.refcount[b]) == svc.engines["e"].refs[b] == 2
+        assert call(svc, "unregister", "e") == {"reclaimed": 1}
+        assert int(t.refcount[b]) == 0
+    finally:
+        svc.close()
