@@ -50,7 +50,8 @@ __attribute__((target("avx2"))) static void copy_streaming(char *d, const char *
 
 static void copy_one(char *d, const char *s, size_t n, int stream) {
 #ifdef KV_HAVE_STREAM
-    if (stream && n >= STREAM_MIN_BYTES) {
+    /* overlapping views of one array take memmove's path: the streaming loop copies forwards */
+    if (stream && n >= STREAM_MIN_BYTES && (d + n <= s || s + n <= d)) {
         copy_streaming(d, s, n);
         return;
     }
@@ -108,7 +109,7 @@ static PyObject *py_copy_pairs(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     for (;;) {
         i = (Py_ssize_t)__atomic_fetch_add((int64_t *)counter.buf, 1, __ATOMIC_RELAXED);
-        if (i >= n)
+        if (i < 0 || i >= n) /* (a counter that starts negative, or wrapped, takes nothing) */
             break;
         copy_one(views[2 * i].buf, views[2 * i + 1].buf, (size_t)views[2 * i].len, stream_ok);
         done++;

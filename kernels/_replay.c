@@ -78,7 +78,10 @@ static int check_sizes(const Py_buffer *b, const int64_t *I) {
         I[I_N_AGES] < 1 || I[I_N_STAGES] < 1 || I[I_N_IRR] < 1 || I[I_N_BUCKETS] < 1 || I[I_MAX_COUNT] < 1 ||
         I[I_MAX_COUNT] > 255 || I[I_N_CELLS] < I[I_N_STAGES] * I[I_N_IRR] || I[I_N_CELLS] > 32767 ||
         I[I_CLOCK] < 0 || I[I_CLOCK] >= ((int64_t)1 << 62) || I[I_THRESHOLD] < 0 ||
-        n_blocks > ((Py_ssize_t)1 << 31)) {
+        n_blocks > ((Py_ssize_t)1 << 31) ||
+        /* bounded before they are multiplied below: a product that wraps would pass a size check */
+        I[I_N_AGES] > (1 << 20) || I[I_N_BUCKETS] > (1 << 16) || I[I_SHADOW_CAP] > ((int64_t)1 << 40) ||
+        I[I_DECAY_RING] > (1 << 30) || I[I_SAMPLES] > ((int64_t)1 << 31) || I[I_SHADOW_SAMPLES] > ((int64_t)1 << 31)) {
         PyErr_SetString(PyExc_ValueError, "run: registers out of range");
         return -1;
     }
@@ -105,10 +108,12 @@ static int check_sizes(const Py_buffer *b, const int64_t *I) {
 
 /* The age bucket of block ``b``'s table row, as ReuseModel.age_buckets computes it. */
 static inline int64_t age_index(const State *s, const int64_t *I, double inv_g, int64_t clock, int64_t b) {
-    int64_t age = (int64_t)((double)(clock - s->last[b]) * inv_g);
-    if (age > I[I_N_AGES] - 1)
-        age = I[I_N_AGES] - 1;
-    return age * I[I_N_CELLS] + s->cell[b];
+    double a = (double)(clock - s->last[b]) * inv_g;
+    if (!(a >= 0.0)) /* (a negative or NaN granularity: the first bucket, never before the table) */
+        a = 0.0;
+    if (a > (double)(I[I_N_AGES] - 1))
+        a = (double)(I[I_N_AGES] - 1);
+    return (int64_t)a * I[I_N_CELLS] + s->cell[b];
 }
 
 /* ReuseModel.access, without the refresh (the caller stops before that access). */

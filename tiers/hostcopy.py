@@ -137,6 +137,9 @@ class HostCopier:
         parts = chunks(pairs)
         if not parts:
             return
+        for d, s in pairs:  # every pair before any byte moves (the kernel compares bytes only)
+            if d.shape != s.shape:
+                raise ValueError(f"copy: a pair of shapes {d.shape} and {s.shape}")
         compiled = self.compiled and all(d.flags.c_contiguous and s.flags.c_contiguous and d.dtype == s.dtype
                                          for d, s in pairs)  # else numpy: strides, casts
         # strided pairs (a layer's columns of each slot): numpy's copies

@@ -1,0 +1,131 @@
+"""The compiled kernels refuse or contain inputs a direct call can pass: no read or write
+outside a buffer, no silent wrong copy. Each case runs in a child process, so an
+interpreter crash fails its own test and nothing else."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+_CAPTURE = textwrap.dedent('''
+    import numpy as np
+    from kvtier.kernels._replay import run as real_run
+    from kvtier.policy import make_policy, value_compiled
+    from kvtier.replay.sim import simulate
+    from kvtier.replay.synthetic import synthetic_trace
+
+    def captured():
+        """The arrays and registers value_compiled packs for a warm zipf replay."""
+        tr = synthetic_trace("zipf", requests=400)
+        p = make_policy("kvtier", max(2, int(0.05 * tr.n_unique)), tr.n_unique, refresh_every=100)
+        simulate(p, tr)
+        got = {}
+
+        def grab(arrays, ints, floats, start, stop):
+            got.update(arrays=list(arrays), ints=ints.copy(), floats=floats.copy(), start=start, stop=stop)
+            raise KeyboardInterrupt
+
+        value_compiled._run = grab
+        try:
+            p.compiled_replay(tr.block, tr.cls, np.isin(np.arange(tr.n_unique), p.residents()))(0, len(tr.block))
+        except KeyboardInterrupt:
+            pass
+        value_compiled._run = real_run
+        return got
+
+    def call(g):
+        return real_run(tuple(g["arrays"]), g["ints"], g["floats"], g["start"], g["stop"])
+''')
+
+
+def _child(body: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _CAPTURE + textwrap.dedent(body)], capture_output=True,
+                          text=True, timeout=240)
+
+
+def _register(name: str) -> int:
+    """A register's index, from the kernel's own header (the enum's order)."""
+    import pathlib
+    import re
+
+    import kvtier.kernels as k
+
+    text = (pathlib.Path(k.__file__).parent / "replay_state.h").read_text()
+    enum = re.search(r"enum\s*\{([^}]*\b" + name + r"\b[^}]*)\}", text)
+    assert enum is not None, name
+    names = [n.strip().split("=")[0].strip() for n in enum.group(1).split(",") if n.strip()]
+    return names.index(name)
+
+
+def test_copy_pairs_with_a_negative_counter_copies_nothing():
+    r = _child('''
+        from kvtier.kernels._copy import copy_pairs
+        for start in (-2, -1_000_000):
+            d, s = [np.zeros(16, np.uint8)], [np.ones(16, np.uint8)]
+            assert copy_pairs(d, s, np.array([start], np.int64)) == 0 and not d[0].any()
+        print("ok")
+    ''')
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-800:]
+
+
+@pytest.mark.parametrize("gap", [4096, -4096])
+def test_overlapping_views_of_one_array_are_copied_as_memmove_would(gap):
+    """1 MiB pairs take the streaming loop, which copies forwards: a destination
+    overlapping the source from above would read bytes it had already overwritten."""
+    r = _child(f'''
+        from kvtier.tiers.hostcopy import HostCopier
+        n, gap = 1 << 20, {gap}
+        buf = np.random.default_rng(0).integers(0, 255, n + 8192, dtype=np.uint8)
+        want = buf.copy()
+        lo = 4096
+        np.copyto(want[lo + gap: lo + gap + n], want[lo: lo + n])  # numpy handles the overlap
+        HostCopier(1).copy([(buf[lo + gap: lo + gap + n], buf[lo: lo + n])])
+        assert np.array_equal(buf, want)
+        print("ok")
+    ''')
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-800:]
+
+
+def test_pairs_of_other_shapes_are_refused_before_any_byte_moves():
+    import numpy as np
+
+    from kvtier.tiers.hostcopy import HostCopier
+
+    good_dst, good_src = np.zeros(1 << 20, np.uint8), np.ones(1 << 20, np.uint8)
+    dst, src = np.zeros((2, 8), np.uint8), np.ones((4, 4), np.uint8)  # the same bytes, other shapes
+    for compiled in (True, False):
+        with pytest.raises(ValueError, match="shapes"):
+            HostCopier(1, compiled=compiled).copy([(good_dst, good_src), (dst, src)])
+        assert not dst.any() and not good_dst.any()
+
+
+@pytest.mark.parametrize("name, value, emptied", [("I_N_BUCKETS", 2 ** 62, ("A_REUSES",)),
+                                                  ("I_N_AGES", 2 ** 61, ("A_TABLES", "A_PROB"))])
+def test_replay_registers_whose_products_would_wrap_are_refused(name, value, emptied):
+    """A product of registers that wraps to 0 matches an empty array, so the size check
+    passed and the loop indexed past it: such registers are refused first."""
+    empty = "; ".join(f'g["arrays"][{_register(a)}] = g["arrays"][{_register(a)}][:0]' for a in emptied)
+    r = _child(f'''
+        g = captured()
+        assert call({{**g, "ints": g["ints"].copy()}})  # the capture itself runs
+        g["ints"][{_register(name)}] = {value}
+        {empty}
+        try:
+            call(g)
+        except ValueError as e:
+            print("refused", e)
+    ''')
+    assert r.returncode == 0 and "refused run: registers out of range" in r.stdout, (r.stdout[-400:], r.stderr[-800:])
+
+
+@pytest.mark.parametrize("inv_g", ["-1e15", "float('nan')"])
+def test_a_negative_or_nan_granularity_reads_the_first_age_bucket(inv_g):
+    r = _child(f'''
+        g = captured()
+        g["floats"][{_register("F_INV_G")}] = {inv_g}
+        print("ran", call(g))
+    ''')
+    assert r.returncode == 0 and "ran" in r.stdout, r.stderr[-800:]
