@@ -73,22 +73,49 @@ def test_a_failed_chunk_raises_on_the_caller(compiled):
         c.close()
 
 
+def _stream_kinds() -> list[str]:
+    """Every streaming loop this CPU runs (``none``: memmove only)."""
+    if hostcopy._c_copy_pairs is None:
+        return []
+    from kvtier.kernels import _copy
+    best = _copy.streaming()
+    return ["none", "avx2", "avx512"][: ["none", "avx2", "avx512"].index(best) + 1]
+
+
 @pytest.mark.skipif(hostcopy._c_copy_pairs is None, reason="the compiled copy (kernels/_copy.c) was not built")
+@pytest.mark.parametrize("kind", _stream_kinds())
 @pytest.mark.parametrize("threads", [1, 2])
-def test_compiled_streaming_copy_is_exact_at_any_alignment(threads):
-    """Pairs past the streaming threshold (512 KiB), at destination offsets that are
-    not cache-line aligned and lengths that are not a multiple of the store width:
-    every byte lands, and nothing beside the destination range is written."""
+def test_compiled_streaming_copy_is_exact_at_any_alignment(threads, kind):
+    """Pairs past the streaming threshold (64 KiB), at destination offsets that are
+    not cache-line or page aligned and lengths that are not a multiple of the store
+    width or of the loop's four-page span: every byte lands, and nothing beside the
+    destination range is written, with each loop the CPU runs."""
+    from kvtier.kernels import _copy
     src = pattern(5, 3 << 20)
     c = HostCopier(threads)
+    before = _copy.use_streaming(kind)
     try:
-        for off, n in [(0, 1 << 20), (3, (1 << 20) + 77), (61, 600_001), (64, 2 << 20)]:
-            dst = np.zeros((3 << 20) + 256, dtype=np.uint8)
+        for off, n in [(0, 1 << 20), (3, (1 << 20) + 77), (61, 600_001), (64, 2 << 20), (4095, 64 << 10),
+                       (4096, (16 << 10) * 5 - 1), (1, (16 << 10) + 4095), (2048, (2 << 20) + 16385)]:
+            dst = np.zeros((3 << 20) + 8192, dtype=np.uint8)
             c.copy([(dst[off: off + n], src[7: 7 + n])])
-            assert np.array_equal(dst[off: off + n], src[7: 7 + n])
-            assert not dst[:off].any() and not dst[off + n:].any()
+            assert np.array_equal(dst[off: off + n], src[7: 7 + n]), (off, n)
+            assert not dst[:off].any() and not dst[off + n:].any(), (off, n)
     finally:
+        _copy.use_streaming(before)
         c.close()
+
+
+@pytest.mark.skipif(hostcopy._c_copy_pairs is None, reason="the compiled copy (kernels/_copy.c) was not built")
+def test_streaming_refuses_a_loop_the_cpu_lacks():
+    from kvtier.kernels import _copy
+    kinds = _stream_kinds()
+    with pytest.raises(ValueError):
+        _copy.use_streaming("sse9")
+    if kinds[-1] != "avx512":
+        with pytest.raises(ValueError, match="not a loop this CPU runs"):
+            _copy.use_streaming("avx512")
+    assert _copy.streaming() == kinds[-1]
 
 
 @pytest.mark.parametrize("compiled", COMPILED)
