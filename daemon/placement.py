@@ -103,8 +103,7 @@ class Placement:
             self.tracked[tier, new] = True
         elif kind == "removed":
             gone = blocks[self.tracked[tier, blocks]]
-            for b in gone.tolist():
-                pol.remove(b)
+            pol.remove_many(gone)
             self.tracked[tier, gone] = False
 
     def _on_failed_move(self, blocks: np.ndarray, tier: int) -> None:

@@ -1,12 +1,13 @@
 /* Host-memory block copies for CPU pools (tiers/hostcopy.py), without the GIL.
  *
- * copy_pairs(dsts, srcs, counter) copies pairs pulled one at a time from a shared
- * counter (an int64 in a writable buffer), so the caller and any helper threads
- * calling it with the same lists split the work dynamically. The GIL is released
- * for the whole pull loop: Python-level chunk hand-offs had made each helper wait
- * for the interpreter between chunks whenever another thread was planning a move.
+ * copy_runs (runs of bytes between two buffers, cut into pieces) and copy_pairs
+ * (a list of (dst, src) buffers) hand their pieces to the calling thread and to
+ * helper threads that never take the GIL (copy_pool.h), which pull them one at a
+ * time from a shared counter, so the split follows whichever core is free. The
+ * GIL is released for the whole copy: Python-level hand-offs had made each helper
+ * wait for the interpreter whenever another thread was planning a move.
  *
- * Pairs of 64 KiB or more (a scattered block is one pair) are copied with
+ * Pieces of 64 KiB or more (a scattered block is one piece) are copied with
  * non-temporal (streaming) stores: a block written to
  * another tier is not read back soon, and streaming skips the read-for-ownership
  * of every destination line. Measured on a 2-core AMD EPYC host for 256 MiB:
@@ -17,110 +18,42 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define KV_HAVE_STREAM 1
-#endif
 
-#define STREAM_MIN_BYTES (64 * 1024) /* smaller copies stay cached: an engine may read them next */
+#include "copy_pool.h"
+#include "stream_copy.h"
 
-#ifdef KV_HAVE_STREAM
-/* Streaming copy, four pages at a time: each pass takes the same 256 B of four
- * consecutive pages, prefetching ahead in each (glibc's large-copy loop does the
- * same). Measured on a 2-core Xeon host for 256 MiB over 2 threads: the plain
- * AVX2 streaming loop 18.8 ms, this loop with AVX2 15.3 ms, with AVX-512 13.9 ms,
- * numpy's copies (glibc memcpy) of each thread's half 15.6-17.9 ms. */
-#define PAGE 4096
-#define SPAN (4 * PAGE)
-#define PASS 256
-
-#define KV_COPY_4X(NAME, TARGET, VEC, LOAD, STORE)                                           \
-    __attribute__((target(TARGET))) static void NAME(char *d, const char *s, size_t n) {     \
-        size_t head = (PAGE - ((uintptr_t)d & (PAGE - 1))) & (PAGE - 1), i = 0;              \
-        if (head > n)                                                                        \
-            head = n;                                                                        \
-        memcpy(d, s, head); /* page-aligned stores from here */                             \
-        d += head;                                                                           \
-        s += head;                                                                           \
-        n -= head;                                                                           \
-        for (; i + SPAN <= n; i += SPAN) {                                                   \
-            for (size_t off = 0; off < PAGE; off += PASS) {                                  \
-                for (size_t p = 0; p < 4; p++) {                                             \
-                    const char *ss = s + i + p * PAGE + off;                                 \
-                    char *dd = d + i + p * PAGE + off;                                       \
-                    _mm_prefetch(ss + 2 * PASS, _MM_HINT_T0); /* never faults, even past s */ \
-                    _mm_prefetch(ss + 2 * PASS + 64, _MM_HINT_T0);                           \
-                    for (size_t v = 0; v < PASS; v += 4 * sizeof(VEC)) {                     \
-                        VEC a = LOAD((const void *)(ss + v));                                \
-                        VEC b = LOAD((const void *)(ss + v + sizeof(VEC)));                  \
-                        VEC c = LOAD((const void *)(ss + v + 2 * sizeof(VEC)));              \
-                        VEC e = LOAD((const void *)(ss + v + 3 * sizeof(VEC)));              \
-                        STORE((void *)(dd + v), a);                                          \
-                        STORE((void *)(dd + v + sizeof(VEC)), b);                            \
-                        STORE((void *)(dd + v + 2 * sizeof(VEC)), c);                        \
-                        STORE((void *)(dd + v + 3 * sizeof(VEC)), e);                        \
-                    }                                                                        \
-                }                                                                            \
-            }                                                                                \
-        }                                                                                    \
-        _mm_sfence(); /* streaming stores are weakly ordered: visible before the completion */ \
-        memcpy(d + i, s + i, n - i);                                                         \
-    }
-
-#define LOAD256(p) _mm256_loadu_si256((const __m256i *)(p))
-#define STORE256(p, v) _mm256_stream_si256((__m256i *)(p), v)
-KV_COPY_4X(copy_stream_avx2, "avx2", __m256i, LOAD256, STORE256)
-KV_COPY_4X(copy_stream_avx512, "avx512f", __m512i, _mm512_loadu_si512, _mm512_stream_si512)
-#endif
-
-/* 0: memmove only; 1: AVX2 streaming; 2: AVX-512 streaming (chosen once, at import) */
-static int stream_kind;
-static const char *const stream_names[] = {"none", "avx2", "avx512"};
-
-static void copy_one(char *d, const char *s, size_t n) {
-#ifdef KV_HAVE_STREAM
-    /* overlapping views of one array take memmove's path: the streaming loop copies forwards */
-    if (stream_kind && n >= STREAM_MIN_BYTES && (d + n <= s || s + n <= d)) {
-        if (stream_kind == 2)
-            copy_stream_avx512(d, s, n);
-        else
-            copy_stream_avx2(d, s, n);
-        return;
-    }
-#endif
-    memmove(d, s, n);
+/* Helpers for a copy of ``threads`` threads in all, ``joining`` of them the caller's. */
+static int helpers_for(Py_ssize_t threads, int joining) {
+    if (threads - joining < 1)
+        return 0;
+    return threads - joining > POOL_MAX_HELPERS ? POOL_MAX_HELPERS : (int)(threads - joining);
 }
 
-static int best_stream(void) {
-#ifdef KV_HAVE_STREAM
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f"))
-        return 2;
-    return __builtin_cpu_supports("avx2") ? 1 : 0;
-#else
-    return 0;
-#endif
+static void pair_piece(pool_job *job, int64_t i) {
+    Py_buffer *v = (Py_buffer *)job->ctx;
+    copy_one(v[2 * i].buf, v[2 * i + 1].buf, (size_t)v[2 * i].len);
+    __atomic_fetch_add(&job->bytes, (int64_t)v[2 * i].len, __ATOMIC_RELAXED);
 }
 
+/* copy_pairs(dsts, srcs, threads=1): every (dst, src) pair, over the calling thread and
+ * threads - 1 pool helpers; returns the pairs copied. */
 static PyObject *py_copy_pairs(PyObject *self, PyObject *args) {
     PyObject *dsts, *srcs;
-    Py_buffer counter;
     Py_buffer *views = NULL;
-    Py_ssize_t n, got = 0, i, done = 0;
+    Py_ssize_t n, got = 0, i, threads = 1;
     PyObject *result = NULL;
+    pool_job job = {0};
     (void)self;
-    if (!PyArg_ParseTuple(args, "O!O!w*", &PyList_Type, &dsts, &PyList_Type, &srcs, &counter))
+    if (!PyArg_ParseTuple(args, "O!O!|n", &PyList_Type, &dsts, &PyList_Type, &srcs, &threads))
         return NULL;
     n = PyList_GET_SIZE(dsts);
-    if (PyList_GET_SIZE(srcs) != n || counter.len < 8 || ((uintptr_t)counter.buf & 7)) {
-        PyErr_SetString(PyExc_ValueError, "copy_pairs: lists of one length and an aligned int64 counter");
-        goto out;
+    if (PyList_GET_SIZE(srcs) != n) {
+        PyErr_SetString(PyExc_ValueError, "copy_pairs: lists of one length");
+        return NULL;
     }
     views = PyMem_Calloc((size_t)(2 * n + 1), sizeof(Py_buffer));
-    if (views == NULL) {
-        PyErr_NoMemory();
-        goto out;
-    }
+    if (views == NULL)
+        return PyErr_NoMemory();
     for (got = 0; got < n; got++) { /* every buffer checked before a byte moves */
         Py_buffer *d = &views[2 * got], *s = &views[2 * got + 1];
         if (PyObject_GetBuffer(PyList_GET_ITEM(dsts, got), d, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
@@ -137,25 +70,213 @@ static PyObject *py_copy_pairs(PyObject *self, PyObject *args) {
             goto release;
         }
     }
+    job.piece = pair_piece;
+    job.total = n;
+    job.ctx = views;
     Py_BEGIN_ALLOW_THREADS
-    for (;;) {
-        i = (Py_ssize_t)__atomic_fetch_add((int64_t *)counter.buf, 1, __ATOMIC_RELAXED);
-        if (i < 0 || i >= n) /* (a counter that starts negative, or wrapped, takes nothing) */
-            break;
-        copy_one(views[2 * i].buf, views[2 * i + 1].buf, (size_t)views[2 * i].len);
-        done++;
-    }
+    pool_start(&job, helpers_for(threads, 1));
+    pool_join(&job, 1); /* (a child forked meanwhile lacks this thread: nothing there joins it) */
     Py_END_ALLOW_THREADS
-    result = PyLong_FromSsize_t(done);
+    result = PyLong_FromSsize_t(n);
 release:
     for (i = 0; i < got; i++) {
         PyBuffer_Release(&views[2 * i]);
         PyBuffer_Release(&views[2 * i + 1]);
     }
     PyMem_Free(views);
-out:
-    PyBuffer_Release(&counter);
     return result;
+}
+
+/* A copy of runs: the job, what its pieces read, and the buffers it holds until joined. */
+typedef struct {
+    pool_job job;
+    char *dst;
+    const char *src;
+    const int64_t *dof, *sof, *len;
+    int64_t *starts; /* starts[r]: run r's first piece */
+    int64_t runs, piece;
+    Py_buffer bufs[5]; /* dst, src, dst_offs, src_offs, lens */
+    int held;          /* buffers acquired */
+} runs_job;
+
+static void run_piece(pool_job *job, int64_t i) {
+    runs_job *c = (runs_job *)job; /* job is the first member */
+    int64_t lo = 0, hi = c->runs, off, n;
+    while (hi - lo > 1) { /* the run holding piece i: the last with starts <= i (never an empty one) */
+        int64_t mid = (lo + hi) / 2;
+        if (c->starts[mid] <= i)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    off = (i - c->starts[lo]) * c->piece;
+    n = c->len[lo] - off < c->piece ? c->len[lo] - off : c->piece;
+    copy_one(c->dst + c->dof[lo] + off, c->src + c->sof[lo] + off, (size_t)n);
+    __atomic_fetch_add(&job->bytes, n, __ATOMIC_RELAXED);
+}
+
+static void runs_release(runs_job *rj) {
+    for (int k = 0; k < rj->held; k++)
+        PyBuffer_Release(&rj->bufs[k]);
+    rj->held = 0;
+    PyMem_Free(rj->starts);
+    rj->starts = NULL;
+}
+
+/* The int64 view of a buffer of n entries, or NULL with an error set. */
+static const int64_t *int64s(Py_buffer *b, Py_ssize_t n, const char *what) {
+    if (b->len != n * 8 || ((uintptr_t)b->buf & 7)) {
+        PyErr_Format(PyExc_ValueError, "copy_runs: %s must be %zd aligned int64s", what, n);
+        return NULL;
+    }
+    return (const int64_t *)b->buf;
+}
+
+/* Parse (dst, src, dst_offs, src_offs, lens, piece, threads=1) into ``rj`` (zeroed), every run
+ * checked against the buffers; -1 with an error set (and nothing held) if one is outside. */
+static int runs_prepare(runs_job *rj, PyObject *args, Py_ssize_t *threads) {
+    Py_buffer *b = rj->bufs;
+    Py_ssize_t piece, r, runs;
+    int64_t total = 0;
+    if (!PyArg_ParseTuple(args, "w*y*y*y*y*n|n", &b[0], &b[1], &b[2], &b[3], &b[4], &piece, threads))
+        return -1;
+    rj->held = 5;
+    runs = b[4].len / 8;
+    if (piece <= 0) {
+        PyErr_SetString(PyExc_ValueError, "copy_runs: a positive piece size");
+        goto fail;
+    }
+    if (!(rj->dof = int64s(&b[2], runs, "dst_offs")) || !(rj->sof = int64s(&b[3], runs, "src_offs")) ||
+        !(rj->len = int64s(&b[4], runs, "lens")))
+        goto fail;
+    rj->starts = PyMem_Malloc((size_t)(runs + 1) * sizeof(int64_t));
+    if (rj->starts == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (r = 0; r < runs; r++) { /* every run checked before a byte moves */
+        const int64_t n = rj->len[r], d = rj->dof[r], s = rj->sof[r];
+        if (n < 0 || d < 0 || s < 0 || d > b[0].len - n || s > b[1].len - n) {
+            PyErr_Format(PyExc_ValueError, "copy_runs: run %zd (%lld bytes from %lld to %lld) is outside the buffers",
+                         r, (long long)n, (long long)s, (long long)d);
+            goto fail;
+        }
+        rj->starts[r] = total;
+        total += (n + piece - 1) / piece;
+    }
+    rj->starts[runs] = total;
+    rj->dst = b[0].buf;
+    rj->src = b[1].buf;
+    rj->runs = runs;
+    rj->piece = piece;
+    rj->job.piece = run_piece;
+    rj->job.total = total;
+    return 0;
+fail:
+    runs_release(rj);
+    return -1;
+}
+
+/* copy_runs(dst, src, dst_offs, src_offs, lens, piece, threads=1): runs of bytes between two
+ * buffers, cut into pieces of at most ``piece`` bytes that the calling thread and threads - 1
+ * pool helpers pull one at a time; returns the bytes copied. No Python object a run: a
+ * scattered move of a thousand blocks costs an int64 array each way, where views had cost a
+ * microsecond or more each. A piece is the unit of balance: the last one taken is all a copy
+ * waits for after every other thread is done. */
+static PyObject *py_copy_runs(PyObject *self, PyObject *args) {
+    runs_job rj = {0};
+    Py_ssize_t threads = 1;
+    (void)self;
+    if (runs_prepare(&rj, args, &threads) < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    pool_start(&rj.job, helpers_for(threads, 1));
+    pool_join(&rj.job, 1); /* (a child forked meanwhile lacks this thread: nothing there joins it) */
+    Py_END_ALLOW_THREADS
+    runs_release(&rj);
+    return PyLong_FromLongLong(rj.job.bytes);
+}
+
+/* A copy started by one thread and joined by another (``start_runs``). */
+typedef struct {
+    PyObject_HEAD
+    runs_job rj;
+    int joined;
+} CopyJob;
+
+static int copyjob_finish(CopyJob *self) { /* with the GIL; 0, or -1 if a fork orphaned it */
+    int rc = 0;
+    if (!self->joined) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = pool_join(&self->rj.job, 0); /* its helpers copy it: a joiner pulling too oversubscribed */
+        Py_END_ALLOW_THREADS
+        self->joined = 1;
+        runs_release(&self->rj);
+    }
+    return rc;
+}
+
+static PyObject *copyjob_join(CopyJob *self, PyObject *unused) {
+    (void)unused;
+    if (self->joined) {
+        PyErr_SetString(PyExc_RuntimeError, "CopyJob.join: joined already");
+        return NULL;
+    }
+    if (copyjob_finish(self) < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "CopyJob.join: the copy was in flight across a fork; its bytes "
+                                            "are not all copied in this process");
+        return NULL;
+    }
+    return PyLong_FromLongLong(self->rj.job.bytes);
+}
+
+static PyObject *copyjob_done(CopyJob *self, PyObject *unused) {
+    (void)unused;
+    return PyBool_FromLong(self->joined ||
+                           __atomic_load_n(&self->rj.job.done, __ATOMIC_ACQUIRE) >= self->rj.job.total);
+}
+
+static void copyjob_dealloc(CopyJob *self) {
+    copyjob_finish(self); /* its buffers and pieces outlive no helper */
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef copyjob_methods[] = {
+    {"join", (PyCFunction)copyjob_join, METH_NOARGS,
+     "join() -> bytes copied: pull the pieces left, wait for the rest, release the buffers"},
+    {"done", (PyCFunction)copyjob_done, METH_NOARGS, "done() -> whether every piece is copied"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject CopyJobType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvtier.kernels._copy.CopyJob",
+    .tp_basicsize = sizeof(CopyJob),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A host copy in progress on the pool's helper threads (start_runs).",
+    .tp_dealloc = (destructor)copyjob_dealloc,
+    .tp_methods = copyjob_methods,
+};
+
+/* start_runs(dst, src, dst_offs, src_offs, lens, piece, threads=1) -> CopyJob: copy_runs on
+ * ``threads`` helper threads, begun before this returns; join() finishes it (on any thread). */
+static PyObject *py_start_runs(PyObject *self, PyObject *args) {
+    Py_ssize_t threads = 1;
+    CopyJob *job;
+    (void)self;
+    job = PyObject_New(CopyJob, &CopyJobType);
+    if (job == NULL)
+        return NULL;
+    memset(&job->rj, 0, sizeof(job->rj));
+    job->joined = 1; /* nothing to wait for until it is started */
+    if (runs_prepare(&job->rj, args, &threads) < 0) {
+        Py_DECREF(job);
+        return NULL;
+    }
+    job->joined = 0;
+    /* with the GIL held: the pool's lock is held for microseconds, and no helper takes the GIL;
+     * letting the GIL go here handed it to a thread that kept it for milliseconds */
+    pool_start(&job->rj.job, helpers_for(threads, 0));
+    return (PyObject *)job;
 }
 
 static PyObject *py_streaming(PyObject *self, PyObject *args) {
@@ -185,8 +306,14 @@ static PyObject *py_use_streaming(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"copy_pairs", py_copy_pairs, METH_VARARGS,
-     "copy_pairs(dsts, srcs, counter) -> pairs this call copied; pairs are taken by an atomic "
-     "fetch-add on the int64 at counter[0], so threads sharing it split the work"},
+     "copy_pairs(dsts, srcs, threads=1) -> pairs copied: each (dst, src) pair, over the calling "
+     "thread and threads - 1 helper threads, the GIL released"},
+    {"copy_runs", py_copy_runs, METH_VARARGS,
+     "copy_runs(dst, src, dst_offs, src_offs, lens, piece, threads=1) -> bytes copied; runs cut into "
+     "pieces of at most piece bytes, pulled by the calling thread and threads - 1 helper threads"},
+    {"start_runs", py_start_runs, METH_VARARGS,
+     "start_runs(dst, src, dst_offs, src_offs, lens, piece, threads=1) -> CopyJob: copy_runs begun on "
+     "threads helper threads before this returns; its join() finishes it"},
     {"streaming", py_streaming, METH_NOARGS, "streaming() -> the non-temporal store loop large copies take: 'avx512', 'avx2' or 'none'"},
     {"use_streaming", py_use_streaming, METH_VARARGS,
      "use_streaming(kind) -> the previous kind; for tests of each loop the CPU runs ('none' always runs)"},
@@ -197,5 +324,18 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_copy", NULL, -1, me
 
 PyMODINIT_FUNC PyInit__copy(void) {
     stream_kind = best_stream();
-    return PyModule_Create(&module);
+    PyObject *m;
+    if (pool_atfork() != 0) {
+        PyErr_SetString(PyExc_OSError, "_copy: pthread_atfork failed");
+        return NULL;
+    }
+    if (PyType_Ready(&CopyJobType) < 0 || (m = PyModule_Create(&module)) == NULL)
+        return NULL;
+    Py_INCREF(&CopyJobType);
+    if (PyModule_AddObject(m, "CopyJob", (PyObject *)&CopyJobType) < 0) {
+        Py_DECREF(&CopyJobType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

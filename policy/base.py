@@ -59,6 +59,28 @@ def swap_remove(slots: np.ndarray, where: np.ndarray, size: int, b: int) -> int:
     return size - 1
 
 
+def swap_remove_many(slots: np.ndarray, where: np.ndarray, size: int, blocks: np.ndarray) -> int:
+    """``swap_remove`` of distinct residents ``blocks`` at once, in O(k log k) for k
+    blocks: the residents left past the new end fill the holes the removed leave
+    before it (lowest hole first). Which resident sits where may differ from one-by-one
+    removal, which a sampling policy does not depend on: ``slots[:size]`` holds the same set."""
+    k = int(blocks.size)
+    if k == 0:
+        return size
+    pos = where[blocks]
+    if (pos < 0).any():
+        raise ValueError(f"block {int(blocks[np.argmax(pos < 0)])} is not a resident")
+    end = size - k
+    holes = np.sort(pos[pos < end])
+    leaving = np.zeros(k, dtype=bool)  # the tail's positions whose block is removed too
+    leaving[pos[pos >= end] - end] = True
+    movers = slots[end:size][~leaving]
+    slots[holes] = movers
+    where[movers] = holes
+    where[blocks] = -1
+    return end
+
+
 class Policy:
     """Hooks called by the cache mechanism for every access.
 
@@ -129,6 +151,12 @@ class Policy:
     def remove(self, b: int) -> None:
         """Forget a resident block dropped by the mechanism (not a victim)."""
         raise NotImplementedError
+
+    def remove_many(self, blocks: "np.ndarray") -> None:
+        """``remove`` of each block (a move's blocks leaving at once); policies whose
+        residents are a dense array do it in one step."""
+        for b in blocks.tolist():
+            self.remove(b)
 
     def insert_many(self, blocks: "np.ndarray", now: float, classes: "np.ndarray") -> None:
         """``insert`` of each block in order (a move's blocks landing at once); policies whose

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvtier.policy import register_policy
-from kvtier.policy.base import Policy, swap_remove
+from kvtier.policy.base import Policy, swap_remove, swap_remove_many
 
 HIT_AGE_CLASSES = 16
 MAX_AGE = 20000
@@ -115,6 +115,9 @@ class LHDPolicy(Policy):
 
     def remove(self, b: int) -> None:
         self._unlink(b)
+
+    def remove_many(self, blocks: np.ndarray) -> None:
+        self.size = swap_remove_many(self.slots, self.where, self.size, blocks)
 
     def _reconfigure(self) -> None:
         self.hits *= EWMA_DECAY

@@ -42,7 +42,7 @@ from typing import Optional
 import numpy as np
 
 from kvtier.policy import register_policy
-from kvtier.policy.base import Eligible, Policy, budget, swap_remove
+from kvtier.policy.base import Eligible, Policy, budget, swap_remove, swap_remove_many
 from kvtier.policy.shadow import ShadowCaches
 from kvtier.policy.value_compiled import Runner, replay_runner
 from kvtier.predictor.calibration import CalibrationTracker
@@ -203,6 +203,12 @@ class ValuePolicy(Policy):
 
     def remove(self, b: int) -> None:
         self._unlink(b)
+
+    def remove_many(self, blocks: np.ndarray) -> None:
+        if type(self)._unlink is not ValuePolicy._unlink or "_unlink" in vars(self):  # an override sees each
+            super().remove_many(blocks)
+        else:
+            self.size = swap_remove_many(self.slots, self.where, self.size, blocks)
 
     # -- queries for the daemon ---------------------------------------------
     def victims(self, n: int, eligible: Optional[Eligible] = None) -> np.ndarray:

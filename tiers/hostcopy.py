@@ -1,20 +1,21 @@
-"""Host-memory copies for CPU pools: chunks pulled by whichever thread is free.
+"""Host-memory copies for CPU pools: pieces pulled by whichever thread is free.
 
 torch's ``copy_`` splits a large copy statically over its OpenMP threads, whose
 workers then spin-wait after it: measured here, ~1 ms of a core per call, and
 ~20% more CPU than one ``memcpy`` for a 256 MiB copy on a host whose memory
 bandwidth one core already fills. On a busy host a static split also ends
-when its slowest share does. Here the calling thread copies chunk after chunk
-itself, and up to ``threads - 1`` helpers, blocked on a queue (not spinning),
-pull chunks too while any are left: a helper that gets no core in time finds
-nothing to do, so the copy is never much slower than one thread's, and it
-spreads over idle cores where there are some.
+when its slowest share does. Here the calling thread copies piece after piece
+itself, and up to ``threads - 1`` helpers, blocked (not spinning), pull pieces
+too while any are left: a helper that gets no core in time finds nothing to do,
+so the copy is never much slower than one thread's, and it spreads over idle
+cores where there are some.
 
-Where the compiled kernel was built (``kernels/_copy.c``), every thread pulls
-pairs in C with the GIL released for the whole job: no thread waits for the
-interpreter between chunks while the owner plans the next move, and large
-pairs use streaming stores (1.5x glibc's memcpy on the host measured). Without
-it, each chunk is an ``np.copyto`` (which releases the GIL for the copy only).
+Where the compiled kernel was built (``kernels/_copy.c``), the pieces are pulled
+in C with the GIL released for the whole copy, by helper threads that never take
+it (a Python helper could not start while the daemon's owner thread ran Python),
+and large pieces use streaming stores. Rows go as byte offsets into the two
+arrays, so a scattered move costs no Python object per block. Without the kernel,
+each chunk is an ``np.copyto`` (which releases the GIL for the copy only).
 """
 
 from __future__ import annotations
@@ -27,11 +28,17 @@ from typing import Optional, Sequence
 import numpy as np
 
 try:
+    from kvtier.kernels._copy import CopyJob
     from kvtier.kernels._copy import copy_pairs as _c_copy_pairs
+    from kvtier.kernels._copy import copy_runs as _c_copy_runs
+    from kvtier.kernels._copy import start_runs as _c_start_runs
 except ImportError:  # pragma: no cover - exercised where the extension was not built
-    _c_copy_pairs = None
+    _c_copy_pairs = _c_copy_runs = _c_start_runs = CopyJob = None
 
 CHUNK_BYTES = 4 << 20  # a chunk's copy (~0.5 ms) dwarfs the ~3 µs of Python that hands it out
+# rows' runs are pulled in pieces of at most this many bytes (in C, no Python per piece): a
+# pass ends when its last piece does, so a smaller piece leaves less of one core idle at the end
+PIECE_BYTES = 1 << 20
 
 Pair = tuple[np.ndarray, np.ndarray]  # (dst, src), same shape
 
@@ -59,38 +66,18 @@ def chunks(pairs: Sequence[Pair], chunk_bytes: Optional[int] = None) -> list[lis
     return out
 
 
-class _Job:
-    """One copy's parts, shared by the caller and its helpers: ``work`` copies until
-    none is left, ``wait`` returns once every part is copied (or raises its error)."""
+class _NumpyJob:
+    """One copy's chunks, shared by the caller and its helpers: ``work`` takes chunks one at a
+    time, each pair an ``np.copyto`` (the GIL is held between copies), until none is left;
+    ``wait`` returns once every chunk is copied (or raises the error one raised)."""
 
-    def __init__(self, left: int) -> None:
-        self._left = left
+    def __init__(self, parts: list[list[Pair]]) -> None:
+        self.parts = parts
+        self._next = itertools.count()  # next() is atomic under the GIL: each chunk is taken once
+        self._left = len(parts)
         self._lock = threading.Lock()
         self._done = threading.Event()
         self.error: Optional[BaseException] = None
-
-    def work(self) -> None:
-        raise NotImplementedError
-
-    def _finished(self, n: int) -> None:
-        with self._lock:
-            self._left -= n
-            if self._left <= 0:
-                self._done.set()
-
-    def wait(self) -> None:
-        self._done.wait()
-        if self.error is not None:
-            raise self.error
-
-
-class _NumpyJob(_Job):
-    """Chunks taken one at a time, each pair an ``np.copyto`` (the GIL is held between copies)."""
-
-    def __init__(self, parts: list[list[Pair]]) -> None:
-        super().__init__(len(parts))
-        self.parts = parts
-        self._next = itertools.count()  # next() is atomic under the GIL: each chunk is taken once
 
     def work(self) -> None:
         while True:
@@ -102,24 +89,27 @@ class _NumpyJob(_Job):
                     np.copyto(dst, src)  # releases the GIL for the copy
             except BaseException as e:  # reported by wait(), on the caller's thread
                 self.error = e
-            self._finished(1)
+            with self._lock:
+                self._left -= 1
+                if self._left <= 0:
+                    self._done.set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
 
 
-class _CompiledJob(_Job):
-    """Pairs pulled in C from a shared counter, the GIL released for the whole loop."""
-
-    def __init__(self, parts: list[list[Pair]]) -> None:
-        self._dsts = [d for part in parts for d, _ in part]
-        self._srcs = [s for part in parts for _, s in part]
-        super().__init__(len(self._dsts))
-        self._counter = np.zeros(1, dtype=np.int64)
-
-    def work(self) -> None:
-        try:
-            self._finished(_c_copy_pairs(self._dsts, self._srcs, self._counter))
-        except BaseException as e:  # a bad pair fails every thread before any byte moves
-            self.error = e
-            self._done.set()
+def row_runs(dst_idx: np.ndarray, src_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dst starts, src starts, lengths) of the runs of rows consecutive on both sides."""
+    dst_idx, src_idx = np.asarray(dst_idx, dtype=np.int64), np.asarray(src_idx, dtype=np.int64)
+    if dst_idx.size == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    brk = np.flatnonzero((np.diff(dst_idx) != 1) | (np.diff(src_idx) != 1)) + 1
+    starts = np.concatenate(([0], brk))
+    ends = np.concatenate((brk, [dst_idx.size]))
+    return dst_idx[starts], src_idx[starts], ends - starts
 
 
 class HostCopier:
@@ -129,6 +119,7 @@ class HostCopier:
         self.threads = max(1, int(threads))
         # the compiled pull loop where it was built (``compiled=False``: numpy's copies)
         self.compiled = _c_copy_pairs is not None if compiled is None else compiled and _c_copy_pairs is not None
+        # Python helpers for numpy's copies only: the compiled kernel has its own, outside the interpreter
         self._pool = (ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kvtier-copy")
                       if self.threads > 1 else None)
 
@@ -140,19 +131,56 @@ class HostCopier:
         for d, s in pairs:  # every pair before any byte moves (the kernel compares bytes only)
             if d.shape != s.shape:
                 raise ValueError(f"copy: a pair of shapes {d.shape} and {s.shape}")
-        compiled = self.compiled and all(d.flags.c_contiguous and s.flags.c_contiguous and d.dtype == s.dtype
-                                         for d, s in pairs)  # else numpy: strides, casts
+        if self.compiled and all(d.flags.c_contiguous and s.flags.c_contiguous and d.dtype == s.dtype
+                                 for d, s in pairs):  # else numpy: strides, casts
+            _c_copy_pairs([d for part in parts for d, _ in part], [s for part in parts for _, s in part],
+                          self.threads)
+            return
         # strided pairs (a layer's columns of each slot): numpy's copies
-        job: _Job = _CompiledJob(parts) if compiled else _NumpyJob(parts)
+        job = _NumpyJob(parts)
         if self._pool is not None and len(parts) > 1:
             for _ in range(min(self.threads - 1, len(parts) - 1)):
                 self._pool.submit(job.work)
         job.work()
         job.wait()
 
+    def _row_offsets(self, dst: np.ndarray, dst_idx: np.ndarray, src: np.ndarray,
+                     src_idx: np.ndarray) -> "tuple[np.ndarray, np.ndarray, np.ndarray] | list[Pair]":
+        """The rows' runs as byte offsets for the compiled loop (whole rows of two C-contiguous
+        arrays), else as (dst, src) views for ``copy`` (a layer's columns of each row: strided)."""
+        if len(dst_idx) != len(src_idx):
+            raise ValueError(f"copy_rows: {len(dst_idx)} destination and {len(src_idx)} source rows")
+        d0, s0, k = row_runs(dst_idx, src_idx)
+        whole = (self.compiled and dst.ndim >= 1 and dst.shape[1:] == src.shape[1:]
+                 and dst.dtype == src.dtype and dst.flags.c_contiguous and src.flags.c_contiguous)
+        if not whole:
+            return [(dst[a: a + n], src[b: b + n]) for a, b, n in zip(d0.tolist(), s0.tolist(), k.tolist())]
+        if ((d0 < 0) | (s0 < 0) | (d0 + k > dst.shape[0]) | (s0 + k > src.shape[0])).any():
+            raise IndexError(f"copy_rows: rows outside {dst.shape[0]} destination / {src.shape[0]} source rows")
+        row = dst.itemsize * int(np.prod(dst.shape[1:], dtype=np.int64))
+        return d0 * row, s0 * row, k * row
+
+    def copy_rows(self, dst: np.ndarray, dst_idx: np.ndarray, src: np.ndarray, src_idx: np.ndarray) -> None:
+        """Copy rows ``src[src_idx]`` to ``dst[dst_idx]`` (done on return). Rows consecutive on
+        both sides go as one run; whole rows go to the compiled loop as byte offsets, one int64
+        array each way however scattered the rows."""
+        runs = self._row_offsets(dst, dst_idx, src, src_idx)
+        if isinstance(runs, list):
+            self.copy(runs)
+        else:
+            _c_copy_runs(dst, src, *runs, PIECE_BYTES, self.threads)
+
+    def start_rows(self, dst: np.ndarray, dst_idx: np.ndarray, src: np.ndarray,
+                   src_idx: np.ndarray) -> Optional["CopyJob"]:
+        """``copy_rows`` begun on the kernel's helper threads before this returns (its ``join()``
+        finishes it, on any thread), or None where the rows need numpy's copies. A copy started
+        so needs no Python thread to get going: the owner thread starts it as it plans the next."""
+        runs = self._row_offsets(dst, dst_idx, src, src_idx)
+        return None if isinstance(runs, list) else _c_start_runs(dst, src, *runs, PIECE_BYTES, self.threads)
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
 
 
-__all__ = ["CHUNK_BYTES", "HostCopier", "chunks"]
+__all__ = ["CHUNK_BYTES", "PIECE_BYTES", "HostCopier", "chunks", "row_runs"]

@@ -24,9 +24,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .hostcopy import HostCopier
+from .hostcopy import HostCopier, row_runs
 from .nvme import NvmeStore
-from .paths import PATHS
+from .paths import PATHS, ROW_POOLS, whole_rows
 from .pools import BounceBuffers, DramPool, HbmPool
 from .transfer import Completion, Transfer
 from .types import Tier
@@ -36,11 +36,11 @@ MAX_MERGED = 64  # descriptors one copy may merge: bounds how long a merged copy
 BOUNCE_BYTES = 64 << 20  # pinned host buffers for NVMe -> HBM without GPUDirect (4 to 64 slots)
 
 
-def _mergeable(t: Transfer) -> bool:
-    """Memory copies without layer-wise progress: queued ones run as one copy, so
-    a burst of descriptors costs one pass (runs of consecutive slots become one
-    large copy) instead of a start-up per descriptor."""
-    return Tier.NVME not in (t.src, t.dst) and t.progress is None
+def _mergeable(t: Transfer, started: dict) -> bool:
+    """Memory copies without layer-wise progress, not begun at submit: queued ones run
+    as one copy, so a burst of descriptors costs one pass (runs of consecutive slots
+    become one large copy) instead of a start-up per descriptor."""
+    return Tier.NVME not in (t.src, t.dst) and t.progress is None and t.tid not in started
 
 
 def _merged(batch: list[Transfer]) -> Transfer:
@@ -76,6 +76,8 @@ class Mover:
         self.bounce = (BounceBuffers(min(64, max(4, BOUNCE_BYTES // hbm.slot_stride)), hbm.slot_stride)
                        if hbm.is_cuda and nvme is not None else None)
         self.tls = threading.local()  # per worker: blocks whose NVMe read was retried in this batch
+        self._started: dict[int, object] = {}  # tid -> the host copy the owner began at submit
+        self.start_early = True  # begin host copies of whole rows at submit (``_start``)
         counts = {"copy": 1, "io": max(1, workers)}
         self._threads = [(lane, threading.Thread(target=self._run, args=(self._lanes[lane],),
                                                  name=f"kvtier-mover-{lane}-{i}", daemon=True))
@@ -96,9 +98,30 @@ class Mover:
             raise ValueError(f"no transfer path {t.src.name}->{t.dst.name}")
         with self._lock:
             self._in_flight += 1
+        if self.start_early and self.host_copier is not None and whole_rows(t):
+            self._start(t)
         lane = self.lane(t.src, t.dst)
         self._overflow[lane].append(t)
         self._flush(lane)
+
+    def _start(self, t: Transfer) -> None:
+        """Begin a host copy of whole rows now, on the copy kernel's own threads: it needs no
+        Python thread to get going, so it starts while the owner plans the next move (a lane
+        worker only takes the GIL after the owner lets go of it: ~0.5-1 ms of a 64 MiB copy).
+        The lane's worker joins it and reports it. Where it cannot start (numpy's copies,
+        rows outside a pool), the worker's path copies it as ever, and reports any error."""
+        assert self.host_copier is not None
+        dst, src = ROW_POOLS[(t.src, t.dst)](self)
+        try:
+            job = self.host_copier.start_rows(dst.numpy(), t.dst_slots, src.numpy(), t.src_slots)
+        except Exception:  # the path meets it again and fails the transfer's blocks with it
+            job = None
+        if job is not None:
+            self._started[t.tid] = job
+
+    def take_started(self, tid: int) -> Optional[object]:
+        """The copy ``submit`` began for transfer ``tid`` (a worker joins it), or None."""
+        return self._started.pop(tid, None)
 
     def _flush(self, lane: str) -> None:
         """Move parked transfers into the lane's queue while it has room (owner thread)."""
@@ -166,12 +189,12 @@ class Mover:
             if t is None:
                 return
             batch = [t]
-            while _mergeable(t) and len(batch) < MAX_MERGED:
+            while _mergeable(t, self._started) and len(batch) < MAX_MERGED:
                 try:
                     nxt = todo.get_nowait()
                 except queue.Empty:
                     break
-                if nxt is not None and _mergeable(nxt) and (nxt.src, nxt.dst) == (t.src, t.dst):
+                if nxt is not None and _mergeable(nxt, self._started) and (nxt.src, nxt.dst) == (t.src, t.dst):
                     batch.append(nxt)
                 else:
                     carried.append(nxt)
@@ -229,11 +252,10 @@ class Mover:
         go as one gather, one transfer and one scatter instead. On a GPU,
         ``sync=False`` leaves the copy queued on ``stream`` (the caller records an
         event after it); on CPU copies are always done on return."""
-        runs = _runs(dst_idx, src_idx)
         if self.host_copier is not None:
-            d, s = dst.numpy(), src.numpy()
-            self.host_copier.copy([(d[di: di + k], s[si: si + k]) for di, si, k in runs])
+            self.host_copier.copy_rows(dst.numpy(), dst_idx, src.numpy(), src_idx)
             return
+        runs = list(zip(*(a.tolist() for a in row_runs(dst_idx, src_idx))))
         with torch.cuda.stream(self.stream):
             if len(runs) <= MAX_DIRECT_RUNS:
                 for di, si, k in runs:
@@ -245,16 +267,6 @@ class Mover:
                 dst.index_copy_(0, dst_rows, rows)
         if sync:
             self.sync()
-
-
-def _runs(dst_idx: np.ndarray, src_idx: np.ndarray) -> list[tuple[int, int, int]]:
-    """(dst start, src start, length) of each run of rows consecutive on both sides."""
-    if dst_idx.size == 0:
-        return []
-    brk = np.flatnonzero((np.diff(dst_idx) != 1) | (np.diff(src_idx) != 1)) + 1
-    starts = np.concatenate(([0], brk))
-    ends = np.concatenate((brk, [dst_idx.size]))
-    return list(zip(dst_idx[starts].tolist(), src_idx[starts].tolist(), (ends - starts).tolist()))
 
 
 __all__ = ["Mover", "Transfer", "Completion", "MAX_DIRECT_RUNS"]

@@ -10,7 +10,7 @@ checksums of the bytes written. Paths see the mover only through ``CopyEngine``.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterator, Optional, Protocol, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, Union
 
 import numpy as np
 import torch
@@ -36,6 +36,8 @@ class CopyEngine(Protocol):
 
     def copy_rows(self, dst: torch.Tensor, dst_idx: np.ndarray, src: torch.Tensor, src_idx: np.ndarray,
                   sync: bool = True) -> None: ...
+
+    def take_started(self, tid: int) -> Optional[Any]: ...  # the copy the owner began at submit, if any
 
     def sync(self) -> None: ...
 
@@ -75,10 +77,32 @@ def _io_threads(m: CopyEngine) -> int:
     return int(getattr(m.nvme.backend, "threads", 8))
 
 
+# paths that copy whole rows between the two memory pools: (dst pool, src pool) of each. Where
+# the pools are host memory the owner starts such a copy as it submits it (``Mover.submit``)
+ROW_POOLS: dict[tuple[Tier, Tier], Callable[[CopyEngine], tuple[torch.Tensor, torch.Tensor]]] = {
+    (Tier.HBM, Tier.DRAM): lambda m: (m.dram.tensor, m.hbm.tensor),
+    (Tier.DRAM, Tier.HBM): lambda m: (m.hbm.tensor, m.dram.tensor),
+}
+
+
+def whole_rows(t: Transfer) -> bool:
+    """Does ``t`` copy whole rows between the memory pools (not layer by layer)?"""
+    return (t.src, t.dst) in ROW_POOLS and (t.chunks <= 1 or t.progress is None)
+
+
+def _copy_whole_rows(m: CopyEngine, t: Transfer, ok: np.ndarray) -> None:
+    started = m.take_started(t.tid)
+    if started is not None:
+        started.join()
+    else:
+        dst, src = ROW_POOLS[(t.src, t.dst)](m)
+        m.copy_rows(dst, t.dst_slots, src, t.src_slots)
+    ok[:] = True
+
+
 @path(Tier.HBM, Tier.DRAM)
 def _hbm_to_dram(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict) -> None:
-    m.copy_rows(m.dram.tensor, t.dst_slots, m.hbm.tensor, t.src_slots)
-    ok[:] = True
+    _copy_whole_rows(m, t, ok)
 
 
 @path(Tier.DRAM, Tier.HBM)
@@ -87,16 +111,16 @@ def _dram_to_hbm(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict) -> No
     and ``progress`` says how many parts are in place, so an engine can compute layer
     l while layer l+1 is still arriving. (NVMe reads are all or nothing: a block is
     only trusted once its checksum verified.)"""
-    if t.chunks <= 1 or t.progress is None:
-        m.copy_rows(m.hbm.tensor, t.dst_slots, m.dram.tensor, t.src_slots)
-        ok[:] = True
+    progress = t.progress
+    if whole_rows(t) or progress is None:
+        _copy_whole_rows(m, t, ok)
         return
     part = m.hbm.block_bytes // t.chunks
     cols = [slice(c * part, (c + 1) * part) for c in range(t.chunks)]
     if m.stream is None:  # host pool: each part is in place when its copy returns
         for c, col in enumerate(cols):
             m.copy_rows(m.hbm.tensor[:, col], t.dst_slots, m.dram.tensor[:, col], t.src_slots)
-            t.progress[0] = c + 1
+            progress[0] = c + 1
         ok[:] = True
         return
     # device pool: every part queued on the mover's stream at once, an event after each;
@@ -109,7 +133,7 @@ def _dram_to_hbm(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict) -> No
         events.append(ev)
     for c, ev in enumerate(events):
         ev.synchronize()
-        t.progress[0] = c + 1
+        progress[0] = c + 1
     ok[:] = True
 
 

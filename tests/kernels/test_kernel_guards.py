@@ -60,12 +60,106 @@ def _register(name: str) -> int:
     return names.index(name)
 
 
-def test_copy_pairs_with_a_negative_counter_copies_nothing():
+def test_copy_runs_refuses_runs_outside_its_buffers_before_a_byte_moves():
     r = _child('''
-        from kvtier.kernels._copy import copy_pairs
-        for start in (-2, -1_000_000):
-            d, s = [np.zeros(16, np.uint8)], [np.ones(16, np.uint8)]
-            assert copy_pairs(d, s, np.array([start], np.int64)) == 0 and not d[0].any()
+        from kvtier.kernels._copy import copy_runs
+        d, s = np.zeros(1 << 20, np.uint8), np.ones(1 << 20, np.uint8)
+        ok = np.array([0], np.int64), np.array([0], np.int64), np.array([4096], np.int64)
+        big = 1 << 62
+        bad_runs = [([1 << 20], [0], [1]), ([0], [(1 << 20) - 10], [11]), ([-1], [0], [8]), ([0], [-8], [8]),
+                    ([0], [0], [-1]), ([big], [0], [big]), ([0], [0], [big])]
+        for do, so, n in bad_runs:  # a good run first: it must not be copied either
+            runs = [np.array([0] + x, np.int64) for x in (do, so, n)]
+            runs[2][0] = 4096
+            try:
+                copy_runs(d, s, *runs, 1 << 20, 2)
+                raise SystemExit(f"copied {do, so, n}")
+            except ValueError:
+                pass
+            assert not d.any(), (do, so, n)
+        for args in [(np.zeros(2, np.int64), *ok[1:], 1 << 20), (*ok, 0), (*ok, -5),
+                     (ok[0].astype(np.int32), *ok[1:], 1 << 20)]:
+            try:
+                copy_runs(d, s, *args)
+                raise SystemExit(f"copied {args}")
+            except ValueError:
+                pass
+            assert not d.any()
+        assert copy_runs(d, s, *ok, 1 << 20, -3) == 4096 and d[:4096].all() and not d[4096:].any()
+        assert copy_runs(d, s, *ok, 1 << 20, 10_000) == 4096  # helpers capped, none needed
+        print("ok")
+    ''')
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-800:]
+
+
+def test_copies_after_a_fork_and_from_two_threads_at_once_are_exact():
+    """A forked child has none of its parent's helper threads: its copies start their own.
+    Two callers at once: one gets the helpers, the other copies alone; both exact."""
+    r = _child('''
+        import os, threading
+        from kvtier.kernels._copy import copy_runs
+        n = 64 << 20
+        src = np.random.default_rng(3).integers(0, 255, n, dtype=np.uint8)
+        offs = np.array([0], np.int64), np.array([0], np.int64), np.array([n], np.int64)
+
+        def copy_and_check(out):
+            d = np.zeros(n, np.uint8)
+            out.append(copy_runs(d, src, *offs, 1 << 20, 2) == n and np.array_equal(d, src))
+
+        first = []
+        copy_and_check(first)  # the parent's helpers exist now
+        stop, busy = threading.Event(), []
+        def keep_copying():
+            while not stop.is_set():
+                copy_and_check(busy)
+        bg = threading.Thread(target=keep_copying)
+        bg.start()  # a fork while another thread copies: the child inherits no held lock
+        statuses = []
+        for _ in range(5):
+            pid = os.fork()
+            if pid == 0:
+                got = []
+                copy_and_check(got)
+                # the child's own helper started (a stale count of the parent's would start none)
+                helpers = len(os.listdir("/proc/self/task")) - 1 if os.path.isdir("/proc/self/task") else 1
+                os._exit(0 if got == [True] and helpers == 1 else 3)
+            statuses.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+        stop.set()
+        bg.join()
+        results = []
+        threads = [threading.Thread(target=copy_and_check, args=(results,)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert first == [True] and statuses == [0] * 5 and all(busy) and results == [True] * 4
+        print("ok")
+    ''')
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-800:]
+
+
+def test_a_copy_in_flight_across_a_fork_fails_in_the_child_and_lands_in_the_parent():
+    """The child has none of the threads copying a job started before the fork: joining it
+    there raises (or, had it finished before the fork, returns its bytes, all landed); it
+    never hangs. The parent's join is unaffected."""
+    r = _child('''
+        import os
+        from kvtier.kernels._copy import start_runs
+        n = 256 << 20
+        src = np.full(n, 7, np.uint8)
+        for _ in range(3):
+            dst = np.zeros(n, np.uint8)
+            job = start_runs(dst, src, np.array([0], np.int64), np.array([0], np.int64),
+                             np.array([n], np.int64), 1 << 20, 2)
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    code = 0 if job.join() == n and bool((dst == 7).all()) else 3
+                except RuntimeError as e:
+                    code = 0 if "across a fork" in str(e) else 4
+                os._exit(code)
+            assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+            assert job.join() == n and bool((dst == 7).all())
         print("ok")
     ''')
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-800:]

@@ -4,11 +4,12 @@ import gc
 import logging
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
 
-from kvtier.tiers import io_backends
+from kvtier.tiers import hostcopy, io_backends
 from kvtier.tiers.faults import FaultyBackend
 from kvtier.tiers.io_backends import PosixBackend
 from kvtier.tiers.manager import TierManager
@@ -108,11 +109,52 @@ def test_promotion_does_not_wait_behind_a_slow_disk(nvme_dir):
         m.close()
 
 
+@pytest.mark.skipif(hostcopy._c_start_runs is None, reason="the compiled copy (kernels/_copy.c) was not built")
+def test_copies_begun_at_submit_land_while_the_lane_worker_is_busy(nvme_dir):
+    """A host copy of whole rows starts on the kernel's threads as it is submitted: it
+    lands while the copy lane's worker is held on an earlier (layer-wise) copy, and
+    its completion still comes after that copy's, with exactly its blocks; the bytes
+    are exact; a copy the owner could not start (a layer-wise one) the worker does."""
+    m = TierManager(BB, 16, 16, 8, nvme_dir=nvme_dir)
+    entered, release = threading.Event(), threading.Event()
+    real_copy = m.mover.copy_rows
+
+    def held_copy(dst, dst_idx, src, src_idx, sync=True):  # holds the layer-wise promotion
+        entered.set()
+        assert release.wait(10)
+        real_copy(dst, dst_idx, src, src_idx, sync)
+
+    try:
+        blocks = sealed_blocks(m, 12, BB, key0=300)
+        m.demote(blocks[10:], "hbm", "dram"); m.wait()
+        m.mover.copy_rows = held_copy  # type: ignore[method-assign]
+        layered = m.promote(blocks[10:], "hbm", chunks=2)
+        assert entered.wait(10)
+        early = m.demote(blocks[:6], "hbm", "dram")
+        job = m.mover._started[early]
+        deadline = time.monotonic() + 10
+        while not job.done() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert job.done()  # landed with the lane's worker still held
+        assert not m.poll()  # nothing is applied before the worker reports it
+        release.set()
+        done = m.wait(timeout=10)
+        assert [c.tid for c in done] == [layered, early] and not m.mover._started
+        assert np.array_equal(done[1].blocks, blocks[:6]) and done[1].ok.all()
+        for i, b in enumerate(blocks.tolist()):
+            assert m.read(b) == pattern(i, BB).tobytes()
+        m.check_invariants()
+    finally:
+        release.set()
+        m.close()
+
+
 def test_queued_copies_merge_and_each_descriptor_completes(nvme_dir):
     """Copies queued behind a busy copy lane run as one pass; a layer-wise promotion
     between them is never merged and keeps its place; every descriptor still gets
     its own completion with exactly its blocks, and every byte lands where it should."""
     m = TierManager(BB, 16, 16, 8, nvme_dir=nvme_dir)
+    m.mover.start_early = False  # copies begun at submit run on their own (the next test)
     entered, release = threading.Event(), threading.Event()
     calls: list[int] = []
     real_copy = m.mover.copy_rows

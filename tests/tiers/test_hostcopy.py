@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -150,6 +151,35 @@ def test_compiled_copy_checks_every_pair_before_moving_a_byte():
         finally:
             c.close()
         assert not good_dst.any()
-    counter = np.zeros(1, np.int64)
     with pytest.raises(ValueError, match="one length"):
-        hostcopy._c_copy_pairs([good_dst], [], counter)
+        hostcopy._c_copy_pairs([good_dst], [])
+
+
+@pytest.mark.skipif(hostcopy._c_start_runs is None, reason="the compiled copy (kernels/_copy.c) was not built")
+def test_a_started_copy_lands_before_its_join_and_join_releases_it():
+    """``start_rows`` copies on the kernel's threads with no Python thread pulling: the copy is
+    done before anyone joins; ``join`` returns its bytes once; a dropped job is waited for."""
+    rows = 64
+    src = pattern(9, rows * 8192).reshape(rows, 8192)
+    dst = np.zeros_like(src)
+    c = HostCopier(2)
+    try:
+        order = np.random.default_rng(0).permutation(rows)
+        job = c.start_rows(dst, order, src, np.arange(rows))
+        assert job is not None
+        deadline = time.monotonic() + 10
+        while not job.done() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert job.done() and np.array_equal(dst[order], src)
+        assert job.join() == src.nbytes
+        with pytest.raises(RuntimeError, match="joined already"):
+            job.join()
+        dst[:] = 0
+        job = c.start_rows(dst, np.arange(rows), src, np.arange(rows))
+        del job  # waits for the copy: its buffers outlive no helper
+        assert np.array_equal(dst, src)
+        assert c.start_rows(dst[:, ::2], np.arange(rows), src[:, ::2], np.arange(rows)) is None  # strided: numpy's
+        with pytest.raises(IndexError):
+            c.start_rows(dst, np.array([rows]), src, np.array([0]))
+    finally:
+        c.close()

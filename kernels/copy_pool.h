@@ -1,0 +1,191 @@
+/* Helper threads for the host copy (kernels/_copy.c) that never touch the interpreter.
+ *
+ * A copy is a job: a count of pieces and a function that copies piece i. Jobs are
+ * posted to a FIFO; helpers (plain pthreads, made once and blocked on a condition
+ * variable between jobs) take pieces of the oldest job that has some left, from
+ * its atomic counter. A caller may join its job (pull pieces too, then wait for
+ * the last), at once (a synchronous copy) or later (a copy started by one thread
+ * and finished by another). A Python helper had to take the GIL to start and to
+ * finish each copy, so a copy started while the daemon's owner thread ran Python
+ * went single-threaded until the owner let go (measured here: 0.3-0.7 ms of a
+ * 4 ms pass with one core idle).
+ *
+ * A job stays in the FIFO from its start to its join (helpers look past one with
+ * no piece left). A fork waits for no copy; the child, which has none of the
+ * parent's threads, starts its own helpers, and a job not finished at the fork
+ * fails there when joined (threads the child does not have were copying it).
+ */
+#ifndef KVTIER_COPY_POOL_H
+#define KVTIER_COPY_POOL_H
+
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
+
+#define POOL_MAX_HELPERS 64
+
+typedef struct pool_job {
+    void (*piece)(struct pool_job *job, int64_t i); /* copies piece i */
+    void *ctx;                                      /* what ``piece`` reads */
+    int64_t total;                                  /* pieces */
+    int64_t next;                                   /* the next piece to take (atomic) */
+    int64_t done;                                   /* pieces copied (atomic) */
+    int64_t bytes;                                  /* bytes copied (atomic, by ``piece``) */
+    int want;                                       /* helpers that may join */
+    /* under pool.mu: */
+    int joined;                                     /* helpers that joined */
+    int active;                                     /* threads pulling its pieces now */
+    int queued;                                     /* in the FIFO (from its start to its join) */
+    int orphaned;                                   /* in flight across a fork: never finishes here */
+    struct pool_job *link;                          /* the next job in the FIFO */
+} pool_job;
+
+static struct {
+    pthread_mutex_t mu;  /* guards everything below and each job's fields marked so */
+    pthread_cond_t wake; /* a job was posted */
+    pthread_cond_t idle; /* a job finished */
+    pool_job *head, *tail;
+    int helpers; /* threads started */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, NULL, 0};
+
+static int job_finished(pool_job *job) { /* under pool.mu */
+    return job->active == 0 && __atomic_load_n(&job->done, __ATOMIC_ACQUIRE) >= job->total;
+}
+
+static void unlink_job(pool_job *job) { /* under pool.mu */
+    pool_job **p = &pool.head, *prev = NULL;
+    while (*p != NULL && *p != job) {
+        prev = *p;
+        p = &(*p)->link;
+    }
+    if (*p == NULL)
+        return;
+    *p = job->link;
+    if (pool.tail == job)
+        pool.tail = prev;
+    job->link = NULL;
+    job->queued = 0;
+}
+
+/* Pull pieces until none is left; then leave the job (under pool.mu on return). */
+static void pull(pool_job *job) {
+    for (;;) {
+        int64_t i = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+        if (i >= job->total)
+            break;
+        job->piece(job, i);
+        __atomic_fetch_add(&job->done, 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_lock(&pool.mu);
+    job->active--;
+    if (job_finished(job))
+        pthread_cond_broadcast(&pool.idle);
+}
+
+static pool_job *next_job(void) { /* under pool.mu: the oldest job with pieces and room left */
+    for (pool_job *j = pool.head; j != NULL; j = j->link)
+        if (j->joined < j->want && __atomic_load_n(&j->next, __ATOMIC_RELAXED) < j->total)
+            return j;
+    return NULL;
+}
+
+static void *pool_helper(void *arg) {
+    (void)arg;
+    pthread_mutex_lock(&pool.mu);
+    for (;;) {
+        pool_job *job = next_job();
+        if (job == NULL) {
+            pthread_cond_wait(&pool.wake, &pool.mu);
+            continue;
+        }
+        job->joined++;
+        job->active++;
+        pthread_mutex_unlock(&pool.mu);
+        pull(job); /* returns holding pool.mu */
+    }
+    return NULL;
+}
+
+/* Start helpers until there are ``n`` (under pool.mu); fewer if a thread cannot start. */
+static void pool_grow(int n) {
+    while (pool.helpers < n && pool.helpers < POOL_MAX_HELPERS) {
+        pthread_t t;
+        pthread_attr_t attr;
+        sigset_t all, old;
+        int rc;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pthread_attr_setstacksize(&attr, 256 * 1024);
+        sigfillset(&all); /* signals stay with Python's threads */
+        pthread_sigmask(SIG_SETMASK, &all, &old);
+        rc = pthread_create(&t, &attr, pool_helper, NULL);
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+        pthread_attr_destroy(&attr);
+        if (rc != 0)
+            return;
+        pool.helpers++;
+    }
+}
+
+/* Post ``job`` for up to ``helpers`` helpers (its piece fields set, the rest zero). */
+static void pool_start(pool_job *job, int helpers) {
+    job->want = helpers;
+    if (helpers <= 0 || job->total <= 0)
+        return;
+    pthread_mutex_lock(&pool.mu);
+    pool_grow(helpers);
+    job->queued = 1;
+    if (pool.tail != NULL)
+        pool.tail->link = job;
+    else
+        pool.head = job;
+    pool.tail = job;
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.mu);
+}
+
+/* Wait until every piece of the job is copied and no helper still reads it, pulling the
+ * pieces left too if ``help`` (or if it has no helpers). 0, or -1 for a job orphaned by a
+ * fork. Call without the GIL. A copy started for ``threads`` helpers is joined without
+ * help: on a host of two cores, the joining thread as a third copier slowed the copy. */
+static int pool_join(pool_job *job, int help) {
+    int ok;
+    pthread_mutex_lock(&pool.mu);
+    if (!job->orphaned) {
+        if (help || job->want <= 0) {
+            job->active++;
+            pthread_mutex_unlock(&pool.mu);
+            pull(job); /* returns holding pool.mu */
+        }
+        while (!job_finished(job) && !job->orphaned)
+            pthread_cond_wait(&pool.idle, &pool.mu);
+    }
+    if (job->queued)
+        unlink_job(job);
+    ok = job->orphaned ? -1 : 0;
+    pthread_mutex_unlock(&pool.mu);
+    return ok;
+}
+
+static void pool_before_fork(void) { pthread_mutex_lock(&pool.mu); }
+
+static void pool_after_fork_parent(void) { pthread_mutex_unlock(&pool.mu); }
+
+static void pool_after_fork_child(void) { /* only the forking thread exists here, in no join */
+    for (pool_job *j = pool.head; j != NULL; j = j->link) {
+        j->active = 0;
+        j->queued = 0;
+        j->orphaned = __atomic_load_n(&j->done, __ATOMIC_RELAXED) < j->total;
+    }
+    pool.head = pool.tail = NULL;
+    pool.helpers = 0;
+    pthread_mutex_init(&pool.mu, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    pthread_cond_init(&pool.idle, NULL);
+}
+
+static int pool_atfork(void) {
+    return pthread_atfork(pool_before_fork, pool_after_fork_parent, pool_after_fork_child);
+}
+
+#endif

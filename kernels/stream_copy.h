@@ -1,0 +1,94 @@
+/* Streaming (non-temporal) copies for the host copy (kernels/_copy.c), and the choice
+ * of loop: the widest the CPU runs, chosen once at import. */
+#ifndef KVTIER_STREAM_COPY_H
+#define KVTIER_STREAM_COPY_H
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define KV_HAVE_STREAM 1
+#endif
+
+#define STREAM_MIN_BYTES (64 * 1024) /* smaller copies stay cached: an engine may read them next */
+
+#ifdef KV_HAVE_STREAM
+/* Streaming copy, four pages at a time: each pass takes the same 256 B of four
+ * consecutive pages, prefetching ahead in each (glibc's large-copy loop does the
+ * same). Measured on a 2-core Xeon host for 256 MiB over 2 threads: the plain
+ * AVX2 streaming loop 18.8 ms, this loop with AVX2 15.3 ms, with AVX-512 13.9 ms,
+ * numpy's copies (glibc memcpy) of each thread's half 15.6-17.9 ms. */
+#define PAGE 4096
+#define SPAN (4 * PAGE)
+#define PASS 256
+
+#define KV_COPY_4X(NAME, TARGET, VEC, LOAD, STORE)                                           \
+    __attribute__((target(TARGET))) static void NAME(char *d, const char *s, size_t n) {     \
+        size_t head = (PAGE - ((uintptr_t)d & (PAGE - 1))) & (PAGE - 1), i = 0;              \
+        if (head > n)                                                                        \
+            head = n;                                                                        \
+        memcpy(d, s, head); /* page-aligned stores from here */                             \
+        d += head;                                                                           \
+        s += head;                                                                           \
+        n -= head;                                                                           \
+        for (; i + SPAN <= n; i += SPAN) {                                                   \
+            for (size_t off = 0; off < PAGE; off += PASS) {                                  \
+                for (size_t p = 0; p < 4; p++) {                                             \
+                    const char *ss = s + i + p * PAGE + off;                                 \
+                    char *dd = d + i + p * PAGE + off;                                       \
+                    _mm_prefetch(ss + 2 * PASS, _MM_HINT_T0); /* never faults, even past s */ \
+                    _mm_prefetch(ss + 2 * PASS + 64, _MM_HINT_T0);                           \
+                    for (size_t v = 0; v < PASS; v += 4 * sizeof(VEC)) {                     \
+                        VEC a = LOAD((const void *)(ss + v));                                \
+                        VEC b = LOAD((const void *)(ss + v + sizeof(VEC)));                  \
+                        VEC c = LOAD((const void *)(ss + v + 2 * sizeof(VEC)));              \
+                        VEC e = LOAD((const void *)(ss + v + 3 * sizeof(VEC)));              \
+                        STORE((void *)(dd + v), a);                                          \
+                        STORE((void *)(dd + v + sizeof(VEC)), b);                            \
+                        STORE((void *)(dd + v + 2 * sizeof(VEC)), c);                        \
+                        STORE((void *)(dd + v + 3 * sizeof(VEC)), e);                        \
+                    }                                                                        \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+        _mm_sfence(); /* streaming stores are weakly ordered: visible before the completion */ \
+        memcpy(d + i, s + i, n - i);                                                         \
+    }
+
+#define LOAD256(p) _mm256_loadu_si256((const __m256i *)(p))
+#define STORE256(p, v) _mm256_stream_si256((__m256i *)(p), v)
+KV_COPY_4X(copy_stream_avx2, "avx2", __m256i, LOAD256, STORE256)
+KV_COPY_4X(copy_stream_avx512, "avx512f", __m512i, _mm512_loadu_si512, _mm512_stream_si512)
+#endif
+
+/* 0: memmove only; 1: AVX2 streaming; 2: AVX-512 streaming (chosen once, at import) */
+static int stream_kind;
+static const char *const stream_names[] = {"none", "avx2", "avx512"};
+
+static void copy_one(char *d, const char *s, size_t n) {
+#ifdef KV_HAVE_STREAM
+    /* overlapping views of one array take memmove's path: the streaming loop copies forwards */
+    if (stream_kind && n >= STREAM_MIN_BYTES && (d + n <= s || s + n <= d)) {
+        if (stream_kind == 2)
+            copy_stream_avx512(d, s, n);
+        else
+            copy_stream_avx2(d, s, n);
+        return;
+    }
+#endif
+    memmove(d, s, n);
+}
+
+static int best_stream(void) {
+#ifdef KV_HAVE_STREAM
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f"))
+        return 2;
+    return __builtin_cpu_supports("avx2") ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
+#endif
