@@ -354,14 +354,17 @@ class TierMoves:
         return done
 
     def wait(self, timeout: Optional[float] = None) -> list[Completion]:
-        """Block until every submitted transfer is applied."""
-        out: list[Completion] = []
+        """Block until every submitted transfer is applied. The mover finishes them all
+        first and they are applied together (copies of one path in one pass): applying each
+        as it landed woke this thread once a transfer, and on a host whose cores copy, each
+        apply (~0.4 ms of numpy for 256 blocks) was taken from the copies still running."""
+        out: list[Completion] = list(self.poll()) if self._unapplied else []
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if left == 0.0:
+            if left == 0.0 or not self.mover.drain(timeout=left):
                 raise TimeoutError(f"{len(self._pending)} transfers still pending")
-            out.extend(self.poll(timeout=left if left is not None else 1.0))
+            out.extend(self.poll())
         return out
 
     def tier_usage(self) -> list[dict]:
