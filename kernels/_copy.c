@@ -236,6 +236,23 @@ static PyObject *copyjob_done(CopyJob *self, PyObject *unused) {
                            __atomic_load_n(&self->rj.job.done, __ATOMIC_ACQUIRE) >= self->rj.job.total);
 }
 
+static PyObject *copyjob_wait(CopyJob *self, PyObject *args) {
+    double seconds;
+    int done = 1;
+    if (!PyArg_ParseTuple(args, "d", &seconds))
+        return NULL;
+    if (!self->joined) {
+        if (seconds < 0)
+            seconds = 0;
+        if (seconds > 1e6)
+            seconds = 1e6;
+        Py_BEGIN_ALLOW_THREADS
+        done = pool_wait(&self->rj.job, seconds);
+        Py_END_ALLOW_THREADS
+    }
+    return PyBool_FromLong(done);
+}
+
 static void copyjob_dealloc(CopyJob *self) {
     copyjob_finish(self); /* its buffers and pieces outlive no helper */
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -245,6 +262,8 @@ static PyMethodDef copyjob_methods[] = {
     {"join", (PyCFunction)copyjob_join, METH_NOARGS,
      "join() -> bytes copied: pull the pieces left, wait for the rest, release the buffers"},
     {"done", (PyCFunction)copyjob_done, METH_NOARGS, "done() -> whether every piece is copied"},
+    {"wait", (PyCFunction)copyjob_wait, METH_VARARGS,
+     "wait(seconds) -> whether every piece is copied, waiting up to seconds for it (join still releases)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -32,6 +32,7 @@
 #include <sched.h>
 #include <signal.h>
 #include <stdint.h>
+#include <time.h>
 
 #define POOL_MAX_HELPERS 64
 
@@ -196,6 +197,27 @@ static int pool_join(pool_job *job, int help) {
     ok = job->orphaned ? -1 : 0;
     pthread_mutex_unlock(&pool.mu);
     return ok;
+}
+
+/* Wait up to ``seconds`` for every piece of the job to be copied (no help, nothing released):
+ * 1 if it is, 0 if not yet. Call without the GIL. */
+static int pool_wait(pool_job *job, double seconds) {
+    struct timespec until;
+    int done;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += (time_t)seconds;
+    until.tv_nsec += (long)((seconds - (double)(time_t)seconds) * 1e9);
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&pool.mu);
+    while (!(done = __atomic_load_n(&job->done, __ATOMIC_ACQUIRE) >= job->total) && !job->orphaned)
+        if (pthread_cond_timedwait(&pool.idle, &pool.mu, &until) != 0)
+            break;
+    done = __atomic_load_n(&job->done, __ATOMIC_ACQUIRE) >= job->total;
+    pthread_mutex_unlock(&pool.mu);
+    return done;
 }
 
 static void pool_before_fork(void) { pthread_mutex_lock(&pool.mu); }

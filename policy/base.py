@@ -60,10 +60,10 @@ def swap_remove(slots: np.ndarray, where: np.ndarray, size: int, b: int) -> int:
 
 
 def swap_remove_many(slots: np.ndarray, where: np.ndarray, size: int, blocks: np.ndarray) -> int:
-    """``swap_remove`` of distinct residents ``blocks`` at once, in O(k log k) for k
-    blocks: the residents left past the new end fill the holes the removed leave
-    before it (lowest hole first). Which resident sits where may differ from one-by-one
-    removal, which a sampling policy does not depend on: ``slots[:size]`` holds the same set."""
+    """``swap_remove`` of distinct residents ``blocks`` at once, in O(k) for k blocks: the
+    residents left past the new end fill the holes the removed leave before it. Which
+    resident sits where may differ from one-by-one removal, which a sampling policy does
+    not depend on: ``slots[:size]`` holds the same set."""
     k = int(blocks.size)
     if k == 0:
         return size
@@ -71,7 +71,7 @@ def swap_remove_many(slots: np.ndarray, where: np.ndarray, size: int, blocks: np
     if (pos < 0).any():
         raise ValueError(f"block {int(blocks[np.argmax(pos < 0)])} is not a resident")
     end = size - k
-    holes = np.sort(pos[pos < end])
+    holes = pos[pos < end]  # (any pairing of holes and movers will do)
     leaving = np.zeros(k, dtype=bool)  # the tail's positions whose block is removed too
     leaving[pos[pos >= end] - end] = True
     movers = slots[end:size][~leaving]

@@ -315,19 +315,24 @@ class BlockTable:
         return slots
 
     def release_slots(self, blocks: np.ndarray, tier: int) -> None:
-        """Batch ``release_slot``: vectorised bookkeeping, O(1) list ops each."""
+        """Batch ``release_slot`` of distinct blocks (a move's): vectorised bookkeeping, O(1)
+        list ops each. Their slots are distinct as the blocks are (one owner a slot), so the
+        free list takes them without the sort that checked it (a fifth of a copy's apply)."""
         if blocks.size == 0:
             return
-        slots = self.slot[tier, blocks]
+        slots = self.slot[tier, blocks].astype(np.int64)
         if (slots == NIL).any():
             raise ValueError(f"a block has no {Tier(tier).name} slot")
+        free = self.free_slots[tier]
+        if (free.owner[slots] != NIL).any():
+            raise ValueError(f"a {Tier(tier).name} slot being released is free already")
         self.copies[blocks] &= np.uint8(~(1 << tier) & 0xFF)
         if tier == NVME:
             ev = self.nvme_idle
             ev.remove_many(blocks[ev.owner[blocks] == 0])
         self.slot_owner[tier][slots] = NIL
         self.slot[tier, blocks] = NIL
-        self.free_slots[tier].extend_back(slots.astype(np.int64))
+        free.append_unlinked(slots)
 
     def touch(self, b: int) -> None:
         """Record an access: the most recent end of the NVMe idle list (dropped last)."""

@@ -11,6 +11,9 @@ owner applies completions when it polls. Every NVMe read is verified against
 the block's recorded checksum before the completion says it succeeded; a read
 that fails or does not verify is read once more before it counts as failed (a
 bit flipped in flight or a transient EIO must not condemn a good disk copy).
+Where both memory pools are host memory, a copy of whole rows skips the lane:
+it starts on the copy kernel's threads at submit and the owner collects it
+when it polls (``started_copies``).
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ import torch
 
 from .hostcopy import HostCopier, row_runs
 from .nvme import NvmeStore
-from .paths import PATHS, ROW_POOLS, whole_rows
+from .paths import PATHS
 from .pools import BounceBuffers, DramPool, HbmPool
+from .started_copies import StartedCopies
 from .transfer import Completion, Transfer
 from .types import Tier
 
@@ -36,11 +40,11 @@ MAX_MERGED = 64  # descriptors one copy may merge: bounds how long a merged copy
 BOUNCE_BYTES = 64 << 20  # pinned host buffers for NVMe -> HBM without GPUDirect (4 to 64 slots)
 
 
-def _mergeable(t: Transfer, started: dict) -> bool:
-    """Memory copies without layer-wise progress, not begun at submit: queued ones run
-    as one copy, so a burst of descriptors costs one pass (runs of consecutive slots
-    become one large copy) instead of a start-up per descriptor."""
-    return Tier.NVME not in (t.src, t.dst) and t.progress is None and t.tid not in started
+def _mergeable(t: Transfer) -> bool:
+    """Memory copies without layer-wise progress: queued ones run as one copy, so
+    a burst of descriptors costs one pass (runs of consecutive slots become one
+    large copy) instead of a start-up per descriptor."""
+    return Tier.NVME not in (t.src, t.dst) and t.progress is None
 
 
 def _merged(batch: list[Transfer]) -> Transfer:
@@ -76,8 +80,9 @@ class Mover:
         self.bounce = (BounceBuffers(min(64, max(4, BOUNCE_BYTES // hbm.slot_stride)), hbm.slot_stride)
                        if hbm.is_cuda and nvme is not None else None)
         self.tls = threading.local()  # per worker: blocks whose NVMe read was retried in this batch
-        self._started: dict[int, object] = {}  # tid -> the host copy the owner began at submit
-        self.start_early = True  # begin host copies of whole rows at submit (``_start``)
+        # host copies of whole rows begin on the copy kernel's threads at submit, no lane worker
+        self.started = StartedCopies(self, self.host_copier) if self.host_copier is not None else None
+        self.start_early = True
         counts = {"copy": 1, "io": max(1, workers)}
         self._threads = [(lane, threading.Thread(target=self._run, args=(self._lanes[lane],),
                                                  name=f"kvtier-mover-{lane}-{i}", daemon=True))
@@ -96,32 +101,13 @@ class Mover:
         owner's next ``poll`` finds room."""
         if (t.src, t.dst) not in PATHS:
             raise ValueError(f"no transfer path {t.src.name}->{t.dst.name}")
+        if self.start_early and self.started is not None and self.started.start(t):
+            return  # collected by ``poll``
         with self._lock:
             self._in_flight += 1
-        if self.start_early and self.host_copier is not None and whole_rows(t):
-            self._start(t)
         lane = self.lane(t.src, t.dst)
         self._overflow[lane].append(t)
         self._flush(lane)
-
-    def _start(self, t: Transfer) -> None:
-        """Begin a host copy of whole rows now, on the copy kernel's own threads: it needs no
-        Python thread to get going, so it starts while the owner plans the next move (a lane
-        worker only takes the GIL after the owner lets go of it: ~0.5-1 ms of a 64 MiB copy).
-        The lane's worker joins it and reports it. Where it cannot start (numpy's copies,
-        rows outside a pool), the worker's path copies it as ever, and reports any error."""
-        assert self.host_copier is not None
-        dst, src = ROW_POOLS[(t.src, t.dst)](self)
-        try:
-            job = self.host_copier.start_rows(dst.numpy(), t.dst_slots, src.numpy(), t.src_slots)
-        except Exception:  # the path meets it again and fails the transfer's blocks with it
-            job = None
-        if job is not None:
-            self._started[t.tid] = job
-
-    def take_started(self, tid: int) -> Optional[object]:
-        """The copy ``submit`` began for transfer ``tid`` (a worker joins it), or None."""
-        return self._started.pop(tid, None)
 
     def _flush(self, lane: str) -> None:
         """Move parked transfers into the lane's queue while it has room (owner thread)."""
@@ -141,24 +127,49 @@ class Mover:
         """Completions ready now (waits up to ``timeout`` for the first)."""
         for lane in self._overflow:
             self._flush(lane)
-        out: list[Completion] = []
+        out: list[Completion] = self.started.harvest() if self.started is not None else []
+        if not out and (timeout is None or timeout > 0):
+            out = self._wait_first(timeout)
         try:
-            if timeout is None or timeout > 0:
-                out.append(self._done.get(timeout=timeout))
             while True:
                 out.append(self._done.get_nowait())
         except queue.Empty:
             pass
         return out
 
+    def _wait_first(self, timeout: Optional[float]) -> list[Completion]:
+        """Wait up to ``timeout`` for a lane's completion or a started copy, whichever is first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        started = self.started if self.started is not None and len(self.started) else None
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                if started is None:
+                    return [self._done.get(timeout=left)]
+                with self._lock:
+                    lanes_busy = self._in_flight > 0
+                if not lanes_busy:  # only started copies: wait on the oldest
+                    started.wait_first(1.0 if left is None else left)
+                else:  # both: short slices of each
+                    started.wait_first(min(1e-3, 1.0 if left is None else left))
+                    return [self._done.get_nowait()]
+            except queue.Empty:
+                pass
+            got = started.harvest() if started is not None else []
+            if got or left == 0.0:
+                return got
+
     @property
     def in_flight(self) -> int:
         with self._lock:
-            return self._in_flight
+            return self._in_flight + (len(self.started) if self.started is not None else 0)
 
     def drain(self, timeout: Optional[float] = None) -> bool:
-        """Wait until every submitted transfer has posted its completion."""
+        """Wait until every submitted transfer has posted its completion (a started copy:
+        has landed, for the next ``poll`` to collect)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if self.started is not None and not self.started.wait(timeout):
+            return False
         while True:
             for lane in self._overflow:
                 self._flush(lane)
@@ -189,12 +200,12 @@ class Mover:
             if t is None:
                 return
             batch = [t]
-            while _mergeable(t, self._started) and len(batch) < MAX_MERGED:
+            while _mergeable(t) and len(batch) < MAX_MERGED:
                 try:
                     nxt = todo.get_nowait()
                 except queue.Empty:
                     break
-                if nxt is not None and _mergeable(nxt, self._started) and (nxt.src, nxt.dst) == (t.src, t.dst):
+                if nxt is not None and _mergeable(nxt) and (nxt.src, nxt.dst) == (t.src, t.dst):
                     batch.append(nxt)
                 else:
                     carried.append(nxt)

@@ -268,7 +268,8 @@ class TierMoves:
         blocks = p.blocks
         t.busy[blocks] -= 1
         self.inflight[blocks] = 0
-        good, bad = blocks[c.ok], blocks[~c.ok]
+        every = bool(c.ok.all())  # the common case: no mask to apply
+        good, bad = (blocks, blocks[:0]) if every else (blocks[c.ok], blocks[~c.ok])
         t.copies[good] |= np.uint8(1 << d)
         if d == HBM:  # failed ones too: a read that failed its checksum (or half-landed) left its
             # namespace's bytes in the slot, which an engine of another namespace must get zeroed
@@ -276,7 +277,8 @@ class TierMoves:
         self.io_failures[good] = 0  # failures count consecutive reads only
         if c.checksums is not None:  # open blocks written back: checksum now known
             t.checksum[good] = c.checksums[c.ok]
-        drop_src = good[~p.keep_source[c.ok]]
+        keep = p.keep_source if every else p.keep_source[c.ok]
+        drop_src = good[:0] if keep.all() else good if not keep.any() else good[~keep]
         t.release_slots(drop_src, s)
         self._emit_many("stored", good, d)
         self._emit_many("removed", drop_src, s)

@@ -10,7 +10,7 @@ checksums of the bytes written. Paths see the mover only through ``CopyEngine``.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, Union
+from typing import Callable, Iterator, Optional, Protocol, Sequence, Union
 
 import numpy as np
 import torch
@@ -36,8 +36,6 @@ class CopyEngine(Protocol):
 
     def copy_rows(self, dst: torch.Tensor, dst_idx: np.ndarray, src: torch.Tensor, src_idx: np.ndarray,
                   sync: bool = True) -> None: ...
-
-    def take_started(self, tid: int) -> Optional[Any]: ...  # the copy the owner began at submit, if any
 
     def sync(self) -> None: ...
 
@@ -78,7 +76,7 @@ def _io_threads(m: CopyEngine) -> int:
 
 
 # paths that copy whole rows between the two memory pools: (dst pool, src pool) of each. Where
-# the pools are host memory the owner starts such a copy as it submits it (``Mover.submit``)
+# the pools are host memory the owner starts such a copy as it submits it (``StartedCopies``)
 ROW_POOLS: dict[tuple[Tier, Tier], Callable[[CopyEngine], tuple[torch.Tensor, torch.Tensor]]] = {
     (Tier.HBM, Tier.DRAM): lambda m: (m.dram.tensor, m.hbm.tensor),
     (Tier.DRAM, Tier.HBM): lambda m: (m.hbm.tensor, m.dram.tensor),
@@ -91,12 +89,8 @@ def whole_rows(t: Transfer) -> bool:
 
 
 def _copy_whole_rows(m: CopyEngine, t: Transfer, ok: np.ndarray) -> None:
-    started = m.take_started(t.tid)
-    if started is not None:
-        started.join()
-    else:
-        dst, src = ROW_POOLS[(t.src, t.dst)](m)
-        m.copy_rows(dst, t.dst_slots, src, t.src_slots)
+    dst, src = ROW_POOLS[(t.src, t.dst)](m)
+    m.copy_rows(dst, t.dst_slots, src, t.src_slots)
     ok[:] = True
 
 

@@ -246,6 +246,7 @@ def test_completions_applied_as_one_group_leave_the_state_of_one_by_one(nvme_dir
             blocks = [_new_sealed(m, 40 + i) for i in range(6)]
             stored: list[tuple[str, int, int]] = []
             m.listeners.append(lambda kind, blk, tier: stored.append((kind, blk, tier)))
+            m.mover.start_early = False  # through the lane, whose completions the fault is injected in
             real = m.mover._execute
 
             def failing(batch):  # the third block's copy fails: its DRAM slot must be given back
@@ -287,6 +288,7 @@ def test_an_interrupt_in_a_listener_still_applies_the_whole_group(manager, caplo
     other listener errors are logged, not dropped."""
     m = manager
     blocks = [_new_sealed(m, 60 + i) for i in range(3)]
+    m.mover.start_early = False  # through the lane, whose completions the fault is injected in
     real = m.mover._execute
 
     def failing(batch):  # the last block's copy fails: its DRAM slot must be given back
