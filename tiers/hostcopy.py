@@ -21,6 +21,7 @@ each chunk is an ``np.copyto`` (which releases the GIL for the copy only).
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Sequence
@@ -157,7 +158,7 @@ class HostCopier:
             return [(dst[a: a + n], src[b: b + n]) for a, b, n in zip(d0.tolist(), s0.tolist(), k.tolist())]
         if ((d0 < 0) | (s0 < 0) | (d0 + k > dst.shape[0]) | (s0 + k > src.shape[0])).any():
             raise IndexError(f"copy_rows: rows outside {dst.shape[0]} destination / {src.shape[0]} source rows")
-        row = dst.itemsize * int(np.prod(dst.shape[1:], dtype=np.int64))
+        row = dst.itemsize * math.prod(dst.shape[1:])
         return d0 * row, s0 * row, k * row
 
     def copy_rows(self, dst: np.ndarray, dst_idx: np.ndarray, src: np.ndarray, src_idx: np.ndarray) -> None:
