@@ -95,6 +95,7 @@ typedef struct {
     const int64_t *dof, *sof, *len;
     int64_t *starts; /* starts[r]: run r's first piece */
     int64_t runs, piece;
+    int overlap;       /* the two buffers share bytes: runs go in order, each as memmove */
     Py_buffer bufs[5]; /* dst, src, dst_offs, src_offs, lens */
     int held;          /* buffers acquired */
 } runs_job;
@@ -162,9 +163,11 @@ static int runs_prepare(runs_job *rj, PyObject *args, Py_ssize_t *threads) {
             goto fail;
         }
         rj->starts[r] = total;
-        total += (n + piece - 1) / piece;
+        total += n / piece + (n % piece != 0); /* (n + piece - 1 wrapped for a huge piece) */
     }
     rj->starts[runs] = total;
+    rj->overlap = (const char *)b[0].buf < (const char *)b[1].buf + b[1].len &&
+                  (const char *)b[1].buf < (const char *)b[0].buf + b[0].len;
     rj->dst = b[0].buf;
     rj->src = b[1].buf;
     rj->runs = runs;
@@ -179,7 +182,8 @@ fail:
 
 /* copy_runs(dst, src, dst_offs, src_offs, lens, piece, threads=1): runs of bytes between two
  * buffers, cut into pieces of at most ``piece`` bytes that the calling thread and threads - 1
- * pool helpers pull one at a time; returns the bytes copied. No Python object a run: a
+ * pool helpers pull one at a time; returns the bytes copied. Buffers that share bytes are
+ * copied run by run, in order, each as memmove (on the calling thread alone). No Python object a run: a
  * scattered move of a thousand blocks costs an int64 array each way, where views had cost a
  * microsecond or more each. A piece is the unit of balance: the last one taken is all a copy
  * waits for after every other thread is done. */
@@ -190,8 +194,15 @@ static PyObject *py_copy_runs(PyObject *self, PyObject *args) {
     if (runs_prepare(&rj, args, &threads) < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-    pool_start(&rj.job, helpers_for(threads, 1));
-    pool_join(&rj.job, 1); /* (a child forked meanwhile lacks this thread: nothing there joins it) */
+    if (rj.overlap) { /* pieces in parallel would read bytes another piece already wrote */
+        for (int64_t r = 0; r < rj.runs; r++) {
+            memmove(rj.dst + rj.dof[r], rj.src + rj.sof[r], (size_t)rj.len[r]);
+            rj.job.bytes += rj.len[r];
+        }
+    } else {
+        pool_start(&rj.job, helpers_for(threads, 1));
+        pool_join(&rj.job, 1); /* (a child forked meanwhile lacks this thread: nothing there joins it) */
+    }
     Py_END_ALLOW_THREADS
     runs_release(&rj);
     return PyLong_FromLongLong(rj.job.bytes);
@@ -289,6 +300,12 @@ static PyObject *py_start_runs(PyObject *self, PyObject *args) {
     job->joined = 1; /* nothing to wait for until it is started */
     if (runs_prepare(&job->rj, args, &threads) < 0) {
         Py_DECREF(job);
+        return NULL;
+    }
+    if (job->rj.overlap) {
+        PyErr_SetString(PyExc_ValueError, "start_runs: the buffers overlap; copy_runs copies such runs in order");
+        runs_release(&job->rj);
+        Py_DECREF(job); /* (joined is still 1: its dealloc waits for nothing) */
         return NULL;
     }
     job->joined = 0;

@@ -33,6 +33,7 @@
 #include <signal.h>
 #include <stdint.h>
 #include <time.h>
+#include <unistd.h>
 
 #define POOL_MAX_HELPERS 64
 
@@ -101,12 +102,14 @@ static pool_job *next_job(void) { /* under pool.mu: the oldest job with pieces a
     return NULL;
 }
 
-/* Pin the calling thread to the k-th CPU it may run on (mod their count); unpinned if that fails. */
+/* Pin the calling thread to the k-th CPU the process may run on (its main thread's set, not
+ * the creating thread's, which a thread inherits: a creator pinned to one CPU would have put
+ * every helper there); left as it is if that fails. */
 static void pin_to_kth_cpu(int k) {
 #ifdef CPU_ISSET
     cpu_set_t allowed, one;
     int n, c, seen = 0;
-    if (sched_getaffinity(0, sizeof allowed, &allowed) != 0 || (n = CPU_COUNT(&allowed)) <= 1)
+    if (sched_getaffinity(getpid(), sizeof allowed, &allowed) != 0 || (n = CPU_COUNT(&allowed)) < 1)
         return;
     for (c = 0; c < CPU_SETSIZE; c++) {
         if (CPU_ISSET(c, &allowed) && seen++ == k % n) {
@@ -122,6 +125,7 @@ static void pin_to_kth_cpu(int k) {
 }
 
 static void *pool_helper(void *arg) {
+    pthread_setname_np(pthread_self(), "kvtier-copy"); /* as top and /proc name it */
     pin_to_kth_cpu((int)(intptr_t)arg);
     pthread_mutex_lock(&pool.mu);
     for (;;) {
@@ -159,13 +163,19 @@ static void pool_grow(int n) {
     }
 }
 
-/* Post ``job`` for up to ``helpers`` helpers (its piece fields set, the rest zero). */
+/* Post ``job`` for up to ``helpers`` helpers (its piece fields set, the rest zero); as many as
+ * could be started (a thread limit, no memory): with none, it waits for its joiner to copy it. */
 static void pool_start(pool_job *job, int helpers) {
-    job->want = helpers;
+    job->want = 0;
     if (helpers <= 0 || job->total <= 0)
         return;
     pthread_mutex_lock(&pool.mu);
     pool_grow(helpers);
+    job->want = helpers < pool.helpers ? helpers : pool.helpers; /* none started: the joiner copies it */
+    if (job->want == 0) {
+        pthread_mutex_unlock(&pool.mu);
+        return;
+    }
     job->queued = 1;
     if (pool.tail != NULL)
         pool.tail->link = job;

@@ -152,19 +152,20 @@ class HostCopier:
         if len(dst_idx) != len(src_idx):
             raise ValueError(f"copy_rows: {len(dst_idx)} destination and {len(src_idx)} source rows")
         d0, s0, k = row_runs(dst_idx, src_idx)
+        if ((d0 < 0) | (s0 < 0) | (d0 + k > len(dst)) | (s0 + k > len(src))).any():
+            raise IndexError(f"copy_rows: rows outside {len(dst)} destination / {len(src)} source rows")
         whole = (self.compiled and dst.ndim >= 1 and dst.shape[1:] == src.shape[1:]
                  and dst.dtype == src.dtype and dst.flags.c_contiguous and src.flags.c_contiguous)
         if not whole:
             return [(dst[a: a + n], src[b: b + n]) for a, b, n in zip(d0.tolist(), s0.tolist(), k.tolist())]
-        if ((d0 < 0) | (s0 < 0) | (d0 + k > dst.shape[0]) | (s0 + k > src.shape[0])).any():
-            raise IndexError(f"copy_rows: rows outside {dst.shape[0]} destination / {src.shape[0]} source rows")
         row = dst.itemsize * math.prod(dst.shape[1:])
         return d0 * row, s0 * row, k * row
 
     def copy_rows(self, dst: np.ndarray, dst_idx: np.ndarray, src: np.ndarray, src_idx: np.ndarray) -> None:
         """Copy rows ``src[src_idx]`` to ``dst[dst_idx]`` (done on return). Rows consecutive on
         both sides go as one run; whole rows go to the compiled loop as byte offsets, one int64
-        array each way however scattered the rows."""
+        array each way however scattered the rows. Rows of one array (overlapping) are copied
+        run by run in order, each as memmove would."""
         runs = self._row_offsets(dst, dst_idx, src, src_idx)
         if isinstance(runs, list):
             self.copy(runs)
@@ -176,6 +177,8 @@ class HostCopier:
         """``copy_rows`` begun on the kernel's helper threads before this returns (its ``join()``
         finishes it, on any thread), or None where the rows need numpy's copies. A copy started
         so needs no Python thread to get going: the owner thread starts it as it plans the next."""
+        if np.may_share_memory(dst, src):  # rows of one array: copied in order, by ``copy_rows``
+            return None
         runs = self._row_offsets(dst, dst_idx, src, src_idx)
         return None if isinstance(runs, list) else _c_start_runs(dst, src, *runs, PIECE_BYTES, self.threads)
 

@@ -146,16 +146,15 @@ class Mover:
             try:
                 if started is None:
                     return [self._done.get(timeout=left)]
-                with self._lock:
-                    lanes_busy = self._in_flight > 0
-                if not lanes_busy:  # only started copies: wait on the oldest
-                    started.wait_first(1.0 if left is None else left)
-                else:  # both: short slices of each
-                    started.wait_first(min(1e-3, 1.0 if left is None else left))
-                    return [self._done.get_nowait()]
+                return [self._done.get_nowait()]  # a lane's, already waiting, first
             except queue.Empty:
-                pass
-            got = started.harvest() if started is not None else []
+                if started is None:
+                    return []
+            with self._lock:
+                lanes_busy = self._in_flight > 0
+            cap = 1.0 if left is None else left
+            started.wait_first(min(1e-3, cap) if lanes_busy else cap)  # both kinds: short slices
+            got = started.harvest()
             if got or left == 0.0:
                 return got
 

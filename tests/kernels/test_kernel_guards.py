@@ -165,6 +165,102 @@ def test_a_copy_in_flight_across_a_fork_fails_in_the_child_and_lands_in_the_pare
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-800:]
 
 
+def test_a_started_copy_is_copied_by_its_joiner_when_no_helper_can_start():
+    """No thread can be made (an address-space limit here; a pids limit in a container): a
+    started copy waits for no helper that does not exist, its join copies it."""
+    r = _child('''
+        import resource
+        from kvtier.kernels._copy import start_runs, copy_runs
+        n = 8 << 20
+        s, d = np.ones(n, np.uint8), np.zeros(n, np.uint8)
+        o = lambda x: np.array([x], np.int64)
+        size = int([l for l in open("/proc/self/status") if l.startswith("VmSize")][0].split()[1]) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (size + (64 << 10), resource.RLIM_INFINITY))
+        job = start_runs(d, s, o(0), o(0), o(n), 1 << 20, 2)
+        assert job.join() == n and bool(d.all())
+        d[:] = 0
+        assert copy_runs(d, s, o(0), o(0), o(n), 1 << 20, 2) == n and bool(d.all())
+        print("ok")
+    ''')
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-800:]
+
+
+def test_a_piece_larger_than_any_run_copies_every_run_whole():
+    r = _child('''
+        from kvtier.kernels._copy import copy_runs
+        s = np.arange(64, dtype=np.uint8)
+        for piece in (2**63 - 1, 2**63 - 2, 2**62, 100):
+            d = np.zeros(64, np.uint8)
+            offs, lens = np.array([0, 1, 3, 7], np.int64), np.array([1, 2, 4, 8], np.int64)
+            assert copy_runs(d, s, offs * 4, offs * 4, lens, piece, 2) == 15, piece
+            want = np.zeros(64, np.uint8)
+            for o, n in zip(offs * 4, lens):
+                want[o:o + n] = s[o:o + n]
+            assert np.array_equal(d, want), piece
+        print("ok")
+    ''')
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-800:]
+
+
+def test_runs_within_one_buffer_are_copied_in_order_as_memmove_would():
+    """Source and destination sharing bytes: each run as memmove, in order (pieces in
+    parallel would read bytes another piece had written); a started copy refuses them."""
+    r = _child('''
+        from kvtier.kernels._copy import copy_runs, start_runs, use_streaming, streaming
+        kinds = ["none", "avx2", "avx512"][: ["none", "avx2", "avx512"].index(streaming()) + 1]
+        rng = np.random.default_rng(4)
+        for kind in kinds:
+            use_streaming(kind)
+            for shift in (1, 100, 4096, 1 << 20, -(1 << 20), -3):
+                buf = rng.integers(0, 255, 8 << 20, dtype=np.uint8)
+                want = buf.copy()
+                offs = [(1 << 20, (1 << 20) + shift, 5 << 20), (200, 300 + abs(shift), 5000)]
+                for so, do, n in offs:
+                    want[do:do + n] = want[so:so + n].copy()
+                a = lambda i: np.array([x[i] for x in offs], np.int64)
+                assert copy_runs(buf, buf, a(1), a(0), a(2), 1 << 16, 2) == sum(x[2] for x in offs)
+                assert np.array_equal(buf, want), (kind, shift)
+                try:
+                    start_runs(buf, buf, a(1), a(0), a(2), 1 << 16, 2)
+                    raise SystemExit("started")
+                except ValueError:
+                    pass
+        print("ok")
+    ''')
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-800:]
+
+
+def test_helpers_spread_over_the_process_cpus_whoever_starts_them():
+    """A thread pinned to one CPU starting the first copy: its helpers (which would inherit
+    its mask) still take one CPU each of the process's set."""
+    r = _child('''
+        import os, threading
+        from kvtier.kernels._copy import copy_runs
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            print("ok (one cpu)")
+            raise SystemExit(0)
+        before = set(os.listdir("/proc/self/task"))
+        def pinned_copy():
+            os.sched_setaffinity(0, {cpus[0]})
+            n = 4 << 20
+            d, s = np.zeros(n, np.uint8), np.ones(n, np.uint8)
+            o = lambda x: np.array([x], np.int64)
+            assert copy_runs(d, s, o(0), o(0), o(n), 1 << 20, 3) == n
+        t = threading.Thread(target=pinned_copy)
+        t.start(); t.join()
+        helpers = [tid for tid in set(os.listdir("/proc/self/task")) - before
+                   if open(f"/proc/self/task/{tid}/comm").read().strip() == "kvtier-copy"]
+        masks = []
+        for tid in helpers:
+            line = [l for l in open(f"/proc/self/task/{tid}/status") if l.startswith("Cpus_allowed_list")][0]
+            masks.append(line.split()[1])
+        assert len(masks) == 2 and masks[0] != masks[1], masks
+        print("ok")
+    ''')
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-800:]
+
+
 @pytest.mark.parametrize("gap", [4096, -4096])
 def test_overlapping_views_of_one_array_are_copied_as_memmove_would(gap):
     """1 MiB pairs take the streaming loop, which copies forwards: a destination

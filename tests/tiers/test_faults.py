@@ -148,6 +148,47 @@ def test_copies_begun_at_submit_land_while_the_lane_worker_is_busy(nvme_dir):
         m.close()
 
 
+def test_a_lane_completion_waiting_is_not_held_behind_a_started_copy(nvme_dir):
+    """A poll that may wait returns a lane's completion already posted at once, though a copy
+    begun at submit is still in flight (it once waited on that copy first)."""
+    m = TierManager(BB, 16, 16, 8, nvme_dir=nvme_dir)
+    copier = m.mover.host_copier
+    landed = threading.Event()
+
+    class SlowJob:  # a started copy that lands when the test says so (then copies for real)
+        def __init__(self, args):
+            self.args = args
+
+        def done(self):
+            return landed.is_set()
+
+        def wait(self, seconds):
+            return landed.wait(seconds)
+
+        def join(self):
+            copier.copy_rows(*self.args)
+            return 0
+
+    try:
+        blocks = sealed_blocks(m, 4, BB, key0=400)
+        copier.start_rows = lambda *args: SlowJob(args)  # type: ignore[method-assign]
+        started = m.demote(blocks[:2], "hbm", "dram")
+        lane = m.demote(blocks[2:], "hbm", "nvme")
+        while m.mover.in_flight > 1:  # the lane's write has posted its completion
+            time.sleep(0.005)
+        t0 = time.monotonic()
+        assert [c.tid for c in m.poll(timeout=2.0)] == [lane]
+        assert time.monotonic() - t0 < 1.0
+        landed.set()
+        assert [c.tid for c in m.wait(timeout=10)] == [started]
+        for i, b in enumerate(blocks.tolist()):
+            assert m.read(b) == pattern(i, BB).tobytes()
+        m.check_invariants()
+    finally:
+        landed.set()
+        m.close()
+
+
 def test_queued_copies_merge_and_each_descriptor_completes(nvme_dir):
     """Copies queued behind a busy copy lane run as one pass; a layer-wise promotion
     between them is never merged and keeps its place; every descriptor still gets

@@ -183,3 +183,32 @@ def test_a_started_copy_lands_before_its_join_and_join_releases_it():
             c.start_rows(dst, np.array([rows]), src, np.array([0]))
     finally:
         c.close()
+
+
+def test_rows_of_one_array_copy_in_order_and_rows_outside_are_refused_on_every_path():
+    """Rows moved within one array (overlapping runs) land as one-by-one row copies in order
+    would leave them, and are never started on the kernel's threads; rows outside either
+    array are refused before a byte moves, strided views too."""
+    rng = np.random.default_rng(5)
+    c = HostCopier(2)
+    try:
+        for shift in (1, 3, -2):
+            a = rng.integers(0, 255, (64, 16 << 10), dtype=np.uint8)
+            want = a.copy()
+            src = np.arange(10, 50)
+            for s_, d_ in zip(src.tolist(), (src + shift).tolist()):
+                if shift < 0:
+                    want[d_] = want[s_]
+            if shift > 0:
+                want[src + shift] = a[src]
+            c.copy_rows(a, src + shift, a, src)
+            assert np.array_equal(a, want), shift
+            assert c.start_rows(a, src + shift, a, src) is None
+        a, b = np.zeros((8, 64), np.uint8), np.ones((8, 64), np.uint8)
+        for dst_idx, src_idx in (([8], [0]), ([0], [9]), ([-1], [0])):
+            for d_, s_ in ((a, b), (a[:, :32], b[:, :32])):
+                with pytest.raises(IndexError):
+                    c.copy_rows(d_, np.array(dst_idx), s_, np.array(src_idx))
+                assert not a.any()
+    finally:
+        c.close()
