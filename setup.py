@@ -13,7 +13,8 @@ from setuptools import Extension, setup
 setup(ext_modules=[
     Extension("kvtier.kernels._checksum", ["kernels/_checksum.c"], depends=["kernels/checksum.h"], optional=True),
     Extension("kvtier.kernels._blockio", ["kernels/_blockio.c"], depends=["kernels/checksum.h"], optional=True),
-    Extension("kvtier.kernels._copy", ["kernels/_copy.c"], depends=["kernels/copy_pool.h", "kernels/stream_copy.h"],
+    Extension("kvtier.kernels._copy", ["kernels/_copy.c"],
+              depends=["kernels/copy_pool.h", "kernels/copy_runs.h", "kernels/stream_copy.h"],
               optional=True),
     Extension("kvtier.kernels._value", ["kernels/_value.c"], optional=True),
     Extension("kvtier.kernels._replay", ["kernels/_replay.c"],

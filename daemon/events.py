@@ -79,7 +79,9 @@ class EventCollector:
     def on_events(self, kind: str, blocks: np.ndarray, tier: int) -> None:
         """``on_event`` for a move's blocks at once: the same events in the same order."""
         t = self.mgr.table
-        blocks = blocks[t.state[blocks] == SEALED]
+        sealed = t.state[blocks] == SEALED
+        if not sealed.all():
+            blocks = blocks[sealed]
         if tier < 0 or t.detached[blocks].any():  # rare: each block as ``on_event`` sees it
             for b in blocks.tolist():
                 self.on_event(kind, b, tier)

@@ -1,7 +1,8 @@
 /* Host-memory block copies for CPU pools (tiers/hostcopy.py), without the GIL.
  *
- * copy_runs (runs of bytes between two buffers, cut into pieces) and copy_pairs
- * (a list of (dst, src) buffers) hand their pieces to the calling thread and to
+ * copy_runs (runs of bytes between two buffers, cut into pieces), copy_rows (the
+ * same, the runs found in row numbers: copy_runs.h) and copy_pairs (a list of
+ * (dst, src) buffers) hand their pieces to the calling thread and to
  * helper threads that never take the GIL (copy_pool.h), which pull them one at a
  * time from a shared counter, so the split follows whichever core is free. The
  * GIL is released for the whole copy: Python-level hand-offs had made each helper
@@ -20,6 +21,7 @@
 #include <string.h>
 
 #include "copy_pool.h"
+#include "copy_runs.h"
 #include "stream_copy.h"
 
 /* Helpers for a copy of ``threads`` threads in all, ``joining`` of them the caller's. */
@@ -87,99 +89,6 @@ release:
     return result;
 }
 
-/* A copy of runs: the job, what its pieces read, and the buffers it holds until joined. */
-typedef struct {
-    pool_job job;
-    char *dst;
-    const char *src;
-    const int64_t *dof, *sof, *len;
-    int64_t *starts; /* starts[r]: run r's first piece */
-    int64_t runs, piece;
-    int overlap;       /* the two buffers share bytes: runs go in order, each as memmove */
-    Py_buffer bufs[5]; /* dst, src, dst_offs, src_offs, lens */
-    int held;          /* buffers acquired */
-} runs_job;
-
-static void run_piece(pool_job *job, int64_t i) {
-    runs_job *c = (runs_job *)job; /* job is the first member */
-    int64_t lo = 0, hi = c->runs, off, n;
-    while (hi - lo > 1) { /* the run holding piece i: the last with starts <= i (never an empty one) */
-        int64_t mid = (lo + hi) / 2;
-        if (c->starts[mid] <= i)
-            lo = mid;
-        else
-            hi = mid;
-    }
-    off = (i - c->starts[lo]) * c->piece;
-    n = c->len[lo] - off < c->piece ? c->len[lo] - off : c->piece;
-    copy_one(c->dst + c->dof[lo] + off, c->src + c->sof[lo] + off, (size_t)n);
-    __atomic_fetch_add(&job->bytes, n, __ATOMIC_RELAXED);
-}
-
-static void runs_release(runs_job *rj) {
-    for (int k = 0; k < rj->held; k++)
-        PyBuffer_Release(&rj->bufs[k]);
-    rj->held = 0;
-    PyMem_Free(rj->starts);
-    rj->starts = NULL;
-}
-
-/* The int64 view of a buffer of n entries, or NULL with an error set. */
-static const int64_t *int64s(Py_buffer *b, Py_ssize_t n, const char *what) {
-    if (b->len != n * 8 || ((uintptr_t)b->buf & 7)) {
-        PyErr_Format(PyExc_ValueError, "copy_runs: %s must be %zd aligned int64s", what, n);
-        return NULL;
-    }
-    return (const int64_t *)b->buf;
-}
-
-/* Parse (dst, src, dst_offs, src_offs, lens, piece, threads=1) into ``rj`` (zeroed), every run
- * checked against the buffers; -1 with an error set (and nothing held) if one is outside. */
-static int runs_prepare(runs_job *rj, PyObject *args, Py_ssize_t *threads) {
-    Py_buffer *b = rj->bufs;
-    Py_ssize_t piece, r, runs;
-    int64_t total = 0;
-    if (!PyArg_ParseTuple(args, "w*y*y*y*y*n|n", &b[0], &b[1], &b[2], &b[3], &b[4], &piece, threads))
-        return -1;
-    rj->held = 5;
-    runs = b[4].len / 8;
-    if (piece <= 0) {
-        PyErr_SetString(PyExc_ValueError, "copy_runs: a positive piece size");
-        goto fail;
-    }
-    if (!(rj->dof = int64s(&b[2], runs, "dst_offs")) || !(rj->sof = int64s(&b[3], runs, "src_offs")) ||
-        !(rj->len = int64s(&b[4], runs, "lens")))
-        goto fail;
-    rj->starts = PyMem_Malloc((size_t)(runs + 1) * sizeof(int64_t));
-    if (rj->starts == NULL) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    for (r = 0; r < runs; r++) { /* every run checked before a byte moves */
-        const int64_t n = rj->len[r], d = rj->dof[r], s = rj->sof[r];
-        if (n < 0 || d < 0 || s < 0 || d > b[0].len - n || s > b[1].len - n) {
-            PyErr_Format(PyExc_ValueError, "copy_runs: run %zd (%lld bytes from %lld to %lld) is outside the buffers",
-                         r, (long long)n, (long long)s, (long long)d);
-            goto fail;
-        }
-        rj->starts[r] = total;
-        total += n / piece + (n % piece != 0); /* (n + piece - 1 wrapped for a huge piece) */
-    }
-    rj->starts[runs] = total;
-    rj->overlap = (const char *)b[0].buf < (const char *)b[1].buf + b[1].len &&
-                  (const char *)b[1].buf < (const char *)b[0].buf + b[0].len;
-    rj->dst = b[0].buf;
-    rj->src = b[1].buf;
-    rj->runs = runs;
-    rj->piece = piece;
-    rj->job.piece = run_piece;
-    rj->job.total = total;
-    return 0;
-fail:
-    runs_release(rj);
-    return -1;
-}
-
 /* copy_runs(dst, src, dst_offs, src_offs, lens, piece, threads=1): runs of bytes between two
  * buffers, cut into pieces of at most ``piece`` bytes that the calling thread and threads - 1
  * pool helpers pull one at a time; returns the bytes copied. Buffers that share bytes are
@@ -187,11 +96,13 @@ fail:
  * scattered move of a thousand blocks costs an int64 array each way, where views had cost a
  * microsecond or more each. A piece is the unit of balance: the last one taken is all a copy
  * waits for after every other thread is done. */
-static PyObject *py_copy_runs(PyObject *self, PyObject *args) {
+typedef int (*prepare_fn)(runs_job *, PyObject *, Py_ssize_t *);
+
+/* A copy of runs done on return: the calling thread and threads - 1 helpers pull its pieces. */
+static PyObject *copy_now(PyObject *args, prepare_fn prepare) {
     runs_job rj = {0};
     Py_ssize_t threads = 1;
-    (void)self;
-    if (runs_prepare(&rj, args, &threads) < 0)
+    if (prepare(&rj, args, &threads) < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
     if (rj.overlap) { /* pieces in parallel would read bytes another piece already wrote */
@@ -208,7 +119,19 @@ static PyObject *py_copy_runs(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong(rj.job.bytes);
 }
 
-/* A copy started by one thread and joined by another (``start_runs``). */
+static PyObject *py_copy_runs(PyObject *self, PyObject *args) {
+    (void)self;
+    return copy_now(args, runs_prepare);
+}
+
+/* copy_rows(dst, src, dst_rows, src_rows, row_bytes, piece, threads=1): copy_runs of the runs that
+ * rows consecutive on both sides make (``rows_prepare``); returns the bytes copied. */
+static PyObject *py_copy_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    return copy_now(args, rows_prepare);
+}
+
+/* A copy started by one thread and joined by another (``start_runs``, ``start_rows``). */
 typedef struct {
     PyObject_HEAD
     runs_job rj;
@@ -287,18 +210,17 @@ static PyTypeObject CopyJobType = {
     .tp_methods = copyjob_methods,
 };
 
-/* start_runs(dst, src, dst_offs, src_offs, lens, piece, threads=1) -> CopyJob: copy_runs on
- * ``threads`` helper threads, begun before this returns; join() finishes it (on any thread). */
-static PyObject *py_start_runs(PyObject *self, PyObject *args) {
+/* A copy of runs on ``threads`` helper threads, begun before this returns; the CopyJob's join()
+ * finishes it (on any thread). */
+static PyObject *start_job(PyObject *args, prepare_fn prepare) {
     Py_ssize_t threads = 1;
     CopyJob *job;
-    (void)self;
     job = PyObject_New(CopyJob, &CopyJobType);
     if (job == NULL)
         return NULL;
     memset(&job->rj, 0, sizeof(job->rj));
     job->joined = 1; /* nothing to wait for until it is started */
-    if (runs_prepare(&job->rj, args, &threads) < 0) {
+    if (prepare(&job->rj, args, &threads) < 0) {
         Py_DECREF(job);
         return NULL;
     }
@@ -313,6 +235,20 @@ static PyObject *py_start_runs(PyObject *self, PyObject *args) {
      * letting the GIL go here handed it to a thread that kept it for milliseconds */
     pool_start(&job->rj.job, helpers_for(threads, 0));
     return (PyObject *)job;
+}
+
+/* start_runs(dst, src, dst_offs, src_offs, lens, piece, threads=1) -> CopyJob: copy_runs begun
+ * on ``threads`` helper threads before this returns. */
+static PyObject *py_start_runs(PyObject *self, PyObject *args) {
+    (void)self;
+    return start_job(args, runs_prepare);
+}
+
+/* start_rows(dst, src, dst_rows, src_rows, row_bytes, piece, threads=1) -> CopyJob: copy_rows
+ * begun on ``threads`` helper threads before this returns. */
+static PyObject *py_start_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    return start_job(args, rows_prepare);
 }
 
 static PyObject *py_streaming(PyObject *self, PyObject *args) {
@@ -347,6 +283,12 @@ static PyMethodDef methods[] = {
     {"copy_runs", py_copy_runs, METH_VARARGS,
      "copy_runs(dst, src, dst_offs, src_offs, lens, piece, threads=1) -> bytes copied; runs cut into "
      "pieces of at most piece bytes, pulled by the calling thread and threads - 1 helper threads"},
+    {"copy_rows", py_copy_rows, METH_VARARGS,
+     "copy_rows(dst, src, dst_rows, src_rows, row_bytes, piece, threads=1) -> bytes copied: row "
+     "dst_rows[i] gets row src_rows[i] (int64 row numbers), as copy_runs of the runs they make"},
+    {"start_rows", py_start_rows, METH_VARARGS,
+     "start_rows(dst, src, dst_rows, src_rows, row_bytes, piece, threads=1) -> CopyJob: copy_rows "
+     "begun on threads helper threads before this returns"},
     {"start_runs", py_start_runs, METH_VARARGS,
      "start_runs(dst, src, dst_offs, src_offs, lens, piece, threads=1) -> CopyJob: copy_runs begun on "
      "threads helper threads before this returns; its join() finishes it"},

@@ -289,7 +289,10 @@ class BlockTable:
     def refresh_nvme_idle_many(self, blocks: np.ndarray) -> None:
         """Batch form: vectorised membership test, O(1) fix per mismatch (added blocks are unlinked)."""
         blocks, lst = np.asarray(blocks, dtype=np.int64), self.nvme_idle
-        want = (self.busy[blocks] == 0) & ((self.copies[blocks] >> NVME) & 1 == 1)
+        on_nvme = (self.copies[blocks] >> NVME) & 1 == 1
+        if not on_nvme.any():  # none can be listed (only blocks with an NVMe copy are): a DRAM move
+            return
+        want = (self.busy[blocks] == 0) & on_nvme
         have = lst.owner[blocks] == 0
         if not (want ^ have).any():  # the common case on a move: nothing to change
             return

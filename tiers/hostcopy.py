@@ -13,8 +13,9 @@ cores where there are some.
 Where the compiled kernel was built (``kernels/_copy.c``), the pieces are pulled
 in C with the GIL released for the whole copy, by helper threads that never take
 it (a Python helper could not start while the daemon's owner thread ran Python),
-and large pieces use streaming stores. Rows go as byte offsets into the two
-arrays, so a scattered move costs no Python object per block. Without the kernel,
+and large pieces use streaming stores. Rows go as two int64 arrays of row numbers,
+which the kernel turns into runs of bytes, so a scattered move costs no Python
+object per block. Without the kernel,
 each chunk is an ``np.copyto`` (which releases the GIL for the copy only).
 """
 
@@ -31,10 +32,10 @@ import numpy as np
 try:
     from kvtier.kernels._copy import CopyJob
     from kvtier.kernels._copy import copy_pairs as _c_copy_pairs
-    from kvtier.kernels._copy import copy_runs as _c_copy_runs
-    from kvtier.kernels._copy import start_runs as _c_start_runs
+    from kvtier.kernels._copy import copy_rows as _c_copy_rows
+    from kvtier.kernels._copy import start_rows as _c_start_rows
 except ImportError:  # pragma: no cover - exercised where the extension was not built
-    _c_copy_pairs = _c_copy_runs = _c_start_runs = CopyJob = None
+    _c_copy_pairs = _c_copy_rows = _c_start_rows = CopyJob = None
 
 CHUNK_BYTES = 4 << 20  # a chunk's copy (~0.5 ms) dwarfs the ~3 µs of Python that hands it out
 # rows' runs are pulled in pieces of at most this many bytes (in C, no Python per piece): a
@@ -145,42 +146,50 @@ class HostCopier:
         job.work()
         job.wait()
 
-    def _row_offsets(self, dst: np.ndarray, dst_idx: np.ndarray, src: np.ndarray,
-                     src_idx: np.ndarray) -> "tuple[np.ndarray, np.ndarray, np.ndarray] | list[Pair]":
-        """The rows' runs as byte offsets for the compiled loop (whole rows of two C-contiguous
-        arrays), else as (dst, src) views for ``copy`` (a layer's columns of each row: strided)."""
-        if len(dst_idx) != len(src_idx):
-            raise ValueError(f"copy_rows: {len(dst_idx)} destination and {len(src_idx)} source rows")
+    def _row_bytes(self, dst: np.ndarray, src: np.ndarray) -> int:
+        """Bytes a row where the compiled loop takes the two arrays' rows whole (C-contiguous,
+        rows of one shape and type), else 0: a layer's columns of each row are strided."""
+        if not (self.compiled and dst.ndim >= 1 and dst.shape[1:] == src.shape[1:] and dst.dtype == src.dtype
+                and dst.flags.c_contiguous and src.flags.c_contiguous):
+            return 0
+        return dst.itemsize * math.prod(dst.shape[1:])
+
+    @staticmethod
+    def _row_views(dst: np.ndarray, dst_idx: np.ndarray, src: np.ndarray, src_idx: np.ndarray) -> list[Pair]:
+        """The rows' runs as (dst, src) views for ``copy`` (numpy's copies), every row checked first."""
         d0, s0, k = row_runs(dst_idx, src_idx)
         if ((d0 < 0) | (s0 < 0) | (d0 + k > len(dst)) | (s0 + k > len(src))).any():
             raise IndexError(f"copy_rows: rows outside {len(dst)} destination / {len(src)} source rows")
-        whole = (self.compiled and dst.ndim >= 1 and dst.shape[1:] == src.shape[1:]
-                 and dst.dtype == src.dtype and dst.flags.c_contiguous and src.flags.c_contiguous)
-        if not whole:
-            return [(dst[a: a + n], src[b: b + n]) for a, b, n in zip(d0.tolist(), s0.tolist(), k.tolist())]
-        row = dst.itemsize * math.prod(dst.shape[1:])
-        return d0 * row, s0 * row, k * row
+        return [(dst[a: a + n], src[b: b + n]) for a, b, n in zip(d0.tolist(), s0.tolist(), k.tolist())]
+
+    @staticmethod
+    def _rows(dst_idx: np.ndarray, src_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if len(dst_idx) != len(src_idx):
+            raise ValueError(f"copy_rows: {len(dst_idx)} destination and {len(src_idx)} source rows")
+        return np.ascontiguousarray(dst_idx, dtype=np.int64), np.ascontiguousarray(src_idx, dtype=np.int64)
 
     def copy_rows(self, dst: np.ndarray, dst_idx: np.ndarray, src: np.ndarray, src_idx: np.ndarray) -> None:
         """Copy rows ``src[src_idx]`` to ``dst[dst_idx]`` (done on return). Rows consecutive on
-        both sides go as one run; whole rows go to the compiled loop as byte offsets, one int64
-        array each way however scattered the rows. Rows of one array (overlapping) are copied
-        run by run in order, each as memmove would."""
-        runs = self._row_offsets(dst, dst_idx, src, src_idx)
-        if isinstance(runs, list):
-            self.copy(runs)
+        both sides go as one run; whole rows go to the compiled loop as two int64 arrays of row
+        numbers however scattered (it finds the runs and checks every row), with no Python object
+        a block. Rows of one array (overlapping) are copied run by run in order, as memmove would."""
+        dst_idx, src_idx = self._rows(dst_idx, src_idx)
+        row = self._row_bytes(dst, src)
+        if row:
+            _c_copy_rows(dst, src, dst_idx, src_idx, row, PIECE_BYTES, self.threads)
         else:
-            _c_copy_runs(dst, src, *runs, PIECE_BYTES, self.threads)
+            self.copy(self._row_views(dst, dst_idx, src, src_idx))
 
     def start_rows(self, dst: np.ndarray, dst_idx: np.ndarray, src: np.ndarray,
                    src_idx: np.ndarray) -> Optional["CopyJob"]:
         """``copy_rows`` begun on the kernel's helper threads before this returns (its ``join()``
         finishes it, on any thread), or None where the rows need numpy's copies. A copy started
         so needs no Python thread to get going: the owner thread starts it as it plans the next."""
-        if np.may_share_memory(dst, src):  # rows of one array: copied in order, by ``copy_rows``
+        dst_idx, src_idx = self._rows(dst_idx, src_idx)
+        row = self._row_bytes(dst, src)
+        if not row or np.may_share_memory(dst, src):  # rows of one array: copied in order, by ``copy_rows``
             return None
-        runs = self._row_offsets(dst, dst_idx, src, src_idx)
-        return None if isinstance(runs, list) else _c_start_runs(dst, src, *runs, PIECE_BYTES, self.threads)
+        return _c_start_rows(dst, src, dst_idx, src_idx, row, PIECE_BYTES, self.threads)
 
     def close(self) -> None:
         if self._pool is not None:

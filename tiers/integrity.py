@@ -77,6 +77,9 @@ def unreachable_idle(t: BlockTable, corrupt: np.ndarray, blocks: np.ndarray) -> 
     """Per block of ``blocks``: nothing holds, pins or moves it and no lookup reaches it (open,
     or sealed out of the key index and not corrupt), so it is released rather than cached."""
     st = t.state[blocks]
-    hidden = (st == SEALED) & t.detached[blocks] & ~corrupt[blocks]
+    sealed = st == SEALED
+    if sealed.all() and not t.detached[blocks].any():  # the common case after a move: all reachable
+        return np.zeros(blocks.size, dtype=bool)
+    hidden = sealed & t.detached[blocks] & ~corrupt[blocks]
     return (t.refcount[blocks] == 0) & (t.pins[blocks] == 0) & (t.busy[blocks] == 0) & ((st == OPEN) | hidden)
 

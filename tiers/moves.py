@@ -23,7 +23,9 @@ from .backoff import WriteBackoff
 from .block_table import BlockTable
 from .integrity import count_read_failure, quarantine, unreachable_idle
 from .io_backends import IOBackend, select_backend
+from .key_index import all_distinct
 from .listeners import BatchListener, EventListener, FailureListener, emit, emit_many, most_urgent
+from .move_checks import PROMOTE_SOURCE, refuse_move
 from .mover import Completion, Mover, Transfer
 from .nvme import NvmeStore
 from .pools import DramPool, HbmPool
@@ -32,14 +34,6 @@ from .types import DATA_PLANE_EVENTS, DRAM, FREE, HBM, NVME, ORPHAN_OWNER, SEALE
 log = logging.getLogger("kvtier.tiers")
 PATH_NAMES = {(int(a), int(b)): f"{a.name.lower()}->{b.name.lower()}" for a in Tier for b in Tier}  # counter keys
 TID_WRAP = (1 << 31) - 1  # transfer ids cycle through 1 .. 2^31-1: 4 B a block, not 8
-
-
-def _refuse(arr: np.ndarray, masks: tuple[np.ndarray, ...], src: Tier) -> None:
-    """Raise the first of ``_move``'s refusal reasons, in order, for the first block it names."""
-    reasons = (f"has no valid copy in {src.name}", "is already moving", "is pinned",
-               "is being read by a remote write; its copies stay")
-    mask, why = next((m, r) for m, r in zip(masks, reasons) if m.any())
-    raise ValueError(f"block {int(arr[np.argmax(mask)])} {why}")
 
 
 @dataclass
@@ -129,10 +123,8 @@ class TierMoves:
             bad = t.state[arr] == FREE
         if bad.any():
             raise ValueError(f"unknown block {int(arr[np.argmax(bad)])}")
-        if arr.size > 1:
-            srt = np.sort(arr)  # cheaper than np.unique on the acquire/release hot path
-            if bool((srt[1:] == srt[:-1]).any()):
-                raise ValueError("a block is named twice in one request")
+        if not all_distinct(arr):  # (a sort, skipped where the blocks come in order)
+            raise ValueError("a block is named twice in one request")
         return arr
 
     # -- movement ----------------------------------------------------------
@@ -156,18 +148,21 @@ class TierMoves:
         arr = self.check_blocks(blocks)
         if arr.size == 0:
             return 0  # nothing to move, as ``demote`` answers
-        copies = self.table.copies[arr].astype(np.int64)
-        if ((copies >> dst) & 1).any():
-            raise ValueError(f"block {int(arr[np.argmax((copies >> dst) & 1)])} is already in {dst.name}")
-        lower = copies >> (dst + 1)
-        if (lower == 0).any():
-            raise ValueError(f"block {int(arr[np.argmax(lower == 0)])} has no copy below {dst.name} to promote")
-        src = dst + 1 + np.log2(lower & -lower).astype(np.int64)
-        if (src != src[0]).any():
+        src = PROMOTE_SOURCE[dst][self.table.copies[arr]]  # two lookups where bit arithmetic took ten passes
+        first = int(src[0])
+        if first < 0 or (src != first).any():
+            copies = self.table.copies[arr]
+            if ((copies >> dst) & 1).any():
+                raise ValueError(f"block {int(arr[np.argmax((copies >> dst) & 1)])} is already in {dst.name}")
+            if (src < 0).any():
+                raise ValueError(f"block {int(arr[np.argmax(src < 0)])} has no copy below {dst.name} to promote")
             raise ValueError("promote: blocks come from different tiers; split the request")
-        return self._move(arr, Tier(int(src[0])), dst, keep_source=True, chunks=chunks)
+        return self._move(arr, Tier(first), dst, keep_source=True, chunks=chunks)
 
     def _move(self, arr: np.ndarray, src: Tier, dst: Tier, keep_source: bool, chunks: int = 1) -> Optional[int]:
+        """Plan, reserve and submit one transfer. Each numpy step here is a pass over the
+        blocks on a core the copies already started want (~2-4 us each while memory is
+        busy): the common case (idle blocks, none yet in ``dst``) skips the steps it needs not."""
         t = self.table
         s, d = int(src), int(dst)
         if NVME in (s, d) and self.nvme is None:
@@ -175,18 +170,19 @@ class TierMoves:
         copies = t.copies[arr]
         sealed = t.state[arr] == SEALED
         keep = keep_source & sealed  # open blocks always move (one copy)
-        masks = ((copies >> s) & 1 == 0, t.moving(arr), (t.pins[arr] != 0) & (not keep_source),
-                 (t.readers[arr] != 0) & ~keep)
-        if (masks[0] | masks[1] | masks[2] | masks[3]).any():  # one test on the way through
-            _refuse(arr, masks, src)
-        need_io = (copies >> d) & 1 == 0
-        io = arr[need_io]
+        idle = not t.busy[arr].any()  # (no move and no read hold: a read hold counts in busy)
+        if (copies & np.uint8(1 << s) == 0).any() or (not keep_source and t.pins[arr].any()) or not idle:
+            refuse_move(t, arr, copies, keep, keep_source, src)
+        need_io = copies & np.uint8(1 << d) == 0
+        every = bool(need_io.all())  # the common case: no copy in dst yet, nothing to drop
+        io = arr if every else arr[need_io]
         if t.free_slot_count(d) < io.size:
             return None
-        clean = arr[~need_io & ~keep]  # dst copy already valid: just drop the source
-        t.release_slots(clean, s)
-        self._emit_many("removed", clean, s)
-        self.counters["clean_" + PATH_NAMES[s, d]] += int(arr.size - io.size)
+        if not every:
+            clean = arr[~need_io & ~keep]  # dst copy already valid: just drop the source
+            t.release_slots(clean, s)
+            self._emit_many("removed", clean, s)
+            self.counters["clean_" + PATH_NAMES[s, d]] += int(arr.size - io.size)
         if io.size == 0:
             return 0
         dst_slots = t.assign_slots(io, d)
@@ -196,18 +192,23 @@ class TierMoves:
         # over the indexed block of its key, another namespace's)
         layered = chunks > 1 and (s, d) == (DRAM, HBM)
         progress = np.zeros(1, dtype=np.int64) if layered else None
+        io = io.copy() if every else io  # (``arr`` may be the caller's array; a gather is a copy already)
         xfer = Transfer(
-            tid, src, dst, io.copy(), t.slot[s, io].astype(np.int64), dst_slots.astype(np.int64),
-            t.key[io].copy(), t.nbytes[io].astype(np.int64), t.checksum[io].copy(), sealed[need_io] & ~t.detached[io],
+            tid, src, dst, io, t.slot[s, io].astype(np.int64), dst_slots,
+            t.key[io], t.nbytes[io].astype(np.int64), t.checksum[io], (sealed if every else sealed[need_io]) & ~t.detached[io],
             chunks if layered else 1, progress,
             self.nvme.reserve_seqs(io.size) if d == NVME and self.nvme is not None else None,
             self.ns_owner[self.namespace[io]] if d == NVME else None,
         )
         self.inflight[io] = tid
-        t.busy[io] += 1
-        self._pending[tid] = _Pending(io, src, dst, keep[need_io].copy(), chunks if layered else 1, progress)
+        if idle:
+            t.busy[io] = 1
+        else:
+            t.busy[io] += 1
+        self._pending[tid] = _Pending(io, src, dst, keep if every else keep[need_io], chunks if layered else 1, progress)
         self.mover.submit(xfer)
-        t.refresh_nvme_idle_many(io)  # overlaps the copy: only this thread reads the lists
+        if (copies & np.uint8(1 << NVME)).any():  # only blocks with an NVMe copy are on the idle list
+            t.refresh_nvme_idle_many(io)  # overlaps the copy: only this thread reads the lists
         return tid
 
     def _apply(self, group: list[Completion]) -> None:
@@ -293,10 +294,13 @@ class TierMoves:
         self.counters[f"errors_{path}"] += int(bad.size)
         self.counters["nvme_read_retries"] += c.retried
         orphans = unreachable_idle(t, self.corrupt, blocks)
-        for b in blocks[orphans].tolist():
-            self._emit("removed", b, -1)
-            t.release_block(b)  # freed by its sequence while moving
-        t.refresh_nvme_idle_many(blocks[~orphans])
+        if orphans.any():
+            for b in blocks[orphans].tolist():
+                self._emit("removed", b, -1)
+                t.release_block(b)  # freed by its sequence while moving
+            t.refresh_nvme_idle_many(blocks[~orphans])
+        else:
+            t.refresh_nvme_idle_many(blocks)
         if d == NVME:
             self._note_nvme_writes(int(good.size), int(bad.size))
         self.counters[f"moves_{path}"] += int(good.size)

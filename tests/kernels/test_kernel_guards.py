@@ -92,6 +92,40 @@ def test_copy_runs_refuses_runs_outside_its_buffers_before_a_byte_moves():
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-800:]
 
 
+def test_copy_rows_refuses_rows_outside_either_buffer_before_a_byte_moves():
+    """copy_rows / start_rows find their runs in C: a row number outside either buffer (one
+    past the end, negative, past a buffer that is not a whole number of rows), counts that
+    differ, a row size of zero, or row numbers not int64, copy nothing and raise."""
+    r = _child('''
+        from kvtier.kernels._copy import copy_rows, start_rows
+        row = 4096
+        d, s = np.zeros(16 * row + 100, np.uint8), np.ones(8 * row, np.uint8)
+        i64 = lambda *x: np.array(x, np.int64)
+        for fn in (copy_rows, start_rows):
+            for dr, sr in (((0, 16), (0, 1)), ((0, 1), (0, 8)), ((0, -1), (0, 1)), ((0, 1), (-1, 2)),
+                           ((0, 1 << 60), (0, 1))):  # a good row first: it must not be copied either
+                try:
+                    fn(d, s, i64(*dr), i64(*sr), row, 1 << 20, 2)
+                    raise SystemExit(f"copied {dr, sr}")
+                except IndexError:
+                    pass
+                assert not d.any(), (dr, sr)
+            for args in ((i64(0, 1), i64(0), row), (i64(0), i64(0), 0), (i64(0), i64(0), -row),
+                         (i64(0).astype(np.int32), i64(0), row)):
+                try:
+                    fn(d, s, *args, 1 << 20, 2)
+                    raise SystemExit(f"copied {args}")
+                except ValueError:
+                    pass
+                assert not d.any()
+        assert copy_rows(d, s, i64(15, 3), i64(7, 0), row, 1 << 20, 2) == 2 * row
+        assert d[15 * row: 16 * row].all() and d[3 * row: 4 * row].all() and int(d.sum()) == 2 * row
+        assert copy_rows(d, s, i64(), i64(), row, 1 << 20, 2) == 0
+        print("ok")
+    ''')
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-800:]
+
+
 def test_copies_after_a_fork_and_from_two_threads_at_once_are_exact():
     """A forked child has none of its parent's helper threads: its copies start their own.
     Two callers at once: one gets the helpers, the other copies alone; both exact."""
@@ -241,7 +275,8 @@ def test_runs_within_one_buffer_are_copied_in_order_as_memmove_would():
 
 def test_helpers_spread_over_the_process_cpus_whoever_starts_them():
     """A thread pinned to one CPU starting the first copy: its helpers (which would inherit
-    its mask) still take one CPU each of the process's set."""
+    its mask) still take one CPU each of the process's set, and are batch threads (a wake-up
+    does not preempt the thread that started the copy)."""
     r = _child('''
         import os, threading
         from kvtier.kernels._copy import copy_runs
@@ -265,6 +300,8 @@ def test_helpers_spread_over_the_process_cpus_whoever_starts_them():
             line = [l for l in open(f"/proc/self/task/{tid}/status") if l.startswith("Cpus_allowed_list")][0]
             masks.append(line.split()[1])
         assert len(masks) == 2 and masks[0] != masks[1], masks
+        assert all(os.sched_getscheduler(int(tid)) == os.SCHED_BATCH for tid in helpers)
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's own policy is untouched
         print("ok")
     ''')
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-800:]

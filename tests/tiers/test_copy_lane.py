@@ -22,7 +22,7 @@ def _every_byte_in_place(m: TierManager, blocks: np.ndarray) -> None:
     m.check_invariants()
 
 
-@pytest.mark.skipif(hostcopy._c_start_runs is None, reason="the compiled copy (kernels/_copy.c) was not built")
+@pytest.mark.skipif(hostcopy._c_start_rows is None, reason="the compiled copy (kernels/_copy.c) was not built")
 def test_copies_begun_at_submit_land_while_the_lane_worker_is_busy(nvme_dir):
     """A host copy of whole rows starts on the kernel's threads as it is submitted and
     needs no lane worker: it lands, and the owner's poll collects and applies it, while

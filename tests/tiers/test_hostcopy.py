@@ -155,7 +155,7 @@ def test_compiled_copy_checks_every_pair_before_moving_a_byte():
         hostcopy._c_copy_pairs([good_dst], [])
 
 
-@pytest.mark.skipif(hostcopy._c_start_runs is None, reason="the compiled copy (kernels/_copy.c) was not built")
+@pytest.mark.skipif(hostcopy._c_start_rows is None, reason="the compiled copy (kernels/_copy.c) was not built")
 def test_a_started_copy_lands_before_its_join_and_join_releases_it():
     """``start_rows`` copies on the kernel's threads with no Python thread pulling: the copy is
     done before anyone joins; ``join`` returns its bytes once; a dropped job is waited for."""
@@ -181,6 +181,37 @@ def test_a_started_copy_lands_before_its_join_and_join_releases_it():
         assert c.start_rows(dst[:, ::2], np.arange(rows), src[:, ::2], np.arange(rows)) is None  # strided: numpy's
         with pytest.raises(IndexError):
             c.start_rows(dst, np.array([rows]), src, np.array([0]))
+    finally:
+        c.close()
+
+
+@pytest.mark.skipif(hostcopy._c_copy_rows is None, reason="the compiled copy (kernels/_copy.c) was not built")
+@pytest.mark.parametrize("seed", range(6))
+def test_rows_copied_by_the_kernel_match_numpy_for_any_layout(seed):
+    """The kernel finds the runs in the row numbers itself: scattered rows, runs on one side
+    only, runs on both, repeats of a source row, and a destination run that breaks where the
+    source one goes on, all land as numpy's fancy-index copy leaves them, synchronously and
+    started; nothing outside the named rows is written."""
+    rng = np.random.default_rng(seed)
+    rows, width = 96, int(rng.choice([64, 4096, 70_000]))
+    src = rng.integers(0, 255, (rows, width), dtype=np.uint8)
+    k = int(rng.integers(1, rows))
+    layouts = [rng.permutation(rows)[:k], np.arange(k), np.sort(rng.permutation(rows)[:k])]
+    dst_idx = layouts[seed % 3]
+    src_idx = [np.arange(k) + int(rng.integers(0, rows - k + 1)), rng.integers(0, rows, k),
+               np.where(np.arange(k) % 5 == 4, rng.integers(0, rows, k), np.arange(k))][seed // 2 % 3]
+    c = HostCopier(2)
+    try:
+        for how in ("copy", "start"):
+            dst = np.zeros((rows, width), np.uint8)
+            want = dst.copy()
+            want[dst_idx] = src[src_idx]
+            if how == "copy":
+                c.copy_rows(dst, dst_idx, src, src_idx)
+            else:
+                job = c.start_rows(dst, dst_idx, src, src_idx)
+                assert job is not None and job.join() == k * width
+            assert np.array_equal(dst, want), how
     finally:
         c.close()
 

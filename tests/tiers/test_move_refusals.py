@@ -35,6 +35,33 @@ def test_move_refusals_name_the_block_and_reason_in_order_and_change_nothing(man
     m.check_invariants()
 
 
+def test_promote_refusals_name_the_block_and_change_nothing(manager):
+    """A promotion reads from the fastest tier below its destination that holds a copy; one
+    into a tier that already holds the block, of a block with nothing below, or of blocks
+    whose fastest copies lie in different tiers is refused, naming the first such block."""
+    m = manager
+    a, b, c = _new_sealed(m, 51), _new_sealed(m, 52), _new_sealed(m, 53)
+    m.demote([a, b], "hbm", "dram")
+    m.wait()
+    m.demote([a], "dram", "nvme")
+    m.wait()  # a: NVMe only; b: DRAM only; c: HBM only
+    cases = [
+        (lambda: m.promote([b, c]), f"block {c} is already in HBM"),
+        (lambda: m.promote([a, b], Tier.DRAM), f"block {b} is already in DRAM"),
+        (lambda: m.promote([b, a]), "promote: blocks come from different tiers; split the request"),
+        (lambda: m.promote([a, c], Tier.DRAM), f"block {c} has no copy below DRAM to promote"),
+    ]
+    for call, message in cases:
+        before = snapshot(m)
+        with pytest.raises(ValueError, match=f"^{message}$"):
+            call()
+        assert_same(before, snapshot(m))
+    assert m.promote([a], Tier.DRAM) > 0 and m.promote([b]) > 0  # each from its own tier
+    m.wait()
+    assert [int(m.table.copies[x]) for x in (a, b, c)] == [0b110, 0b011, 0b001]
+    m.check_invariants()
+
+
 def test_empty_moves_are_no_ops(manager):
     m = manager
     b = _new_sealed(m, 41)
