@@ -92,17 +92,19 @@ class Placement:
                 for b in blocks.tolist():
                     self._on_event(kind, b, tier)
             return
+        tracked = self.tracked[tier, blocks]  # (a move's blocks are all new to dst, all tracked in src)
         if kind == "stored":
-            new = blocks[~self.tracked[tier, blocks]]
+            new = blocks if not tracked.any() else blocks[~tracked]
             now = self.clock()
             classes = self.feature_class[new].astype(np.int64)
             unseen = ~pol.seen_many(new)  # e.g. recovered from NVMe: its access is still in the log
-            for b, cls in zip(new[unseen].tolist(), classes[unseen].tolist()):
-                pol.observe(b, now, cls)
+            if unseen.any():
+                for b, cls in zip(new[unseen].tolist(), classes[unseen].tolist()):
+                    pol.observe(b, now, cls)
             pol.insert_many(new, now, classes)
             self.tracked[tier, new] = True
         elif kind == "removed":
-            gone = blocks[self.tracked[tier, blocks]]
+            gone = blocks if tracked.all() else blocks[tracked]
             pol.remove_many(gone)
             self.tracked[tier, gone] = False
 

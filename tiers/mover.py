@@ -48,10 +48,11 @@ def _mergeable(t: Transfer) -> bool:
 
 
 def _merged(batch: list[Transfer]) -> Transfer:
-    cat = lambda name: np.concatenate([getattr(x, name) for x in batch])
     first = batch[0]
-    return Transfer(-1, first.src, first.dst, cat("blocks"), cat("src_slots"), cat("dst_slots"), cat("keys"),
-                    cat("lengths"), cat("checksums"), cat("sealed"))  # copies only: NVMe I/O never merges
+    cat = lambda name: np.concatenate([getattr(x, name) for x in batch])
+    opt = lambda name: None if getattr(first, name) is None else cat(name)
+    return Transfer(-1, first.src, first.dst, cat("blocks"), cat("src_slots"), cat("dst_slots"), opt("keys"),
+                    cat("lengths"), opt("checksums"), opt("sealed"))  # copies only: NVMe I/O never merges
 
 
 class Mover:

@@ -118,11 +118,12 @@ class TierMoves:
     def check_blocks(self, blocks: Iterable[int]) -> np.ndarray:
         arr = np.asarray(blocks if isinstance(blocks, np.ndarray) else list(blocks), dtype=np.int64).reshape(-1)
         t = self.table
-        bad = (arr < 0) | (arr >= t.max_blocks)
-        if not bad.any():
-            bad = t.state[arr] == FREE
-        if bad.any():
+        if arr.size and (arr.min() < 0 or arr.max() >= t.max_blocks):
+            bad = (arr < 0) | (arr >= t.max_blocks)
             raise ValueError(f"unknown block {int(arr[np.argmax(bad)])}")
+        free = t.state[arr] == FREE
+        if free.any():
+            raise ValueError(f"unknown block {int(arr[np.argmax(free)])}")
         if not all_distinct(arr):  # (a sort, skipped where the blocks come in order)
             raise ValueError("a block is named twice in one request")
         return arr
@@ -193,20 +194,22 @@ class TierMoves:
         layered = chunks > 1 and (s, d) == (DRAM, HBM)
         progress = np.zeros(1, dtype=np.int64) if layered else None
         io = io.copy() if every else io  # (``arr`` may be the caller's array; a gather is a copy already)
+        disk = NVME in (s, d)  # only NVMe paths read the header fields
         xfer = Transfer(
             tid, src, dst, io, t.slot[s, io].astype(np.int64), dst_slots,
-            t.key[io], t.nbytes[io].astype(np.int64), t.checksum[io], (sealed if every else sealed[need_io]) & ~t.detached[io],
+            t.key[io] if disk else None, t.nbytes[io].astype(np.int64), t.checksum[io] if disk else None,
+            (sealed if every else sealed[need_io]) & ~t.detached[io] if disk else None,
             chunks if layered else 1, progress,
             self.nvme.reserve_seqs(io.size) if d == NVME and self.nvme is not None else None,
             self.ns_owner[self.namespace[io]] if d == NVME else None,
         )
+        self.mover.submit(xfer)  # a host copy starts here: the bookkeeping below overlaps it
         self.inflight[io] = tid
         if idle:
             t.busy[io] = 1
         else:
             t.busy[io] += 1
         self._pending[tid] = _Pending(io, src, dst, keep if every else keep[need_io], chunks if layered else 1, progress)
-        self.mover.submit(xfer)
         if (copies & np.uint8(1 << NVME)).any():  # only blocks with an NVMe copy are on the idle list
             t.refresh_nvme_idle_many(io)  # overlaps the copy: only this thread reads the lists
         return tid

@@ -141,17 +141,18 @@ def _write_nvme(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict,
     a call per block, without a future and a thread hand-off per block (on a small
     host that Python cost 20-25% of the disk's write bandwidth)."""
     assert m.nvme is not None
-    sums = t.checksums.copy()
+    keys, checksums, sealed = t.header()
+    sums = checksums.copy()
     calls = []
     for share in _split(range(t.blocks.size), _io_threads(m)):
         mine, items = [], []
         for i in share:
             try:
                 buf = source(int(t.src_slots[i]))
-                if not t.sealed[i]:
+                if not sealed[i]:
                     sums[i] = block_checksum(buf, int(t.lengths[i]))
-                items.append((int(t.dst_slots[i]), buf, int(t.keys[i]), int(t.lengths[i]), int(sums[i]),
-                              bool(t.sealed[i]), None if t.seqs is None else int(t.seqs[i]),
+                items.append((int(t.dst_slots[i]), buf, int(keys[i]), int(t.lengths[i]), int(sums[i]),
+                              bool(sealed[i]), None if t.seqs is None else int(t.seqs[i]),
                               0 if t.owners is None else int(t.owners[i])))
                 mine.append(i)
             except Exception as e:
@@ -179,7 +180,7 @@ def _dram_to_nvme(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict) -> n
 def _hbm_to_nvme(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict) -> np.ndarray:
     if not m.hbm.is_cuda:
         return _write_nvme(m, t, ok, errors, m.hbm.host_slot)
-    if m.nvme is not None and m.nvme.backend.name == "kvikio" and bool(t.sealed.all()):
+    if m.nvme is not None and m.nvme.backend.name == "kvikio" and bool(t.header()[2].all()):
         return _write_nvme(m, t, ok, errors, lambda s: m.hbm.tensor[s])  # GPUDirect
 
     def staged(s: int) -> np.ndarray:  # bounce through host memory
@@ -223,9 +224,10 @@ def _read_verified(m: CopyEngine, t: Transfer, idx: Sequence[int], bufs: dict[in
     """One verified read of blocks ``idx`` into ``bufs``: ``ok[i]`` only if the bytes
     read match the block's checksum; otherwise its error (``again``: said of a retry)."""
     assert m.nvme is not None
+    checksums = t.header()[1]
     calls = []
     for share in _split(idx, _io_threads(m)):
-        items = [(int(t.src_slots[i]), bufs[i], int(t.lengths[i]), int(t.checksums[i])) for i in share]
+        items = [(int(t.src_slots[i]), bufs[i], int(t.lengths[i]), int(checksums[i])) for i in share]
         try:
             calls.append((share, m.nvme.read_checked(items)))
         except Exception as e:
