@@ -13,7 +13,6 @@ import itertools
 import logging
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 import numpy as np
@@ -24,6 +23,7 @@ from .block_table import BlockTable
 from .integrity import count_read_failure, quarantine, unreachable_idle
 from .io_backends import IOBackend, select_backend
 from .key_index import all_distinct
+from .landing import Pending, dropped, land, merged
 from .listeners import BatchListener, EventListener, FailureListener, emit, emit_many, most_urgent
 from .move_checks import PROMOTE_SOURCE, refuse_move
 from .mover import Completion, Mover, Transfer
@@ -34,16 +34,6 @@ from .types import DATA_PLANE_EVENTS, DRAM, FREE, HBM, NVME, ORPHAN_OWNER, SEALE
 log = logging.getLogger("kvtier.tiers")
 PATH_NAMES = {(int(a), int(b)): f"{a.name.lower()}->{b.name.lower()}" for a in Tier for b in Tier}  # counter keys
 TID_WRAP = (1 << 31) - 1  # transfer ids cycle through 1 .. 2^31-1: 4 B a block, not 8
-
-
-@dataclass
-class _Pending:
-    blocks: np.ndarray
-    src: Tier
-    dst: Tier
-    keep_source: np.ndarray  # per block: keep the source copy
-    chunks: int = 1
-    progress: Optional[np.ndarray] = None  # parts landed (layer-wise DRAM -> HBM promotions)
 
 
 class TierMoves:
@@ -77,7 +67,7 @@ class TierMoves:
         self.nvme = NvmeStore(nvme_dir, nvme_slots, block_bytes, self.backend) if nvme_slots and nvme_dir else None
         self.mover = Mover(self.hbm, self.dram, self.nvme, workers=mover_workers, queue_depth=queue_depth)
         self._tids = itertools.count(1)
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, Pending] = {}
         self._unapplied: deque[Completion] = deque()  # taken from the mover by a poll that raised
         self._deferred: Optional[list[BaseException]] = None  # listener errors while a group is applied
         # the data plane's events start at 0, so a scrape shows them (and rate() works) before the first
@@ -209,7 +199,7 @@ class TierMoves:
             t.busy[io] = 1
         else:
             t.busy[io] += 1
-        self._pending[tid] = _Pending(io, src, dst, keep if every else keep[need_io], chunks if layered else 1, progress)
+        self._pending[tid] = Pending(io, src, dst, keep if every else keep[need_io], chunks if layered else 1, progress)
         if (copies & np.uint8(1 << NVME)).any():  # only blocks with an NVMe copy are on the idle list
             t.refresh_nvme_idle_many(io)  # overlaps the copy: only this thread reads the lists
         return tid
@@ -221,7 +211,7 @@ class TierMoves:
         self._deferred = []
         raised: Optional[BaseException] = None
         try:
-            self._apply_completion(*self._merged([(self._pending.pop(c.tid), c) for c in group]))
+            self._apply_completion(*merged([(self._pending.pop(c.tid), c) for c in group]))
             raised = most_urgent(self._deferred)
         finally:
             errors, self._deferred = self._deferred, None
@@ -249,41 +239,29 @@ class TierMoves:
             key = mine
         return out
 
-    @staticmethod
-    def _merged(parts: list[tuple[_Pending, Completion]]) -> tuple[_Pending, Completion]:
-        """One pending transfer and its completion for several of one path (disjoint blocks:
-        a block in flight cannot be moved again)."""
-        if len(parts) == 1:
-            return parts[0]
-        p0, c0 = parts[0]
-        cat = np.concatenate
-        errors: dict[int, str] = {}
-        for _, c in parts:
-            errors.update(c.errors)
-        return (_Pending(cat([p.blocks for p, _ in parts]), p0.src, p0.dst, cat([p.keep_source for p, _ in parts])),
-                Completion(c0.tid, c0.src, c0.dst, cat([c.blocks for _, c in parts]), cat([c.ok for _, c in parts]),
-                           errors, sum(c.nbytes for _, c in parts), sum(c.seconds for _, c in parts), None,
-                           sum(c.retried for _, c in parts)))
-
-    def _apply_completion(self, p: _Pending, c: Completion) -> None:
+    def _apply_completion(self, p: Pending, c: Completion) -> None:
         t = self.table
         s, d = int(p.src), int(p.dst)
         path = PATH_NAMES[s, d]
         blocks = p.blocks
-        t.busy[blocks] -= 1
-        self.inflight[blocks] = 0
         every = bool(c.ok.all())  # the common case: no mask to apply
-        good, bad = (blocks, blocks[:0]) if every else (blocks[c.ok], blocks[~c.ok])
-        t.copies[good] |= np.uint8(1 << d)
-        if d == HBM:  # failed ones too: a read that failed its checksum (or half-landed) left its
-            # namespace's bytes in the slot, which an engine of another namespace must get zeroed
-            self.hbm_slot_ns[t.slot[HBM, blocks]] = self.namespace[blocks]
-        self.io_failures[good] = 0  # failures count consecutive reads only
-        if c.checksums is not None:  # open blocks written back: checksum now known
-            t.checksum[good] = c.checksums[c.ok]
-        keep = p.keep_source if every else p.keep_source[c.ok]
-        drop_src = good[:0] if keep.all() else good if not keep.any() else good[~keep]
-        t.release_slots(drop_src, s)
+        if every and c.checksums is None and NVME not in (s, d):  # a memory copy: every block landed
+            good, bad = blocks, blocks[:0]
+            drop_src = land(t, self.inflight, self.io_failures, self.hbm_slot_ns, self.namespace, blocks,
+                            p.keep_source, s, d)
+        else:
+            t.busy[blocks] -= 1
+            self.inflight[blocks] = 0
+            good, bad = (blocks, blocks[:0]) if every else (blocks[c.ok], blocks[~c.ok])
+            t.copies[good] |= np.uint8(1 << d)
+            if d == HBM:  # failed ones too: a read that failed its checksum (or half-landed) left its
+                # namespace's bytes in the slot, which an engine of another namespace must get zeroed
+                self.hbm_slot_ns[t.slot[HBM, blocks]] = self.namespace[blocks]
+            self.io_failures[good] = 0  # failures count consecutive reads only
+            if c.checksums is not None:  # open blocks written back: checksum now known
+                t.checksum[good] = c.checksums[c.ok]
+            drop_src = dropped(good, p.keep_source if every else p.keep_source[c.ok])
+            t.release_slots(drop_src, s)
         self._emit_many("stored", good, d)
         self._emit_many("removed", drop_src, s)
         t.release_slots(bad, d)  # reserved, never valid: the source copy stays
