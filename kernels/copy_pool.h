@@ -135,7 +135,10 @@ static void pin_to_kth_cpu(int k) {
 static void batch_scheduling(void) {
 #ifdef SCHED_BATCH
     struct sched_param none = {0};
-    sched_setscheduler(0, SCHED_BATCH, &none); /* this thread only (Linux); left as is if refused */
+    /* only from the normal policy the helper inherited: one an operator chose for the process
+     * (SCHED_IDLE, real time) stays; this thread only (Linux); left as is if refused */
+    if (sched_getscheduler(0) == SCHED_OTHER)
+        sched_setscheduler(0, SCHED_BATCH, &none);
 #endif
 }
 

@@ -9,6 +9,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "copy_pool.h"
 #include "stream_copy.h"
@@ -117,6 +118,24 @@ fail:
     return -1;
 }
 
+/* The buffer of ``o`` if it holds 8-byte signed integers (an int32 array would otherwise be
+ * read as half as many rows); -1 with an error set (nothing held) if not. */
+static int signed_rows(PyObject *o, Py_buffer *b, const char *what) {
+    const char *f;
+    if (PyObject_GetBuffer(o, b, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    f = b->format ? b->format : "B";
+    if (f[0] == '<' || f[0] == '=' || f[0] == '@')
+        f++;
+    if (b->itemsize != 8 || strchr("qln", f[0]) == NULL || f[1] != '\0') {
+        PyErr_Format(PyExc_ValueError, "copy_rows: %s must be int64 row numbers, not '%s'", what,
+                     b->format ? b->format : "B");
+        PyBuffer_Release(b);
+        return -1;
+    }
+    return 0;
+}
+
 /* Parse (dst, src, dst_rows, src_rows, row_bytes, piece, threads=1) into ``rj`` (zeroed): row
  * dst_rows[i] of dst gets row src_rows[i] of src, rows ``row_bytes`` each; runs of rows consecutive
  * on both sides become one run. -1 with an error set (nothing held) if a row is outside. */
@@ -125,8 +144,15 @@ static int rows_prepare(runs_job *rj, PyObject *args, Py_ssize_t *threads) {
     Py_ssize_t row, piece, n, i, runs = 0, dcap, scap;
     const int64_t *d, *s;
     int64_t *dof, *sof, *len;
-    if (!PyArg_ParseTuple(args, "w*y*y*y*nn|n", &b[0], &b[1], &b[2], &b[3], &row, &piece, threads))
+    PyObject *drows, *srows;
+    if (!PyArg_ParseTuple(args, "w*y*OOnn|n", &b[0], &b[1], &drows, &srows, &row, &piece, threads))
         return -1;
+    rj->held = 2;
+    if (signed_rows(drows, &b[2], "dst_rows") < 0)
+        goto fail;
+    rj->held = 3;
+    if (signed_rows(srows, &b[3], "src_rows") < 0)
+        goto fail;
     rj->held = 4;
     n = b[2].len / 8;
     if (row <= 0) {

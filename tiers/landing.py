@@ -22,6 +22,7 @@ from typing import Optional
 import numpy as np
 
 from .block_table import BlockTable
+from .key_index import all_distinct
 from .transfer import Completion
 from .types import HBM, Tier
 
@@ -67,6 +68,8 @@ def dropped(blocks: np.ndarray, keep: np.ndarray) -> np.ndarray:
 def land_numpy(t: BlockTable, inflight: np.ndarray, io_failures: np.ndarray, hbm_slot_ns: Optional[np.ndarray],
                namespace: np.ndarray, blocks: np.ndarray, keep: np.ndarray, src: int, dst: int) -> np.ndarray:
     """The bookkeeping in numpy; returns the blocks whose source slot was freed."""
+    if not all_distinct(blocks):
+        raise ValueError("land: a block is named twice")
     t.busy[blocks] -= 1
     inflight[blocks] = 0
     t.copies[blocks] |= np.uint8(1 << dst)

@@ -123,6 +123,26 @@ def test_compiled_landing_refuses_what_would_stray_and_changes_nothing():
             landing._c_land(moving, drop, HBM, DRAM, t.busy, args[1], t.copies, args[2], slot_row,
                             t.slot_owner[HBM], t.free_slots[HBM].next, t.free_slots[HBM].prev,
                             t.free_slots[HBM].owner, t.free_slots[HBM].lengths, None, None, None)
+        free = t.free_slots[HBM]
+
+        def call(blks=moving, keep=drop, copies=t.copies, failures=args[2], slot=t.slot[HBM], prev=free.prev):
+            return landing._c_land(blks, keep, HBM, DRAM, t.busy, args[1], copies, failures, slot,
+                                   t.slot_owner[HBM], free.next, prev, free.owner, free.lengths, None, None, None)
+
+        twice = slot_row.copy()
+        twice[moving[1]] = t.slot[HBM][moving[0]]
+        bad_tail = free.prev.copy()
+        bad_tail[-1] = 99
+        for kwargs, match in [
+            (dict(blks=moving[[0, 1, 0]], keep=np.zeros(3, bool)), "named twice"),  # a repeat: the marks undone
+            (dict(slot=twice), "two blocks name one source slot"),
+            (dict(failures=t.copies), "share memory"),  # one array as two columns
+            (dict(prev=bad_tail), "tail is outside"),
+        ]:
+            with pytest.raises(ValueError, match=match):
+                call(**kwargs)
+        with pytest.raises(ValueError, match="named twice"):
+            landing.land_numpy(*_args(m, t), moving[[0, 0]], np.zeros(2, bool), HBM, DRAM)
         for a, b in zip(before, _state(t, (args[1], args[2], m.hbm_slot_ns))):
             assert np.array_equal(a, b)
         m.wait()
