@@ -195,7 +195,7 @@ class TierMoves:
         )
         self.mover.submit(xfer)  # a host copy starts here: the bookkeeping below overlaps it
         self.inflight[io] = tid
-        if idle:
+        if idle and every:  # (no listener ran since ``idle`` was read)
             t.busy[io] = 1
         else:
             t.busy[io] += 1
