@@ -272,14 +272,10 @@ class BlockTable:
         self.free_slots[tier].push_back(s)
 
     # -- the NVMe idle list ---------------------------------------------
-    def belongs_on_nvme_idle(self, b: int) -> bool:
-        """Does ``b`` belong on the NVMe idle list: an NVMe copy and no transfer in flight.
-        Pins do not matter: pin/unpin is the RPC hot path and must not touch the list;
-        the scan skips pinned blocks with an O(1) check instead."""
-        return bool(int(self.copies[b]) >> NVME & 1 and self.busy[b] == 0)
-
     def refresh_nvme_idle(self, b: int) -> None:
-        want = self.belongs_on_nvme_idle(b)
+        """``b`` on the NVMe idle list iff it has an NVMe copy and no transfer in flight. Pins do
+        not matter: pin/unpin is the RPC hot path; the scan skips pinned blocks in O(1) instead."""
+        want = bool(int(self.copies[b]) >> NVME & 1 and self.busy[b] == 0)
         lst = self.nvme_idle
         if want and not lst.contains(b):
             lst.push_back(b)
