@@ -1,10 +1,9 @@
 /* Host-memory block copies for CPU pools (tiers/hostcopy.py), without the GIL.
  *
- * copy_runs (runs of bytes between two buffers, cut into pieces), copy_rows (the
- * same, the runs found in row numbers: copy_runs.h) and copy_pairs (a list of
- * (dst, src) buffers) hand their pieces to the calling thread and to
- * helper threads that never take the GIL (copy_pool.h), which pull them one at a
- * time from a shared counter, so the split follows whichever core is free. The
+ * copy_rows (rows of one buffer to rows of another, as runs of bytes cut into pieces:
+ * copy_runs.h) and copy_pairs (a list of (dst, src) buffers) hand their pieces to the
+ * calling thread and to helper threads that never take the GIL (copy_pool.h), which
+ * pull them one at a time from a shared counter, so the split follows whichever core is free. The
  * GIL is released for the whole copy: Python-level hand-offs had made each helper
  * wait for the interpreter whenever another thread was planning a move.
  *
@@ -89,20 +88,16 @@ release:
     return result;
 }
 
-/* copy_runs(dst, src, dst_offs, src_offs, lens, piece, threads=1): runs of bytes between two
- * buffers, cut into pieces of at most ``piece`` bytes that the calling thread and threads - 1
- * pool helpers pull one at a time; returns the bytes copied. Buffers that share bytes are
- * copied run by run, in order, each as memmove (on the calling thread alone). No Python object a run: a
- * scattered move of a thousand blocks costs an int64 array each way, where views had cost a
- * microsecond or more each. A piece is the unit of balance: the last one taken is all a copy
- * waits for after every other thread is done. */
-typedef int (*prepare_fn)(runs_job *, PyObject *, Py_ssize_t *);
-
-/* A copy of runs done on return: the calling thread and threads - 1 helpers pull its pieces. */
-static PyObject *copy_now(PyObject *args, prepare_fn prepare) {
+/* A copy's pieces are pulled one at a time by the calling thread and threads - 1 pool helpers;
+ * buffers that share bytes are copied run by run, in order, each as memmove (on the calling
+ * thread alone). No Python object a run: a scattered move of a thousand blocks costs an int64
+ * array each way, where views had cost a microsecond or more each. A piece is the unit of
+ * balance: the last one taken is all a copy waits for after every other thread is done.
+ * copy_now: such a copy, done on return. */
+static PyObject *copy_now(PyObject *args) {
     runs_job rj = {0};
     Py_ssize_t threads = 1;
-    if (prepare(&rj, args, &threads) < 0)
+    if (rows_prepare(&rj, args, &threads) < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
     if (rj.overlap) { /* pieces in parallel would read bytes another piece already wrote */
@@ -119,19 +114,15 @@ static PyObject *copy_now(PyObject *args, prepare_fn prepare) {
     return PyLong_FromLongLong(rj.job.bytes);
 }
 
-static PyObject *py_copy_runs(PyObject *self, PyObject *args) {
-    (void)self;
-    return copy_now(args, runs_prepare);
-}
-
-/* copy_rows(dst, src, dst_rows, src_rows, row_bytes, piece, threads=1): copy_runs of the runs that
- * rows consecutive on both sides make (``rows_prepare``); returns the bytes copied. */
+/* copy_rows(dst, src, dst_rows, src_rows, row_bytes, piece, threads=1): row dst_rows[i] of dst
+ * gets row src_rows[i] of src; the runs that rows consecutive on both sides make
+ * (``rows_prepare``) are cut into pieces of at most ``piece`` bytes; returns the bytes copied. */
 static PyObject *py_copy_rows(PyObject *self, PyObject *args) {
     (void)self;
-    return copy_now(args, rows_prepare);
+    return copy_now(args);
 }
 
-/* A copy started by one thread and joined by another (``start_runs``, ``start_rows``). */
+/* A copy started by one thread and joined by another (``start_rows``). */
 typedef struct {
     PyObject_HEAD
     runs_job rj;
@@ -205,14 +196,14 @@ static PyTypeObject CopyJobType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvtier.kernels._copy.CopyJob",
     .tp_basicsize = sizeof(CopyJob),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "A host copy in progress on the pool's helper threads (start_runs).",
+    .tp_doc = "A host copy in progress on the pool's helper threads (start_rows).",
     .tp_dealloc = (destructor)copyjob_dealloc,
     .tp_methods = copyjob_methods,
 };
 
 /* A copy of runs on ``threads`` helper threads, begun before this returns; the CopyJob's join()
  * finishes it (on any thread). */
-static PyObject *start_job(PyObject *args, prepare_fn prepare) {
+static PyObject *start_job(PyObject *args) {
     Py_ssize_t threads = 1;
     CopyJob *job;
     job = PyObject_New(CopyJob, &CopyJobType);
@@ -220,12 +211,12 @@ static PyObject *start_job(PyObject *args, prepare_fn prepare) {
         return NULL;
     memset(&job->rj, 0, sizeof(job->rj));
     job->joined = 1; /* nothing to wait for until it is started */
-    if (prepare(&job->rj, args, &threads) < 0) {
+    if (rows_prepare(&job->rj, args, &threads) < 0) {
         Py_DECREF(job);
         return NULL;
     }
     if (job->rj.overlap) {
-        PyErr_SetString(PyExc_ValueError, "start_runs: the buffers overlap; copy_runs copies such runs in order");
+        PyErr_SetString(PyExc_ValueError, "start_rows: the buffers overlap; copy_rows copies such rows in order");
         runs_release(&job->rj);
         Py_DECREF(job); /* (joined is still 1: its dealloc waits for nothing) */
         return NULL;
@@ -237,18 +228,11 @@ static PyObject *start_job(PyObject *args, prepare_fn prepare) {
     return (PyObject *)job;
 }
 
-/* start_runs(dst, src, dst_offs, src_offs, lens, piece, threads=1) -> CopyJob: copy_runs begun
- * on ``threads`` helper threads before this returns. */
-static PyObject *py_start_runs(PyObject *self, PyObject *args) {
-    (void)self;
-    return start_job(args, runs_prepare);
-}
-
 /* start_rows(dst, src, dst_rows, src_rows, row_bytes, piece, threads=1) -> CopyJob: copy_rows
  * begun on ``threads`` helper threads before this returns. */
 static PyObject *py_start_rows(PyObject *self, PyObject *args) {
     (void)self;
-    return start_job(args, rows_prepare);
+    return start_job(args);
 }
 
 static PyObject *py_streaming(PyObject *self, PyObject *args) {
@@ -280,18 +264,13 @@ static PyMethodDef methods[] = {
     {"copy_pairs", py_copy_pairs, METH_VARARGS,
      "copy_pairs(dsts, srcs, threads=1) -> pairs copied: each (dst, src) pair, over the calling "
      "thread and threads - 1 helper threads, the GIL released"},
-    {"copy_runs", py_copy_runs, METH_VARARGS,
-     "copy_runs(dst, src, dst_offs, src_offs, lens, piece, threads=1) -> bytes copied; runs cut into "
-     "pieces of at most piece bytes, pulled by the calling thread and threads - 1 helper threads"},
     {"copy_rows", py_copy_rows, METH_VARARGS,
      "copy_rows(dst, src, dst_rows, src_rows, row_bytes, piece, threads=1) -> bytes copied: row "
-     "dst_rows[i] gets row src_rows[i] (int64 row numbers), as copy_runs of the runs they make"},
+     "dst_rows[i] gets row src_rows[i] (int64 row numbers); the runs they make are cut into pieces of at "
+     "most piece bytes, pulled by the calling thread and threads - 1 helper threads"},
     {"start_rows", py_start_rows, METH_VARARGS,
      "start_rows(dst, src, dst_rows, src_rows, row_bytes, piece, threads=1) -> CopyJob: copy_rows "
-     "begun on threads helper threads before this returns"},
-    {"start_runs", py_start_runs, METH_VARARGS,
-     "start_runs(dst, src, dst_offs, src_offs, lens, piece, threads=1) -> CopyJob: copy_runs begun on "
-     "threads helper threads before this returns; its join() finishes it"},
+     "begun on threads helper threads before this returns; its join() finishes it"},
     {"streaming", py_streaming, METH_NOARGS, "streaming() -> the non-temporal store loop large copies take: 'avx512', 'avx2' or 'none'"},
     {"use_streaming", py_use_streaming, METH_VARARGS,
      "use_streaming(kind) -> the previous kind; for tests of each loop the CPU runs ('none' always runs)"},

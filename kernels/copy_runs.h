@@ -1,8 +1,7 @@
 /* A host copy as runs of bytes between two buffers (kernels/_copy.c): the job its pieces
- * are pulled from, and the two ways its runs are made. ``runs_prepare`` takes them as byte
- * offsets; ``rows_prepare`` finds them itself in two arrays of row numbers (rows consecutive on
- * both sides make one run), which cost the owner ~26 us of numpy a descriptor where this loop
- * takes ~1 us, and every row is checked against both buffers before a byte moves. */
+ * are pulled from, and ``rows_prepare``, which finds the runs in two arrays of row numbers
+ * (rows consecutive on both sides make one run; numpy had cost the owner ~26 us a descriptor
+ * where this loop takes ~1 us), every row checked against both buffers before a byte moves. */
 #ifndef KVTIER_COPY_RUNS_H
 #define KVTIER_COPY_RUNS_H
 
@@ -24,7 +23,7 @@ typedef struct {
     int64_t *owned;  /* dof, sof and len where rows_prepare made them (else NULL) */
     int64_t runs, piece;
     int overlap;       /* the two buffers share bytes: runs go in order, each as memmove */
-    Py_buffer bufs[5]; /* dst, src, dst_offs, src_offs, lens */
+    Py_buffer bufs[4]; /* dst, src, dst_rows, src_rows */
     int held;          /* buffers acquired */
 } runs_job;
 
@@ -56,7 +55,7 @@ static void runs_release(runs_job *rj) {
 /* The int64 view of a buffer of n entries, or NULL with an error set. */
 static const int64_t *int64s(Py_buffer *b, Py_ssize_t n, const char *what) {
     if (b->len != n * 8 || ((uintptr_t)b->buf & 7)) {
-        PyErr_Format(PyExc_ValueError, "copy_runs: %s must be %zd aligned int64s", what, n);
+        PyErr_Format(PyExc_ValueError, "copy_rows: %s must be %zd aligned int64s", what, n);
         return NULL;
     }
     return (const int64_t *)b->buf;
@@ -69,7 +68,7 @@ static int runs_plan(runs_job *rj, Py_ssize_t runs, Py_ssize_t piece) {
     int64_t total = 0;
     Py_ssize_t r;
     if (piece <= 0) {
-        PyErr_SetString(PyExc_ValueError, "copy_runs: a positive piece size");
+        PyErr_SetString(PyExc_ValueError, "copy_rows: a positive piece size");
         return -1;
     }
     rj->starts = PyMem_Malloc((size_t)(runs + 1) * sizeof(int64_t));
@@ -80,7 +79,7 @@ static int runs_plan(runs_job *rj, Py_ssize_t runs, Py_ssize_t piece) {
     for (r = 0; r < runs; r++) { /* every run checked before a byte moves */
         const int64_t n = rj->len[r], d = rj->dof[r], s = rj->sof[r];
         if (n < 0 || d < 0 || s < 0 || d > b[0].len - n || s > b[1].len - n) {
-            PyErr_Format(PyExc_ValueError, "copy_runs: run %zd (%lld bytes from %lld to %lld) is outside the buffers",
+            PyErr_Format(PyExc_ValueError, "copy_rows: run %zd (%lld bytes from %lld to %lld) is outside the buffers",
                          r, (long long)n, (long long)s, (long long)d);
             return -1;
         }
@@ -97,25 +96,6 @@ static int runs_plan(runs_job *rj, Py_ssize_t runs, Py_ssize_t piece) {
     rj->job.piece = run_piece;
     rj->job.total = total;
     return 0;
-}
-
-/* Parse (dst, src, dst_offs, src_offs, lens, piece, threads=1) into ``rj`` (zeroed), every run
- * checked against the buffers; -1 with an error set (and nothing held) if one is outside. */
-static int runs_prepare(runs_job *rj, PyObject *args, Py_ssize_t *threads) {
-    Py_buffer *b = rj->bufs;
-    Py_ssize_t piece, runs;
-    if (!PyArg_ParseTuple(args, "w*y*y*y*y*n|n", &b[0], &b[1], &b[2], &b[3], &b[4], &piece, threads))
-        return -1;
-    rj->held = 5;
-    runs = b[4].len / 8;
-    if (!(rj->dof = int64s(&b[2], runs, "dst_offs")) || !(rj->sof = int64s(&b[3], runs, "src_offs")) ||
-        !(rj->len = int64s(&b[4], runs, "lens")))
-        goto fail;
-    if (runs_plan(rj, runs, piece) == 0)
-        return 0;
-fail:
-    runs_release(rj);
-    return -1;
 }
 
 /* The buffer of ``o`` if it holds 8-byte signed integers (an int32 array would otherwise be

@@ -62,43 +62,12 @@ def _register(name: str) -> int:
     return names.index(name)
 
 
-def test_copy_runs_refuses_runs_outside_its_buffers_before_a_byte_moves():
-    r = _child('''
-        from kvtier.kernels._copy import copy_runs
-        d, s = np.zeros(1 << 20, np.uint8), np.ones(1 << 20, np.uint8)
-        ok = np.array([0], np.int64), np.array([0], np.int64), np.array([4096], np.int64)
-        big = 1 << 62
-        bad_runs = [([1 << 20], [0], [1]), ([0], [(1 << 20) - 10], [11]), ([-1], [0], [8]), ([0], [-8], [8]),
-                    ([0], [0], [-1]), ([big], [0], [big]), ([0], [0], [big])]
-        for do, so, n in bad_runs:  # a good run first: it must not be copied either
-            runs = [np.array([0] + x, np.int64) for x in (do, so, n)]
-            runs[2][0] = 4096
-            try:
-                copy_runs(d, s, *runs, 1 << 20, 2)
-                raise SystemExit(f"copied {do, so, n}")
-            except ValueError:
-                pass
-            assert not d.any(), (do, so, n)
-        for args in [(np.zeros(2, np.int64), *ok[1:], 1 << 20), (*ok, 0), (*ok, -5),
-                     (ok[0].astype(np.int32), *ok[1:], 1 << 20)]:
-            try:
-                copy_runs(d, s, *args)
-                raise SystemExit(f"copied {args}")
-            except ValueError:
-                pass
-            assert not d.any()
-        assert copy_runs(d, s, *ok, 1 << 20, -3) == 4096 and d[:4096].all() and not d[4096:].any()
-        assert copy_runs(d, s, *ok, 1 << 20, 10_000) == 4096  # helpers capped, none needed
-        print("ok")
-    ''')
-    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-800:]
-
-
 def test_copy_rows_refuses_rows_outside_either_buffer_before_a_byte_moves():
     """copy_rows / start_rows find their runs in C: a row number outside either buffer (one
     past the end, negative, past a buffer that is not a whole number of rows), counts that
-    differ, a row size of zero, or row numbers not int64 (an int32 array of the right byte
-    length, plain bytes), copy nothing and raise."""
+    differ, a row size or piece size of zero or less, or row numbers not int64 (an int32 array
+    of the right byte length, plain bytes), copy nothing and raise. A thread count below one or
+    past the pool's helpers copies all the same."""
     r = _child('''
         from kvtier.kernels._copy import copy_rows, start_rows
         row = 4096
@@ -123,9 +92,20 @@ def test_copy_rows_refuses_rows_outside_either_buffer_before_a_byte_moves():
                 except ValueError:
                     pass
                 assert not d.any()
+            for piece in (0, -5):
+                try:
+                    fn(d, s, i64(0), i64(0), row, piece, 2)
+                    raise SystemExit(f"copied {args}")
+                except ValueError:
+                    pass
+                assert not d.any()
         assert copy_rows(d, s, i64(15, 3), i64(7, 0), row, 1 << 20, 2) == 2 * row
         assert d[15 * row: 16 * row].all() and d[3 * row: 4 * row].all() and int(d.sum()) == 2 * row
         assert copy_rows(d, s, i64(), i64(), row, 1 << 20, 2) == 0
+        for threads in (-3, 10_000):  # no helper, or helpers capped
+            d[:] = 0
+            assert copy_rows(d, s, i64(1), i64(2), row, 1 << 20, threads) == row
+            assert d[row: 2 * row].all() and int(d.sum()) == row
         print("ok")
     ''')
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-800:]
@@ -136,14 +116,14 @@ def test_copies_after_a_fork_and_from_two_threads_at_once_are_exact():
     Two callers at once: one gets the helpers, the other copies alone; both exact."""
     r = _child('''
         import os, threading
-        from kvtier.kernels._copy import copy_runs
+        from kvtier.kernels._copy import copy_rows
         n = 64 << 20
         src = np.random.default_rng(3).integers(0, 255, n, dtype=np.uint8)
-        offs = np.array([0], np.int64), np.array([0], np.int64), np.array([n], np.int64)
+        row0 = np.array([0], np.int64)
 
         def copy_and_check(out):
             d = np.zeros(n, np.uint8)
-            out.append(copy_runs(d, src, *offs, 1 << 20, 2) == n and np.array_equal(d, src))
+            out.append(copy_rows(d, src, row0, row0, n, 1 << 20, 2) == n and np.array_equal(d, src))
 
         first = []
         copy_and_check(first)  # the parent's helpers exist now
@@ -183,13 +163,12 @@ def test_a_copy_in_flight_across_a_fork_fails_in_the_child_and_lands_in_the_pare
     never hangs. The parent's join is unaffected."""
     r = _child('''
         import os
-        from kvtier.kernels._copy import start_runs
+        from kvtier.kernels._copy import start_rows
         n = 256 << 20
         src = np.full(n, 7, np.uint8)
         for _ in range(3):
             dst = np.zeros(n, np.uint8)
-            job = start_runs(dst, src, np.array([0], np.int64), np.array([0], np.int64),
-                             np.array([n], np.int64), 1 << 20, 2)
+            job = start_rows(dst, src, np.array([0], np.int64), np.array([0], np.int64), n, 1 << 20, 2)
             pid = os.fork()
             if pid == 0:
                 try:
@@ -209,23 +188,23 @@ def test_a_started_copy_is_copied_by_its_joiner_when_no_helper_can_start():
     started copy waits for no helper that does not exist, its join copies it."""
     r = _child('''
         import resource
-        from kvtier.kernels._copy import start_runs, copy_runs
+        from kvtier.kernels._copy import start_rows, copy_rows
         n = 8 << 20
         s, d = np.ones(n, np.uint8), np.zeros(n, np.uint8)
-        o = lambda x: np.array([x], np.int64)
-        args = (d, s, o(0), o(0), o(n), 1 << 20)
-        assert start_runs(*args, 0).join() == n  # every allocation path warmed, no thread made
+        row0 = np.array([0], np.int64)
+        args = (d, s, row0, row0, n, 1 << 20)
+        assert start_rows(*args, 0).join() == n  # every allocation path warmed, no thread made
         d[:] = 0
         size = int([l for l in open("/proc/self/status") if l.startswith("VmSize")][0].split()[1]) * 1024
         resource.setrlimit(resource.RLIMIT_AS, (size + (64 << 10), resource.RLIM_INFINITY))
         try:
-            job = start_runs(*args, 2)
+            job = start_rows(*args, 2)
         except MemoryError:  # the interpreter itself needed more: nothing shown either way
             print("inconclusive")
             raise SystemExit(0)
         assert job.join() == n and bool(d.all())
         d[:] = 0
-        assert copy_runs(*args, 2) == n and bool(d.all())
+        assert copy_rows(*args, 2) == n and bool(d.all())
         print("ok")
     ''')
     if "inconclusive" in r.stdout:
@@ -235,41 +214,47 @@ def test_a_started_copy_is_copied_by_its_joiner_when_no_helper_can_start():
 
 def test_a_piece_larger_than_any_run_copies_every_run_whole():
     r = _child('''
-        from kvtier.kernels._copy import copy_runs
+        from kvtier.kernels._copy import copy_rows
         s = np.arange(64, dtype=np.uint8)
-        for piece in (2**63 - 1, 2**63 - 2, 2**62, 100):
+        rows = np.array([0, 2, 3, 5, 6, 7, 9, 10, 11, 12], np.int64)  # runs of 1, 2, 3 and 4 rows
+        for piece in (2**63 - 1, 2**63 - 2, 2**62, 100, 3):
             d = np.zeros(64, np.uint8)
-            offs, lens = np.array([0, 1, 3, 7], np.int64), np.array([1, 2, 4, 8], np.int64)
-            assert copy_runs(d, s, offs * 4, offs * 4, lens, piece, 2) == 15, piece
+            assert copy_rows(d, s, rows, rows, 4, piece, 2) == 40, piece
             want = np.zeros(64, np.uint8)
-            for o, n in zip(offs * 4, lens):
-                want[o:o + n] = s[o:o + n]
+            for r in rows:
+                want[4 * r: 4 * r + 4] = s[4 * r: 4 * r + 4]
             assert np.array_equal(d, want), piece
         print("ok")
     ''')
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-800:]
 
 
-def test_runs_within_one_buffer_are_copied_in_order_as_memmove_would():
-    """Source and destination sharing bytes: each run as memmove, in order (pieces in
-    parallel would read bytes another piece had written); a started copy refuses them."""
+def test_rows_within_one_buffer_are_copied_in_order_as_memmove_would():
+    """Source and destination sharing bytes (two views of one buffer, rows a few bytes or
+    many rows apart): each run of consecutive rows as memmove, in order (pieces in parallel
+    would read bytes another piece had written); a started copy refuses them."""
     r = _child('''
-        from kvtier.kernels._copy import copy_runs, start_runs, use_streaming, streaming
+        from kvtier.kernels._copy import copy_rows, start_rows, use_streaming, streaming
         kinds = ["none", "avx2", "avx512"][: ["none", "avx2", "avx512"].index(streaming()) + 1]
         rng = np.random.default_rng(4)
+        row = 4096
+        i64 = lambda x: np.array(x, np.int64)
         for kind in kinds:
             use_streaming(kind)
             for shift in (1, 100, 4096, 1 << 20, -(1 << 20), -3):
                 buf = rng.integers(0, 255, 8 << 20, dtype=np.uint8)
+                dst, src = buf[max(shift, 0):], buf[max(-shift, 0):]
+                # a run of 1280 rows (5 MiB), then one of 2 rows, then one row
+                drows = i64([*range(256, 1536), 1700, 1701, 1600])
+                srows = i64([*range(256, 1536), 1750, 1751, 1537])
                 want = buf.copy()
-                offs = [(1 << 20, (1 << 20) + shift, 5 << 20), (200, 300 + abs(shift), 5000)]
-                for so, do, n in offs:
-                    want[do:do + n] = want[so:so + n].copy()
-                a = lambda i: np.array([x[i] for x in offs], np.int64)
-                assert copy_runs(buf, buf, a(1), a(0), a(2), 1 << 16, 2) == sum(x[2] for x in offs)
+                wd, ws = want[max(shift, 0):], want[max(-shift, 0):]
+                for d0, s0, n in ((256, 256, 1280), (1700, 1750, 2), (1600, 1537, 1)):
+                    wd[d0 * row:(d0 + n) * row] = ws[s0 * row:(s0 + n) * row].copy()
+                assert copy_rows(dst, src, drows, srows, row, 1 << 16, 2) == drows.size * row
                 assert np.array_equal(buf, want), (kind, shift)
                 try:
-                    start_runs(buf, buf, a(1), a(0), a(2), 1 << 16, 2)
+                    start_rows(dst, src, drows, srows, row, 1 << 16, 2)
                     raise SystemExit("started")
                 except ValueError:
                     pass
@@ -291,7 +276,7 @@ def test_helpers_spread_over_the_process_cpus_whoever_starts_them(policy):
         prefix = ("chrt", "-i", "0")
     r = _child('''
         import os, threading
-        from kvtier.kernels._copy import copy_runs
+        from kvtier.kernels._copy import copy_rows
         cpus = sorted(os.sched_getaffinity(0))
         if len(cpus) < 2:
             print("ok (one cpu)")
@@ -301,8 +286,8 @@ def test_helpers_spread_over_the_process_cpus_whoever_starts_them(policy):
             os.sched_setaffinity(0, {cpus[0]})
             n = 4 << 20
             d, s = np.zeros(n, np.uint8), np.ones(n, np.uint8)
-            o = lambda x: np.array([x], np.int64)
-            assert copy_runs(d, s, o(0), o(0), o(n), 1 << 20, 3) == n
+            row0 = np.array([0], np.int64)
+            assert copy_rows(d, s, row0, row0, n, 1 << 20, 3) == n
         t = threading.Thread(target=pinned_copy)
         t.start(); t.join()
         helpers = [tid for tid in set(os.listdir("/proc/self/task")) - before
