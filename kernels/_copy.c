@@ -23,6 +23,8 @@
 #include "copy_runs.h"
 #include "stream_copy.h"
 
+static int64_t lead_pieces = 4; /* see pool_start_lead: 4 MiB at most, ~0.2-0.3 ms */
+
 /* Helpers for a copy of ``threads`` threads in all, ``joining`` of them the caller's. */
 static int helpers_for(Py_ssize_t threads, int joining) {
     if (threads - joining < 1)
@@ -223,8 +225,9 @@ static PyObject *start_job(PyObject *args) {
     }
     job->joined = 0;
     /* with the GIL held: the pool's lock is held for microseconds, and no helper takes the GIL;
-     * letting the GIL go here handed it to a thread that kept it for milliseconds */
-    pool_start(&job->rj.job, helpers_for(threads, 0));
+     * letting the GIL go here handed it to a thread that kept it for milliseconds (a lead, while
+     * the helpers wake, is at most ``lead_pieces`` pieces: ~0.1 ms each) */
+    pool_start_lead(&job->rj.job, helpers_for(threads, 0), lead_pieces);
     return (PyObject *)job;
 }
 
@@ -233,6 +236,25 @@ static PyObject *start_job(PyObject *args) {
 static PyObject *py_start_rows(PyObject *self, PyObject *args) {
     (void)self;
     return start_job(args);
+}
+
+static PyObject *py_use_lead(PyObject *self, PyObject *args) {
+    Py_ssize_t pieces, old = (Py_ssize_t)lead_pieces;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "n", &pieces))
+        return NULL;
+    if (pieces < 0) {
+        PyErr_SetString(PyExc_ValueError, "use_lead: pieces >= 0");
+        return NULL;
+    }
+    lead_pieces = pieces;
+    return PyLong_FromSsize_t(old);
+}
+
+static PyObject *py_led(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    return PyLong_FromLongLong(__atomic_load_n(&pool_led, __ATOMIC_RELAXED));
 }
 
 static PyObject *py_streaming(PyObject *self, PyObject *args) {
@@ -271,6 +293,10 @@ static PyMethodDef methods[] = {
     {"start_rows", py_start_rows, METH_VARARGS,
      "start_rows(dst, src, dst_rows, src_rows, row_bytes, piece, threads=1) -> CopyJob: copy_rows "
      "begun on threads helper threads before this returns; its join() finishes it"},
+    {"use_lead", py_use_lead, METH_VARARGS,
+     "use_lead(pieces) -> the previous count: pieces a started copy's caller copies itself while every "
+     "helper is still asleep (0: none)"},
+    {"led", py_led, METH_NOARGS, "led() -> pieces copied so far by the threads that started their copies"},
     {"streaming", py_streaming, METH_NOARGS, "streaming() -> the non-temporal store loop large copies take: 'avx512', 'avx2' or 'none'"},
     {"use_streaming", py_use_streaming, METH_VARARGS,
      "use_streaming(kind) -> the previous kind; for tests of each loop the CPU runs ('none' always runs)"},

@@ -37,6 +37,8 @@
 
 #define POOL_MAX_HELPERS 64
 
+static int64_t pool_led; /* pieces copied by the threads that started them (``pool_start_lead``) */
+
 typedef struct pool_job {
     void (*piece)(struct pool_job *job, int64_t i); /* copies piece i */
     void *ctx;                                      /* what ``piece`` reads */
@@ -59,7 +61,8 @@ static struct {
     pthread_cond_t idle; /* a job finished */
     pool_job *head, *tail;
     int helpers; /* threads started */
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, NULL, 0};
+    int awake;   /* helpers not blocked on ``wake`` (changed under mu, read atomically by a leader) */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, NULL, 0, 0};
 
 static int job_finished(pool_job *job) { /* under pool.mu */
     return job->active == 0 && __atomic_load_n(&job->done, __ATOMIC_ACQUIRE) >= job->total;
@@ -102,26 +105,35 @@ static pool_job *next_job(void) { /* under pool.mu: the oldest job with pieces a
     return NULL;
 }
 
-/* Pin the calling thread to the k-th CPU the process may run on (its main thread's set, not
- * the creating thread's, which a thread inherits: a creator pinned to one CPU would have put
- * every helper there); left as it is if that fails. */
-static void pin_to_kth_cpu(int k) {
+/* The set of the k-th CPU the process may run on (its main thread's set, not the creating
+ * thread's, which a thread inherits: a creator pinned to one CPU would have put every helper
+ * there); 0 if there is none to name. */
+static int kth_cpu(int k, cpu_set_t *one) {
 #ifdef CPU_ISSET
-    cpu_set_t allowed, one;
+    cpu_set_t allowed;
     int n, c, seen = 0;
     if (sched_getaffinity(getpid(), sizeof allowed, &allowed) != 0 || (n = CPU_COUNT(&allowed)) < 1)
-        return;
+        return 0;
     for (c = 0; c < CPU_SETSIZE; c++) {
         if (CPU_ISSET(c, &allowed) && seen++ == k % n) {
-            CPU_ZERO(&one);
-            CPU_SET(c, &one);
-            pthread_setaffinity_np(pthread_self(), sizeof one, &one);
-            return;
+            CPU_ZERO(one);
+            CPU_SET(c, one);
+            return 1;
         }
     }
 #else
     (void)k;
+    (void)one;
 #endif
+    return 0;
+}
+
+/* Pin the calling thread to the k-th CPU (``kth_cpu``); left as it is if that fails. (A helper
+ * is born pinned where its attributes allow: this is the fallback.) */
+static void pin_to_kth_cpu(int k) {
+    cpu_set_t one;
+    if (kth_cpu(k, &one))
+        pthread_setaffinity_np(pthread_self(), sizeof one, &one);
 }
 
 /* A helper does not preempt the thread that wakes it. Woken as a normal thread, the helper
@@ -142,15 +154,35 @@ static void batch_scheduling(void) {
 #endif
 }
 
+/* Attributes a helper is born with: its CPU, and batch scheduling where the creator runs the
+ * normal policy. Set in the thread itself, both came after its first wake-up, which could
+ * preempt the creator, and a helper seen between its start and those calls had neither. */
+static void helper_attributes(pthread_attr_t *attr, int k) {
+    cpu_set_t one;
+    if (kth_cpu(k, &one))
+        pthread_attr_setaffinity_np(attr, sizeof one, &one);
+#ifdef SCHED_BATCH
+    if (sched_getscheduler(0) == SCHED_OTHER) {
+        struct sched_param none = {0};
+        pthread_attr_setinheritsched(attr, PTHREAD_EXPLICIT_SCHED);
+        pthread_attr_setschedpolicy(attr, SCHED_BATCH);
+        pthread_attr_setschedparam(attr, &none);
+    }
+#endif
+}
+
 static void *pool_helper(void *arg) {
     pthread_setname_np(pthread_self(), "kvtier-copy"); /* as top and /proc name it */
     pin_to_kth_cpu((int)(intptr_t)arg);
     batch_scheduling();
     pthread_mutex_lock(&pool.mu);
+    __atomic_add_fetch(&pool.awake, 1, __ATOMIC_RELEASE);
     for (;;) {
         pool_job *job = next_job();
         if (job == NULL) {
+            __atomic_sub_fetch(&pool.awake, 1, __ATOMIC_RELEASE);
             pthread_cond_wait(&pool.wake, &pool.mu);
+            __atomic_add_fetch(&pool.awake, 1, __ATOMIC_RELEASE);
             continue;
         }
         job->joined++;
@@ -168,14 +200,20 @@ static void pool_grow(int n) {
         pthread_attr_t attr;
         sigset_t all, old;
         int rc;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        pthread_attr_setstacksize(&attr, 256 * 1024);
-        sigfillset(&all); /* signals stay with Python's threads */
-        pthread_sigmask(SIG_SETMASK, &all, &old);
-        rc = pthread_create(&t, &attr, pool_helper, (void *)(intptr_t)pool.helpers);
-        pthread_sigmask(SIG_SETMASK, &old, NULL);
-        pthread_attr_destroy(&attr);
+        for (int born = 1; born >= 0; born--) { /* born pinned and batch; else as before, set inside */
+            pthread_attr_init(&attr);
+            pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+            pthread_attr_setstacksize(&attr, 256 * 1024);
+            if (born)
+                helper_attributes(&attr, pool.helpers);
+            sigfillset(&all); /* signals stay with Python's threads */
+            pthread_sigmask(SIG_SETMASK, &all, &old);
+            rc = pthread_create(&t, &attr, pool_helper, (void *)(intptr_t)pool.helpers);
+            pthread_sigmask(SIG_SETMASK, &old, NULL);
+            pthread_attr_destroy(&attr);
+            if (rc == 0)
+                break;
+        }
         if (rc != 0)
             return;
         pool.helpers++;
@@ -183,8 +221,13 @@ static void pool_grow(int n) {
 }
 
 /* Post ``job`` for up to ``helpers`` helpers (its piece fields set, the rest zero); as many as
- * could be started (a thread limit, no memory): with none, it waits for its joiner to copy it. */
-static void pool_start(pool_job *job, int helpers) {
+ * could be started (a thread limit, no memory): with none, it waits for its joiner to copy it.
+ * With ``lead`` > 0 and every helper asleep, the caller copies up to ``lead`` pieces itself
+ * until one wakes: a helper woken from idle took ~0.1-0.2 ms to run here (a virtual CPU's
+ * wake-up), time in which the bare loop's caller is already copying. With a helper awake
+ * (an earlier copy still running) the caller leads nothing: the copy is not waiting. */
+static void pool_start_lead(pool_job *job, int helpers, int64_t lead) {
+    int64_t led = 0;
     job->want = 0;
     if (helpers <= 0 || job->total <= 0)
         return;
@@ -202,8 +245,29 @@ static void pool_start(pool_job *job, int helpers) {
         pool.head = job;
     pool.tail = job;
     pthread_cond_broadcast(&pool.wake);
+    lead = __atomic_load_n(&pool.awake, __ATOMIC_ACQUIRE) == 0 ? lead : 0;
+    if (lead > 0)
+        job->active++; /* (before a helper can see the job finished without this thread) */
+    pthread_mutex_unlock(&pool.mu);
+    if (lead <= 0)
+        return;
+    while (led < lead && __atomic_load_n(&pool.awake, __ATOMIC_ACQUIRE) == 0) {
+        int64_t i = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+        if (i >= job->total)
+            break;
+        job->piece(job, i);
+        __atomic_fetch_add(&job->done, 1, __ATOMIC_RELEASE);
+        led++;
+    }
+    __atomic_add_fetch(&pool_led, led, __ATOMIC_RELAXED);
+    pthread_mutex_lock(&pool.mu);
+    job->active--;
+    if (job_finished(job))
+        pthread_cond_broadcast(&pool.idle);
     pthread_mutex_unlock(&pool.mu);
 }
+
+static void pool_start(pool_job *job, int helpers) { pool_start_lead(job, helpers, 0); }
 
 /* Wait until every piece of the job is copied and no helper still reads it, pulling the
  * pieces left too if ``help`` (or if it has no helpers). 0, or -1 for a job orphaned by a
@@ -261,6 +325,7 @@ static void pool_after_fork_child(void) { /* only the forking thread exists here
     }
     pool.head = pool.tail = NULL;
     pool.helpers = 0;
+    pool.awake = 0;
     pthread_mutex_init(&pool.mu, NULL);
     pthread_cond_init(&pool.wake, NULL);
     pthread_cond_init(&pool.idle, NULL);
