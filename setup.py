@@ -17,7 +17,8 @@ setup(ext_modules=[
               depends=["kernels/copy_pool.h", "kernels/copy_runs.h", "kernels/stream_copy.h"],
               optional=True),
     Extension("kvtier.kernels._value", ["kernels/_value.c"], optional=True),
-    Extension("kvtier.kernels._land", ["kernels/_land.c"], optional=True),
+    Extension("kvtier.kernels._land", ["kernels/_land.c"], depends=["kernels/buffer_args.h"], optional=True),
+    Extension("kvtier.kernels._plan", ["kernels/_plan.c"], depends=["kernels/buffer_args.h"], optional=True),
     Extension("kvtier.kernels._replay", ["kernels/_replay.c"],
               depends=["kernels/replay_state.h", "kernels/replay_calibration.h"], optional=True),
 ])

@@ -21,42 +21,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define NIL (-1)
-
-typedef struct {
-    const char *name, *formats;
-    Py_ssize_t itemsize;
-    int writable, optional;
-} spec;
-
-/* The buffers, as the spec says; -1 with an error set (and none held) if one is not. */
-static int take(PyObject **objs, Py_buffer *views, const spec *specs, int n) {
-    int i;
-    for (i = 0; i < n; i++) {
-        const char *f;
-        memset(&views[i], 0, sizeof(Py_buffer));
-        if (objs[i] == Py_None && specs[i].optional)
-            continue;
-        if (PyObject_GetBuffer(objs[i], &views[i],
-                               PyBUF_FORMAT | PyBUF_C_CONTIGUOUS | (specs[i].writable ? PyBUF_WRITABLE : 0)) < 0)
-            goto fail;
-        f = views[i].format ? views[i].format : "B";
-        if (f[0] == '<' || f[0] == '=' || f[0] == '@')
-            f++;
-        if (views[i].itemsize != specs[i].itemsize || strchr(specs[i].formats, f[0]) == NULL || f[1] != '\0') {
-            PyErr_Format(PyExc_TypeError, "land: %s has format '%s', not one of '%s' of %zd bytes", specs[i].name,
-                         views[i].format ? views[i].format : "B", specs[i].formats, specs[i].itemsize);
-            PyBuffer_Release(&views[i]);
-            goto fail;
-        }
-    }
-    return 0;
-fail:
-    while (--i >= 0)
-        if (views[i].obj != NULL)
-            PyBuffer_Release(&views[i]);
-    return -1;
-}
+#include "buffer_args.h"
 
 enum { BLOCKS, KEEP, BUSY, INFLIGHT, COPIES, FAILURES, SLOT, OWNER, NEXT, PREV, LISTED, LENGTHS, HSLOT, HNS, NS, N_ARGS };
 
@@ -69,18 +34,6 @@ static const spec specs[N_ARGS] = {
 };
 
 #define LEN(k) (v[k].len / specs[k].itemsize)
-
-/* Two arguments that share bytes, one of them written: the loop's writes would change what a
- * later check had read (the same array given as two columns). */
-static int shared(Py_buffer *v) {
-    for (int a = 0; a < N_ARGS; a++)
-        for (int c = a + 1; c < N_ARGS; c++)
-            if (v[a].obj != NULL && v[c].obj != NULL && (specs[a].writable || specs[c].writable) &&
-                (const char *)v[a].buf < (const char *)v[c].buf + v[c].len &&
-                (const char *)v[c].buf < (const char *)v[a].buf + v[a].len)
-                return 1;
-    return 0;
-}
 
 #define MARK (-2) /* a source slot named by a block already checked (a free list's owner is -1 or >= 0) */
 
@@ -106,7 +59,7 @@ static const char *check(Py_buffer *v, int hbm) {
         return "the free list's tail is outside it";
     if (hbm && (LEN(HSLOT) != n || LEN(NS) != n))
         return "hbm_slot or namespace is not a per-block column";
-    if (shared(v))
+    if (shared(v, specs, N_ARGS))
         return "two arguments share memory";
     for (i = 0; i < k; i++) {
         const int64_t b = blocks[i];
@@ -164,7 +117,7 @@ static PyObject *py_land(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "land: src and dst are two tiers (0-7)");
         return NULL;
     }
-    if (take(objs, v, specs, N_ARGS) < 0)
+    if (take("land", objs, v, specs, N_ARGS) < 0)
         return NULL;
     hbm = v[HSLOT].obj != NULL && v[HNS].obj != NULL && v[NS].obj != NULL;
     if ((why = check(v, hbm)) != NULL) {
@@ -207,9 +160,7 @@ static PyObject *py_land(PyObject *self, PyObject *args) {
         ((int64_t *)v[LENGTHS].buf)[0] += dropped;
     }
 done:
-    for (i = 0; i < N_ARGS; i++)
-        if (v[i].obj != NULL)
-            PyBuffer_Release(&v[i]);
+    release(v, N_ARGS);
     if (PyErr_Occurred())
         return NULL;
     return PyLong_FromSsize_t(dropped);

@@ -339,6 +339,14 @@ class TierManager(RemoteBlocks):
         return sealed_entries(t.slot[NVME, b], t.key[b], t.nbytes[b], t.checksum[b],
                               self.unclaimed.owners(b, self.namespace, self.ns_owner))
 
+    def tier_usage(self) -> list[dict]:
+        """Slots and bytes per tier (for stats and metrics)."""
+        t = self.table
+        strides = (self.hbm.slot_stride, self.dram.slot_stride, self.nvme.data_stride if self.nvme else 0)
+        return [{"tier": tier.name.lower(), "slots": t.slots_per_tier[tier], "used": t.used_slot_count(tier),
+                 "capacity_bytes": t.slots_per_tier[tier] * strides[tier],
+                 "used_bytes": t.used_slot_count(tier) * strides[tier]} for tier in Tier]
+
     def close(self) -> None:
         self.mover.close()
         self.poll()

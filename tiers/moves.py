@@ -9,7 +9,6 @@ block lifecycle on top; both run on the owner thread only.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections import Counter, deque
@@ -28,6 +27,7 @@ from .listeners import BatchListener, EventListener, FailureListener, emit, emit
 from .move_checks import PROMOTE_SOURCE, refuse_move
 from .mover import Completion, Mover, Transfer
 from .nvme import NvmeStore
+from .planning import plan_common
 from .pools import DramPool, HbmPool
 from .types import DATA_PLANE_EVENTS, DRAM, FREE, HBM, NVME, ORPHAN_OWNER, SEALED, UNCLAIMED_NS, Tier, parse_tier
 
@@ -66,7 +66,7 @@ class TierMoves:
         self.backend = select_backend(io_backend, io_threads) if isinstance(io_backend, str) else io_backend
         self.nvme = NvmeStore(nvme_dir, nvme_slots, block_bytes, self.backend) if nvme_slots and nvme_dir else None
         self.mover = Mover(self.hbm, self.dram, self.nvme, workers=mover_workers, queue_depth=queue_depth)
-        self._tids = itertools.count(1)
+        self._tid_count = 0  # transfer ids handed out (``_next_tid``)
         self._pending: dict[int, Pending] = {}
         self._unapplied: deque[Completion] = deque()  # taken from the mover by a poll that raised
         self._deferred: Optional[list[BaseException]] = None  # listener errors while a group is applied
@@ -126,7 +126,8 @@ class TierMoves:
         src, dst = parse_tier(src), parse_tier(dst)
         if dst <= src:
             raise ValueError(f"demote goes down: {src.name} -> {dst.name}")
-        return self._move(self.check_blocks(blocks), src, dst, keep_source)
+        tid = self._planned(blocks, src, dst, keep_source)
+        return tid if tid is not None else self._move(self.check_blocks(blocks), src, dst, keep_source)
 
     def promote(self, blocks: Iterable[int], dst: "Tier | int | str" = Tier.HBM, chunks: int = 1) -> Optional[int]:
         """Copy blocks up into ``dst`` from their fastest lower copy.
@@ -136,6 +137,10 @@ class TierMoves:
         if chunks < 1 or self.block_bytes % chunks:
             raise ValueError(f"chunks={chunks} must divide block_bytes={self.block_bytes}")
         dst = parse_tier(dst)
+        if chunks == 1 and dst == Tier.HBM:  # from DRAM: the common case, planned at once where it is
+            tid = self._planned(blocks, Tier.DRAM, dst, True)
+            if tid is not None:
+                return tid
         arr = self.check_blocks(blocks)
         if arr.size == 0:
             return 0  # nothing to move, as ``demote`` answers
@@ -178,7 +183,7 @@ class TierMoves:
             return 0
         dst_slots = t.assign_slots(io, d)
         assert dst_slots is not None
-        tid = next(self._tids) % TID_WRAP + 1  # int32 in the table; a pending tid never comes round again
+        tid = self._next_tid()
         # (an unindexed block's NVMe copy goes out as not sealed: a crash scan must not bring it back
         # over the indexed block of its key, another namespace's)
         layered = chunks > 1 and (s, d) == (DRAM, HBM)
@@ -202,6 +207,29 @@ class TierMoves:
         self._pending[tid] = Pending(io, src, dst, keep if every else keep[need_io], chunks if layered else 1, progress)
         if (copies & np.uint8(1 << NVME)).any():  # only blocks with an NVMe copy are on the idle list
             t.refresh_nvme_idle_many(io)  # overlaps the copy: only this thread reads the lists
+        return tid
+
+    def _next_tid(self, take: bool = True) -> int:
+        """The next transfer id (int32 in the table; a pending tid never comes round again);
+        ``take=False`` only reads it."""
+        self._tid_count += take
+        return (self._tid_count + (not take)) % TID_WRAP + 1
+
+    def _planned(self, blocks: Iterable[int], src: Tier, dst: Tier, keep_source: bool) -> Optional[int]:
+        """A memory move's common case, planned and submitted in one compiled pass
+        (``planning``): its transfer id, or None where the numpy path must plan it."""
+        tid = self._next_tid(take=False)
+        got = plan_common(self.table, self.inflight, blocks, keep_source, int(src), int(dst), tid)
+        if got is None:
+            return None
+        self._next_tid()
+        src_slots, dst_slots, lengths, keep, nvme = got
+        io = np.array(blocks, dtype=np.int64)  # (a copy: the caller's array may change)
+        self.mover.submit(Transfer(tid, src, dst, io, src_slots, dst_slots, None, lengths, None, None, 1, None,
+                                   None, None))
+        self._pending[tid] = Pending(io, src, dst, keep, 1, None)
+        if nvme:  # only blocks with an NVMe copy are on the idle list
+            self.table.refresh_nvme_idle_many(io)
         return tid
 
     def _apply(self, group: list[Completion]) -> None:
@@ -353,14 +381,6 @@ class TierMoves:
                 raise TimeoutError(f"{len(self._pending)} transfers still pending")
             out.extend(self.poll())
         return out
-
-    def tier_usage(self) -> list[dict]:
-        """Slots and bytes per tier (for stats and metrics)."""
-        t = self.table
-        strides = (self.hbm.slot_stride, self.dram.slot_stride, self.nvme.data_stride if self.nvme else 0)
-        return [{"tier": tier.name.lower(), "slots": t.slots_per_tier[tier], "used": t.used_slot_count(tier),
-                 "capacity_bytes": t.slots_per_tier[tier] * strides[tier],
-                 "used_bytes": t.used_slot_count(tier) * strides[tier]} for tier in Tier]
 
     def check_invariants(self) -> None:
         self.table.check_invariants()
