@@ -77,9 +77,9 @@ def _io_threads(m: CopyEngine) -> int:
 
 # paths that copy whole rows between the two memory pools: (dst pool, src pool) of each. Where
 # the pools are host memory the owner starts such a copy as it submits it (``StartedCopies``)
-ROW_POOLS: dict[tuple[Tier, Tier], Callable[[CopyEngine], tuple[torch.Tensor, torch.Tensor]]] = {
-    (Tier.HBM, Tier.DRAM): lambda m: (m.dram.tensor, m.hbm.tensor),
-    (Tier.DRAM, Tier.HBM): lambda m: (m.hbm.tensor, m.dram.tensor),
+ROW_POOLS: dict[tuple[Tier, Tier], Callable[[CopyEngine], tuple[Union[HbmPool, DramPool], Union[HbmPool, DramPool]]]] = {
+    (Tier.HBM, Tier.DRAM): lambda m: (m.dram, m.hbm),
+    (Tier.DRAM, Tier.HBM): lambda m: (m.hbm, m.dram),
 }
 
 
@@ -90,7 +90,7 @@ def whole_rows(t: Transfer) -> bool:
 
 def _copy_whole_rows(m: CopyEngine, t: Transfer, ok: np.ndarray) -> None:
     dst, src = ROW_POOLS[(t.src, t.dst)](m)
-    m.copy_rows(dst, t.dst_slots, src, t.src_slots)
+    m.copy_rows(dst.tensor, t.dst_slots, src.tensor, t.src_slots)
     ok[:] = True
 
 

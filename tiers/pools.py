@@ -57,6 +57,12 @@ class SlotPool:
         """Writable uint8 view of one slot's block bytes in host memory."""
         raise NotImplementedError
 
+    @property
+    def host_array(self) -> Optional[np.ndarray]:
+        """Every slot, (slots, stride) uint8, where the pool is host memory (the pool's own view:
+        torch's ``numpy()`` of its tensor cost ~30 us cold before each started copy); else None."""
+        return None
+
     def read(self, slot: int) -> bytes:
         return bytes(self.host_view(slot))
 
@@ -116,6 +122,10 @@ class HbmPool(SlotPool):
     @property
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
+
+    @property
+    def host_array(self) -> Optional[np.ndarray]:
+        return self._np
 
     def host_view(self, slot: int) -> np.ndarray:
         self._check_slot(slot)
@@ -280,6 +290,10 @@ class DramPool(SlotPool):
     def host_view(self, slot: int) -> np.ndarray:
         self._check_slot(slot)
         return self.array[slot, : self.block_bytes]
+
+    @property
+    def host_array(self) -> Optional[np.ndarray]:
+        return self.array
 
     def host_view_all(self) -> np.ndarray:
         """Every slot as one flat uint8 array (benchmarks, bulk initialisation)."""

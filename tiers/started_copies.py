@@ -42,8 +42,10 @@ class StartedCopies:
         if not whole_rows(t):
             return False
         dst, src = ROW_POOLS[(t.src, t.dst)](self._engine)
+        if dst.host_array is None or src.host_array is None:
+            return False
         try:
-            job = self._copier.start_rows(dst.numpy(), t.dst_slots, src.numpy(), t.src_slots)
+            job = self._copier.start_rows(dst.host_array, t.dst_slots, src.host_array, t.src_slots)
         except Exception:  # the lane's path meets it again and fails the transfer's blocks with it
             return False
         if job is None:
