@@ -114,12 +114,12 @@ class EventCollector:
                 events.append({"type": "AllBlocksCleared"})
             elif (kind, medium) == last:
                 events[-1]["block_hashes"].extend(listed)
-            elif kind == "BlockStored":
-                events.append({"type": "BlockStored", "block_hashes": list(listed), "parent_block_hash": None,
+            elif kind == "BlockStored":  # (a run's keys are this batch's own list from here: no copy)
+                events.append({"type": "BlockStored", "block_hashes": listed, "parent_block_hash": None,
                                "token_ids": [], "block_size": self.block_tokens, "lora_id": None,
                                "medium": medium, "lora_name": None})
             else:
-                events.append({"type": "BlockRemoved", "block_hashes": list(listed), "medium": medium})
+                events.append({"type": "BlockRemoved", "block_hashes": listed, "medium": medium})
             last = (kind, medium)
         self._runs.clear()
         return [time.time(), events, None]

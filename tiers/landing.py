@@ -54,8 +54,11 @@ def merged(parts: list[tuple[Pending, Completion]]) -> tuple[Pending, Completion
     errors: dict[int, str] = {}
     for _, c in parts:
         errors.update(c.errors)
-    return (Pending(cat([p.blocks for p, _ in parts]), p0.src, p0.dst, cat([p.keep_source for p, _ in parts])),
-            Completion(c0.tid, c0.src, c0.dst, cat([c.blocks for _, c in parts]), cat([c.ok for _, c in parts]),
+    blocks = cat([p.blocks for p, _ in parts])
+    same = all(c.blocks is p.blocks for p, c in parts)  # (a started copy's completion names its own array)
+    return (Pending(blocks, p0.src, p0.dst, cat([p.keep_source for p, _ in parts])),
+            Completion(c0.tid, c0.src, c0.dst, blocks if same else cat([c.blocks for _, c in parts]),
+                       cat([c.ok for _, c in parts]),
                        errors, sum(c.nbytes for _, c in parts), sum(c.seconds for _, c in parts), None,
                        sum(c.retried for _, c in parts)))
 
