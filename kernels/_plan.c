@@ -57,20 +57,25 @@ static const char *shapes(Py_buffer *v) {
     return NULL;
 }
 
+#define MARK (-2) /* a free-list entry already taken by this walk (a listed one is 0, an unlisted -1) */
+
 /* Is every block the common case? Each block passed is marked (busy 1: a block named again
  * then fails), and the marks are undone unless all pass. The free list's first k entries
- * are walked into dst_slots too (read only). 1 if all pass, 0 if not (nothing changed), -1
- * with an error set if the free list is broken. */
+ * are walked into dst_slots too, each marked while walking (a list that comes round to an
+ * entry again is broken), and the entry after them, whose link the splice rewrites, must be
+ * the sentinel or listed. 1 if all pass (the walk's marks left for the caller to overwrite),
+ * 0 if not (nothing changed), -1 with an error set if the free list is broken (nothing
+ * changed). */
 static int common_case(Py_buffer *v, int src, int dst, int keep_source, uint8_t free_state) {
     const int64_t *blocks = v[BLOCKS].buf;
     const uint8_t *state = v[STATE].buf, *copies = v[COPIES].buf;
     uint8_t *busy = v[BUSY].buf;
     const int32_t *pins = v[PINS].buf, *slot_dst = v[SLOT_DST].buf, *next = v[NEXT].buf;
-    const int8_t *listed = v[LISTED].buf;
+    int8_t *listed = v[LISTED].buf;
     int64_t *out_dst = v[OUT_DST].buf;
     const Py_ssize_t n = LEN(STATE), slots = LEN(OWNER), k = LEN(BLOCKS);
     const uint8_t have = (uint8_t)(1u << src), lack = (uint8_t)(1u << dst);
-    Py_ssize_t i, j;
+    Py_ssize_t i, j, walked = 0;
     int ok = 1;
     for (i = 0; i < k; i++) {
         const int64_t b = blocks[i];
@@ -85,19 +90,24 @@ static int common_case(Py_buffer *v, int src, int dst, int keep_source, uint8_t 
         ok = 0; /* too few free slots: the numpy path answers None */
     if (ok) {
         int32_t e = next[slots];
-        for (j = 0; j < k; j++) {
-            if (e < 0 || e >= slots || listed[e] != 0) {
-                PyErr_SetString(PyExc_RuntimeError, "plan: the destination's free list is broken");
-                ok = -1;
+        for (walked = 0; walked < k; walked++) {
+            if (e < 0 || e >= slots || listed[e] != 0)
                 break;
-            }
-            out_dst[j] = e;
+            out_dst[walked] = e;
+            listed[e] = MARK;
             e = next[e];
         }
+        if (walked < k || !(e == slots || (e >= 0 && e < slots && listed[e] == 0))) {
+            PyErr_SetString(PyExc_RuntimeError, "plan: the destination's free list is broken");
+            ok = -1;
+        }
     }
-    if (ok != 1)
+    if (ok != 1) {
+        for (j = 0; j < walked; j++)
+            listed[out_dst[j]] = 0; /* every entry marked was listed */
         for (j = 0; j < i; j++)
             busy[blocks[j]] = 0; /* every block marked had busy 0 */
+    }
     return ok;
 }
 

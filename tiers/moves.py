@@ -27,7 +27,7 @@ from .listeners import BatchListener, EventListener, FailureListener, emit, emit
 from .move_checks import PROMOTE_SOURCE, refuse_move
 from .mover import Completion, Mover, Transfer
 from .nvme import NvmeStore
-from .planning import plan_common
+from .planning import plan_common, unplan
 from .pools import DramPool, HbmPool
 from .types import DATA_PLANE_EVENTS, DRAM, FREE, HBM, NVME, ORPHAN_OWNER, SEALED, UNCLAIMED_NS, Tier, parse_tier
 
@@ -198,7 +198,11 @@ class TierMoves:
             self.nvme.reserve_seqs(io.size) if d == NVME and self.nvme is not None else None,
             self.ns_owner[self.namespace[io]] if d == NVME else None,
         )
-        self.mover.submit(xfer)  # a host copy starts here: the bookkeeping below overlaps it
+        try:
+            self.mover.submit(xfer)  # a host copy starts here: the bookkeeping below overlaps it
+        except BaseException:  # nothing submitted: the slots taken go back
+            unplan(t, self.inflight, io, d, marked=False)
+            raise
         self.inflight[io] = tid
         if idle and every:  # (no listener ran since ``idle`` was read)
             t.busy[io] = 1
@@ -225,8 +229,12 @@ class TierMoves:
         self._next_tid()
         src_slots, dst_slots, lengths, keep, nvme = got
         io = np.array(blocks, dtype=np.int64)  # (a copy: the caller's array may change)
-        self.mover.submit(Transfer(tid, src, dst, io, src_slots, dst_slots, None, lengths, None, None, 1, None,
-                                   None, None))
+        try:
+            self.mover.submit(Transfer(tid, src, dst, io, src_slots, dst_slots, None, lengths, None, None, 1,
+                                       None, None, None))
+        except BaseException:  # nothing submitted: the plan undone
+            unplan(self.table, self.inflight, io, int(dst), marked=True)
+            raise
         self._pending[tid] = Pending(io, src, dst, keep, 1, None)
         if nvme:  # only blocks with an NVMe copy are on the idle list
             self.table.refresh_nvme_idle_many(io)

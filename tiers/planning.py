@@ -19,7 +19,7 @@ from typing import Optional
 
 import numpy as np
 
-from .block_table import BlockTable
+from .block_table import NIL, BlockTable
 from .types import FREE, NVME, SEALED
 
 try:
@@ -51,4 +51,20 @@ def plan_common(t: BlockTable, inflight: np.ndarray, blocks: object, keep_source
     return out[0], out[1], out[2], keep, bool(nvme)
 
 
-__all__ = ["Planned", "plan_common"]
+def unplan(t: BlockTable, inflight: np.ndarray, blocks: np.ndarray, dst: int, marked: bool) -> None:
+    """Undo a plan whose transfer was never submitted (its submit raised): the destination
+    slots go back to the free list's front in their order, as they were taken, and where the
+    plan had ``marked`` the blocks moving (the compiled path does so before submitting) they
+    are idle again; nothing is left that a pending transfer does not account for."""
+    slots = t.slot[dst, blocks].astype(np.int64)
+    t.slot_owner[dst][slots] = NIL
+    t.slot[dst, blocks] = NIL
+    free = t.free_slots[dst]
+    for s in slots[::-1].tolist():
+        free.push_front(s)
+    if marked:
+        t.busy[blocks] -= 1
+        inflight[blocks] = 0
+
+
+__all__ = ["Planned", "plan_common", "unplan"]

@@ -44,6 +44,7 @@ class StartedCopies:
         dst, src = ROW_POOLS[(t.src, t.dst)](self._engine)
         if dst.host_array is None or src.host_array is None:
             return False
+        began = time.perf_counter()  # (before: the caller may copy the first pieces as it starts it)
         try:
             job = self._copier.start_rows(dst.host_array, t.dst_slots, src.host_array, t.src_slots)
         except Exception:  # the lane's path meets it again and fails the transfer's blocks with it
@@ -53,7 +54,7 @@ class StartedCopies:
         # its completion made now, while the copy runs: a copy cannot fail a block once started,
         # and numpy's first calls after a large copy (caches cold) were ~70 us of the harvest
         done = Completion(t.tid, t.src, t.dst, t.blocks, np.ones(t.blocks.size, dtype=bool), {}, int(t.lengths.sum()))
-        self._jobs[t.tid] = (done, job, time.perf_counter())
+        self._jobs[t.tid] = (done, job, began)
         return True
 
     def harvest(self) -> list[Completion]:

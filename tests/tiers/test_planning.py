@@ -140,8 +140,9 @@ def test_compiled_planning_matches_numpy_request_by_request(seed):
 
 
 def test_the_kernel_declines_or_refuses_and_changes_nothing():
-    """Bad columns are refused (an error, nothing changed); a broken free list is an error
-    with every mark undone; a block outside the common case is declined (None)."""
+    """Bad columns are refused (an error, nothing changed); a broken free list (a link out of
+    range where the walk or the splice follows it, a loop) is an error with every mark undone;
+    a block outside the common case is declined (None)."""
     m = _manager([])
     t = m.table
     try:
@@ -161,10 +162,12 @@ def test_the_kernel_declines_or_refuses_and_changes_nothing():
                               ({"busy": t.copies}, ValueError), ({"blocks": blocks.astype(np.int32)}, TypeError)):
             with pytest.raises(error):
                 call(**kwargs)
-        broken = free.next.copy()
-        broken[free.sentinel(0)] = 10_000
-        with pytest.raises(RuntimeError):
-            call(nxt=broken)
+        front = free.sentinel(0)
+        for at, to in ((front, 10_000), (3, 10_000), (3, -7), (1, 0)):  # its front, the entry after
+            broken = free.next.copy()  # the four taken (whose link the splice rewrites), a loop
+            broken[at] = to
+            with pytest.raises(RuntimeError):
+                call(nxt=broken)
         assert call(blocks=np.array([0, 1, 2, 1], np.int64)) is None  # named twice: declined
         t.pins[3] = 1
         assert call() is None  # a pinned block leaving HBM: declined (the numpy path refuses it)
@@ -173,5 +176,37 @@ def test_the_kernel_declines_or_refuses_and_changes_nothing():
             assert np.array_equal(x, y)
         assert call() is False  # and the common case is planned: no block has an NVMe copy
         assert (t.busy[:4] == 1).all() and (m.inflight[:4] == 7).all() and (t.slot[1, :4] == out[1]).all()
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("form", ["array", "list"])  # the compiled plan, and the numpy one
+def test_a_move_whose_submit_raises_leaves_the_table_as_it_was(form):
+    """Nothing was submitted, so nothing stays taken: the destination slots go back to the
+    front of their free list in order, the blocks are idle, and the move can be retried."""
+    m = _manager([])
+    try:
+        submit = m.mover.submit
+
+        def fail(x):
+            raise KeyboardInterrupt  # (an interrupt at the worst moment, or a bug below submit)
+
+        m.demote(np.arange(6, 10, dtype=np.int64), Tier.HBM, Tier.DRAM)  # DRAM's free list not in id order
+        m.wait()
+        blocks = np.array([3, 1, 2, 0], np.int64)
+        before = [c.copy() for c in _columns(m)]
+        m.mover.submit = fail
+        for request in (lambda: m.demote(blocks if form == "array" else blocks.tolist(), Tier.HBM, Tier.DRAM),
+                        lambda: m.promote(np.arange(6, 10) if form == "array" else [6, 7, 8, 9], Tier.HBM)):
+            with pytest.raises(KeyboardInterrupt):
+                request()
+            for x, y in zip(before, _columns(m)):
+                assert np.array_equal(x, y)
+            assert not m._pending
+        m.mover.submit = submit
+        m.check_invariants()
+        assert m.demote(blocks, Tier.HBM, Tier.DRAM) and m.promote(np.arange(6, 10), Tier.HBM)
+        m.wait()
+        m.check_invariants()
     finally:
         m.close()
