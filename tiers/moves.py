@@ -198,11 +198,7 @@ class TierMoves:
             self.nvme.reserve_seqs(io.size) if d == NVME and self.nvme is not None else None,
             self.ns_owner[self.namespace[io]] if d == NVME else None,
         )
-        try:
-            self.mover.submit(xfer)  # a host copy starts here: the bookkeeping below overlaps it
-        except BaseException:  # nothing submitted: the slots taken go back
-            unplan(t, self.inflight, io, d, marked=False)
-            raise
+        self._submit(xfer, marked=False)  # a host copy starts here: the bookkeeping below overlaps it
         self.inflight[io] = tid
         if idle and every:  # (no listener ran since ``idle`` was read)
             t.busy[io] = 1
@@ -229,16 +225,21 @@ class TierMoves:
         self._next_tid()
         src_slots, dst_slots, lengths, keep, nvme = got
         io = np.array(blocks, dtype=np.int64)  # (a copy: the caller's array may change)
-        try:
-            self.mover.submit(Transfer(tid, src, dst, io, src_slots, dst_slots, None, lengths, None, None, 1,
-                                       None, None, None))
-        except BaseException:  # nothing submitted: the plan undone
-            unplan(self.table, self.inflight, io, int(dst), marked=True)
-            raise
+        self._submit(Transfer(tid, src, dst, io, src_slots, dst_slots, None, lengths, None, None, 1, None, None,
+                              None), marked=True)
         self._pending[tid] = Pending(io, src, dst, keep, 1, None)
         if nvme:  # only blocks with an NVMe copy are on the idle list
             self.table.refresh_nvme_idle_many(io)
         return tid
+
+    def _submit(self, xfer: Transfer, marked: bool) -> None:
+        """``mover.submit``; where it raises, nothing was submitted and the plan is undone
+        (``unplan``: the slots taken go back, blocks ``marked`` moving are idle again)."""
+        try:
+            self.mover.submit(xfer)
+        except BaseException:
+            unplan(self.table, self.inflight, xfer.blocks, int(xfer.dst), marked)
+            raise
 
     def _apply(self, group: list[Completion]) -> None:
         """Apply completions of one path as one (``_groups``). A listener that raises (even an
