@@ -28,22 +28,16 @@ import torch
 
 from kvtier.kernels.checksum import block_checksum
 
-from .aligned import aligned_empty, is_aligned
+from . import nvme_batch
+from .aligned import PageCache, aligned_empty, is_aligned
 from .futures import Failures, mapped
 from .io_backends import IOBackend
 from .nvme_recovery import scan
 from .pools import round_up
 from .slab_layout import HEADER_BYTES, SlabLayout
 from .slab_state import header_key, seq_floor
-from .slot_header import FLAG_SEALED, RecoveredSlot, SlotHeader, decode_header, header_place, pack_header
+from .slot_header import RecoveredSlot, SlotHeader, decode_header, header_place
 from .types import CorruptBlockError
-
-
-def _header_pages(n: int) -> np.ndarray:
-    """``n`` zeroed, page-aligned header pages, one allocation and one memset in all."""
-    pages = aligned_empty(n * HEADER_BYTES).reshape(n, HEADER_BYTES)
-    pages[:] = 0
-    return pages
 
 
 class NvmeStore:
@@ -66,6 +60,7 @@ class NvmeStore:
         self.slots_per_file = int(slots_per_file)
         self.layout = SlabLayout(self.n_slots, self.data_stride, self.slots_per_file)
         self.backend = backend
+        self.header_pages = PageCache(HEADER_BYTES)  # a batch's header pages, reused once it is done
         os.makedirs(directory, mode=0o700, exist_ok=True)
         self._handles: list = []
         self.created: list[str] = []  # slab files this store made (not there before it opened them)
@@ -138,7 +133,7 @@ class NvmeStore:
         """Where ``slot``'s header lies, as its MAC covers it."""
         return header_place(int(slot), self.data_stride, self.slots_per_file)
 
-    def _payload(self, data: "np.ndarray | torch.Tensor") -> "np.ndarray | torch.Tensor":
+    def payload_buffer(self, data: "np.ndarray | torch.Tensor") -> "np.ndarray | torch.Tensor":
         """The payload buffer padded to the stride, bounced if misaligned. A device
         tensor (GPUDirect through kvikio) goes as it is: it must fill the slot."""
         if isinstance(data, torch.Tensor):
@@ -178,53 +173,26 @@ class NvmeStore:
         return mapped(self.write_many([(slot, data, key, length, checksum, sealed, seq, owner)]), total)
 
     def write_many(self, items: Sequence[tuple[Any, ...]]) -> "Future[Failures]":
-        """Write many slots (slot, data, key, length, checksum, sealed, seq[, owner]) as one backend
-        call, one after the other: every payload in slot order, then the headers of those
-        that landed, one write per run of consecutive slots (a 4 KiB write per header
-        between the payloads cost more than the aligned layout gains). Each item fails
-        alone, its payload's error or else its header run's; a slot whose payload failed
-        keeps its old header. A bad slot or buffer raises before any I/O."""
-        n = len(items)
-        order = sorted(range(n), key=lambda i: int(items[i][0]))
-        if any(items[a][0] == items[b][0] for a, b in zip(order, order[1:])):
-            raise ValueError("write_many: a slot is named twice")  # whose header would describe which payload?
-        pages = _header_pages(n)  # in slot order: consecutive slots' headers are one buffer
-        jobs: list[tuple[Any, list[Any], int]] = []
-        for page, i in zip(pages, order):
-            slot, data, key, length, checksum, sealed, seq = items[i][:7]
-            owner = int(items[i][7]) if len(items[i]) > 7 else 0
-            handle, off = self.payload_at(int(slot))
-            if seq is None:
-                seq = int(self.reserve_seqs(1)[0])
-            pack_header(page.data, int(key), int(length), int(checksum), int(seq), FLAG_SEALED if sealed else 0,
-                        owner, self.mac_key, self.place(int(slot)))
-            jobs.append((handle, [self._payload(data)], off))
-        slots = [int(items[i][0]) for i in order]
+        """Write many slots (slot, data, key, length, checksum, sealed, seq[, owner]) as one
+        backend call: payloads, then the headers of those that landed (``nvme_batch``)."""
+        return nvme_batch.write_many(self, items)
 
-        def headers(failures: Failures) -> list[tuple[Any, list[Any], int]]:
-            """One write per run of consecutive slots (one slab, one group) whose payloads landed."""
-            out, start = [], 0
-            for r in range(1, n + 1):
-                if r < n and slots[r] == slots[r - 1] + 1 and not self.layout.starts_header_run(slots[r]) \
-                        and failures[r] is None and failures[r - 1] is None:
-                    continue
-                if failures[start] is None:
-                    handle, off = self.header_at(slots[start])
-                    out.append((handle, [pages[start:r].reshape(-1)], off))
-                    for rr in range(start, r):
-                        run_of[rr] = n + len(out) - 1
-                start = r
-            return out
+    def write_rows(self, slots: np.ndarray, rows: np.ndarray, idx: np.ndarray, fields: dict[str, np.ndarray],
+                   parts: int = 1) -> list[tuple[np.ndarray, "Future[Failures]"]]:
+        """Write slot ``slots[i]`` from host row ``rows[idx[i]]``, headers from ``fields``, in
+        up to ``parts`` calls: each call's items and future (``nvme_batch.write_rows``)."""
+        return nvme_batch.write_rows(self, slots, rows, idx, fields, parts)
 
-        run_of = [-1] * n  # rank in slot order -> its header write among the results (-1: none)
+    def read_rows(self, slots: np.ndarray, rows: np.ndarray, idx: np.ndarray, lengths: np.ndarray,
+                  checksums: np.ndarray, parts: int = 1) -> list[tuple[np.ndarray, "Future[Failures]"]]:
+        """Read slot ``slots[i]`` into host row ``rows[idx[i]]``, verified, in up to ``parts``
+        calls: each call's items and future (``nvme_batch.read_rows``)."""
+        return nvme_batch.read_rows(self, slots, rows, idx, lengths, checksums, parts)
 
-        def per_item(failures: Failures) -> Failures:
-            out: Failures = [None] * n
-            for r, i in enumerate(order):
-                out[i] = failures[r] if failures[r] is not None else failures[run_of[r]]
-            return out
-
-        return mapped(self.backend.pwrite_many(jobs, headers), per_item)
+    @property
+    def handles(self) -> list:
+        """The slab files' backend handles, in file order."""
+        return self._handles
 
     def read(self, slot: int, out: "np.ndarray | torch.Tensor") -> "Future[int]":
         """Read the payload (stride bytes) into ``out``: host memory, or (kvikio) a

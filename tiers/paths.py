@@ -132,36 +132,46 @@ def _dram_to_hbm(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict) -> No
 
 
 def _write_nvme(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict,
-                source: Callable[[int], "np.ndarray | torch.Tensor"]) -> np.ndarray:
+                source: Callable[[int], "np.ndarray | torch.Tensor"], rows: Optional[np.ndarray] = None) -> np.ndarray:
     """Write each block with its header. Open blocks have no checksum yet:
     it is computed here from the bytes written and returned to the owner.
 
     The blocks go to the backend in as many shares as it has threads, each share one
     call that writes its blocks one after the other: as many writes in flight as with
     a call per block, without a future and a thread hand-off per block (on a small
-    host that Python cost 20-25% of the disk's write bandwidth)."""
+    host that Python cost 20-25% of the disk's write bandwidth). Where the source
+    slots are ``rows`` of one host array, a share goes as arrays (``write_rows``);
+    otherwise block by block through ``source(slot)``."""
     assert m.nvme is not None
     keys, checksums, sealed = t.header()
     sums = checksums.copy()
-    calls = []
-    for share in _split(range(t.blocks.size), _io_threads(m)):
-        mine, items = [], []
-        for i in share:
-            try:
-                buf = source(int(t.src_slots[i]))
-                if not sealed[i]:
-                    sums[i] = block_checksum(buf, int(t.lengths[i]))
-                items.append((int(t.dst_slots[i]), buf, int(keys[i]), int(t.lengths[i]), int(sums[i]),
-                              bool(sealed[i]), None if t.seqs is None else int(t.seqs[i]),
-                              0 if t.owners is None else int(t.owners[i])))
-                mine.append(i)
-            except Exception as e:
+    for i in np.flatnonzero(~sealed).tolist():
+        try:
+            sums[i] = block_checksum(source(int(t.src_slots[i])), int(t.lengths[i]))
+        except Exception as e:
+            errors[int(t.blocks[i])] = f"{type(e).__name__}: {e}"
+    seqs = m.nvme.reserve_seqs(t.blocks.size) if t.seqs is None else t.seqs
+    owners = np.zeros(t.blocks.size, dtype=np.uint64) if t.owners is None else t.owners
+    todo = np.array([i for i in range(t.blocks.size) if int(t.blocks[i]) not in errors] if errors
+                    else np.arange(t.blocks.size), dtype=np.int64)
+    calls: list = []
+    if rows is not None:  # as arrays, one share of consecutive slots an I/O thread
+        fields = {"key": keys[todo], "length": t.lengths[todo], "checksum": sums[todo],
+                  "sealed": sealed[todo], "seq": seqs[todo], "owner": owners[todo]}
+        try:
+            parts = m.nvme.write_rows(t.dst_slots[todo], rows, t.src_slots[todo], fields, _io_threads(m))
+            calls = [(todo[items].tolist(), fut) for items, fut in parts]
+        except Exception as e:
+            for i in todo.tolist():
                 errors[int(t.blocks[i])] = f"{type(e).__name__}: {e}"
-        if items:
+    else:
+        for share in _split(todo.tolist(), _io_threads(m)):
             try:
-                calls.append((mine, m.nvme.write_many(items)))
+                items = [(int(t.dst_slots[i]), source(int(t.src_slots[i])), int(keys[i]), int(t.lengths[i]),
+                          int(sums[i]), bool(sealed[i]), int(seqs[i]), int(owners[i])) for i in share]
+                calls.append((share, m.nvme.write_many(items)))
             except Exception as e:
-                for i in mine:
+                for i in share:
                     errors[int(t.blocks[i])] = f"{type(e).__name__}: {e}"
     for i, err in _outcomes(calls):
         if err is None:
@@ -173,13 +183,13 @@ def _write_nvme(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict,
 
 @path(Tier.DRAM, Tier.NVME)
 def _dram_to_nvme(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict) -> np.ndarray:
-    return _write_nvme(m, t, ok, errors, m.dram.slot_buffer)
+    return _write_nvme(m, t, ok, errors, m.dram.slot_buffer, m.dram.host_array)
 
 
 @path(Tier.HBM, Tier.NVME)
 def _hbm_to_nvme(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict) -> np.ndarray:
     if not m.hbm.is_cuda:
-        return _write_nvme(m, t, ok, errors, m.hbm.host_slot)
+        return _write_nvme(m, t, ok, errors, m.hbm.host_slot, m.hbm.host_array)
     if m.nvme is not None and m.nvme.backend.name == "kvikio" and bool(t.header()[2].all()):
         return _write_nvme(m, t, ok, errors, lambda s: m.hbm.tensor[s])  # GPUDirect
 
@@ -192,18 +202,20 @@ def _hbm_to_nvme(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict) -> np
 
 
 def _read_nvme(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict, target: Callable[[int], Buf],
-               finish: Optional[Callable[[int, Buf], None]] = None, which: Optional[Sequence[int]] = None) -> None:
-    """Read blocks ``which`` (default all) of ``t`` into ``target(dst slot)``, each
-    verified against its checksum on the I/O thread that read it (a failure is read
-    once more), then ``finish(dst slot, buffer)`` the good ones on this thread.
+               finish: Optional[Callable[[int, Buf], None]] = None, which: Optional[Sequence[int]] = None,
+               rows: Optional[np.ndarray] = None) -> None:
+    """Read blocks ``which`` (default all) of ``t`` into ``target(dst slot)`` (or, given
+    ``rows``, the host array of the dst slots, as arrays), each verified against its
+    checksum on the I/O thread that read it (a failure is read once more), then
+    ``finish(dst slot, buffer)`` the good ones on this thread.
 
     Like writes, the blocks go to the backend in one share per I/O thread: the
     checksum (about as fast as the disk on a small host) then overlaps the other
     threads' reads instead of running after all of them on the mover's thread."""
     todo = list(range(t.blocks.size) if which is None else which)
-    bufs = {i: target(int(t.dst_slots[i])) for i in todo}
-    _read_verified(m, t, todo, bufs, ok, errors, "")
-    if finish is not None:
+    bufs = None if rows is not None else {i: target(int(t.dst_slots[i])) for i in todo}
+    _read_verified(m, t, todo, bufs, rows, ok, errors, "")
+    if finish is not None and bufs is not None:
         for i in todo:
             if ok[i]:
                 finish(int(t.dst_slots[i]), bufs[i])
@@ -212,27 +224,39 @@ def _read_nvme(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict, target:
         return
     retried: set = getattr(m.tls, "retried", set())
     retried.update(int(t.blocks[i]) for i in again)
-    _read_verified(m, t, again, bufs, ok, errors, " (and on a second read)")
-    if finish is not None:
+    _read_verified(m, t, again, bufs, rows, ok, errors, " (and on a second read)")
+    if finish is not None and bufs is not None:
         for i in again:
             if ok[i]:
                 finish(int(t.dst_slots[i]), bufs[i])
 
 
-def _read_verified(m: CopyEngine, t: Transfer, idx: Sequence[int], bufs: dict[int, Buf], ok: np.ndarray,
-                   errors: dict, again: str) -> None:
-    """One verified read of blocks ``idx`` into ``bufs``: ``ok[i]`` only if the bytes
-    read match the block's checksum; otherwise its error (``again``: said of a retry)."""
+def _read_verified(m: CopyEngine, t: Transfer, idx: Sequence[int], bufs: Optional[dict[int, Buf]],
+                   rows: Optional[np.ndarray], ok: np.ndarray, errors: dict, again: str) -> None:
+    """One verified read of blocks ``idx`` into ``bufs`` (None: into ``rows``, as arrays):
+    ``ok[i]`` only if the bytes read match the block's checksum; otherwise its error
+    (``again``: said of a retry)."""
     assert m.nvme is not None
     checksums = t.header()[1]
-    calls = []
-    for share in _split(idx, _io_threads(m)):
-        items = [(int(t.src_slots[i]), bufs[i], int(t.lengths[i]), int(checksums[i])) for i in share]
+    calls: list = []
+    if bufs is None:  # into the pool's rows, as arrays, one share of consecutive slots an I/O thread
+        assert rows is not None
+        mine = np.asarray(idx, dtype=np.int64)
         try:
-            calls.append((share, m.nvme.read_checked(items)))
+            parts = m.nvme.read_rows(t.src_slots[mine], rows, t.dst_slots[mine], t.lengths[mine],
+                                     checksums[mine], _io_threads(m))
+            calls = [(mine[items].tolist(), fut) for items, fut in parts]
         except Exception as e:
-            for i in share:
+            for i in mine.tolist():
                 errors[int(t.blocks[i])] = f"{type(e).__name__}: {e}{again}"
+    else:
+        for share in _split(idx, _io_threads(m)):
+            items = [(int(t.src_slots[i]), bufs[i], int(t.lengths[i]), int(checksums[i])) for i in share]
+            try:
+                calls.append((share, m.nvme.read_checked(items)))
+            except Exception as e:
+                for i in share:
+                    errors[int(t.blocks[i])] = f"{type(e).__name__}: {e}{again}"
     for i, err in _outcomes(calls):
         b = int(t.blocks[i])
         if err is None:
@@ -246,14 +270,14 @@ def _read_verified(m: CopyEngine, t: Transfer, idx: Sequence[int], bufs: dict[in
 
 @path(Tier.NVME, Tier.DRAM)
 def _nvme_to_dram(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict) -> None:
-    _read_nvme(m, t, ok, errors, m.dram.slot_buffer)
+    _read_nvme(m, t, ok, errors, m.dram.slot_buffer, rows=m.dram.host_array)
 
 
 @path(Tier.NVME, Tier.HBM)
 def _nvme_to_hbm(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict) -> None:
     if not m.hbm.is_cuda:
         # read straight into the (not yet valid) HBM slot, verify in place
-        _read_nvme(m, t, ok, errors, m.hbm.host_slot)
+        _read_nvme(m, t, ok, errors, m.hbm.host_slot, rows=m.hbm.host_array)
         return
     assert m.nvme is not None
     if m.nvme.backend.name == "kvikio":

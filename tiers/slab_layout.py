@@ -19,6 +19,8 @@ sequential: one read per group instead of a 4 KiB read per slot.
 
 from __future__ import annotations
 
+import numpy as np
+
 from .pools import ALIGN
 
 HEADER_BYTES = ALIGN
@@ -83,6 +85,26 @@ class SlabLayout:
         file, local = self.locate(slot)
         group, j = divmod(local, GROUP)
         return file, group * self.group_bytes + HEADER_SPAN + j * self.data_stride
+
+
+    def payload_offsets(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(file, byte offset) of each slot's payload, ``payload_offset`` for many at once;
+        a slot out of range raises ValueError."""
+        s = np.asarray(slots, dtype=np.int64)
+        if s.size and (int(s.min()) < 0 or int(s.max()) >= self.n_slots):
+            bad = s[(s < 0) | (s >= self.n_slots)][0]
+            raise ValueError(f"nvme: slot {bad} out of range [0, {self.n_slots})")
+        file, local = np.divmod(s, self.slots_per_file)
+        group, j = np.divmod(local, GROUP)
+        return file, group * self.group_bytes + HEADER_SPAN + j * self.data_stride
+
+    def header_run_breaks(self, slots: np.ndarray) -> np.ndarray:
+        """For slots in ascending order: True where slot i's header cannot continue slot
+        i-1's in one write (not the next slot, or a new file or group); True at 0."""
+        s = np.asarray(slots, dtype=np.int64)
+        out = np.ones(s.size, dtype=bool)
+        out[1:] = (s[1:] != s[:-1] + 1) | (s[1:] % self.slots_per_file % GROUP == 0)
+        return out
 
 
 def slots_in_slab(size: int, data_stride: int) -> int:

@@ -72,6 +72,37 @@ def pack_header(page: memoryview, key: int, length: int, checksum: int, seq: int
     _HDR_CRC.pack_into(page, _HDR.size, _header_mac(page[: _HDR.size], mac_key, place))
 
 
+_HDR_FIELDS = np.dtype([("magic", "S8"), ("version", "<u4"), ("flags", "<u4"), ("key", "<u8"), ("length", "<u8"),
+                        ("checksum", "<u8"), ("seq", "<u8"), ("owner", "<u8")])  # _HDR as numpy columns
+_PLACE_FIELDS = np.dtype([("slot", "<u8"), ("stride", "<u8"), ("per_file", "<u8")])  # _PLACE as columns
+assert _HDR_FIELDS.itemsize == _HDR.size and _PLACE_FIELDS.itemsize == _PLACE.size
+
+
+def pack_headers(pages: np.ndarray, fields: dict[str, np.ndarray], mac_key: bytes, slots: np.ndarray,
+                 data_stride: int, slots_per_file: int) -> None:
+    """``pack_header`` for many zeroed (n, page) rows at once, row i getting header i:
+    ``fields`` holds each header's key, length, checksum, seq, flags and owner. The
+    fields go in as one numpy assignment and only the MAC is computed per header
+    (~2 µs; the per-header packing cost ~9 µs a block, the Python of a 256 KiB write)."""
+    n = pages.shape[0]
+    hdr = np.zeros(n, dtype=_HDR_FIELDS)
+    hdr["magic"], hdr["version"] = MAGIC, VERSION
+    for name in ("key", "length", "checksum", "seq", "flags", "owner"):
+        hdr[name] = fields[name]
+    place = np.empty(n, dtype=_PLACE_FIELDS)
+    place["slot"], place["stride"], place["per_file"] = slots, data_stride, slots_per_file
+    body, where = hdr.tobytes(), place.tobytes()
+    keyed = hashlib.blake2b(digest_size=8, key=mac_key)  # the key's block once; each MAC starts from a copy
+    macs = []
+    for i in range(n):
+        h = keyed.copy()
+        h.update(body[i * _HDR.size : (i + 1) * _HDR.size])
+        h.update(where[i * _PLACE.size : (i + 1) * _PLACE.size])
+        macs.append(h.digest())
+    pages[:, : _HDR.size] = hdr.view(np.uint8).reshape(n, _HDR.size)
+    pages[:, _HDR.size : _HDR.size + _HDR_CRC.size] = np.frombuffer(b"".join(macs), dtype=np.uint8).reshape(n, _HDR_CRC.size)
+
+
 def decode_header(buf: np.ndarray, mac_key: bytes, place: bytes) -> Optional[SlotHeader]:
     """The header in ``buf`` if it is whole, of this version, and was written at ``place``
     under ``mac_key``; else None."""

@@ -7,6 +7,7 @@ import threading
 import pytest
 
 import kvtier.tiers.nvme as nvme
+import kvtier.tiers.nvme_batch as nvme_batch
 from kvtier.kernels.checksum import block_checksum
 from kvtier.tiers import io_backends
 
@@ -29,7 +30,8 @@ def spy_verifications(monkeypatch: pytest.MonkeyPatch) -> Verifications:
         where.append(threading.current_thread().name)
         return block_checksum(buf, length)
 
-    monkeypatch.setattr(nvme, "block_checksum", python_check)
+    monkeypatch.setattr(nvme, "block_checksum", python_check)  # reads of any buffer
+    monkeypatch.setattr(nvme_batch, "block_checksum", python_check)  # reads into a pool's rows
     real = io_backends._blockio
     if real is not None:
 

@@ -1,0 +1,259 @@
+"""Batched NVMe slot I/O from a pool's rows (``nvme_batch.write_rows``/``read_rows``): the
+same bytes on disk, the same failures and the same verification as the per-block
+``write_many``/``read_checked``, with headers packed as arrays on the I/O threads."""
+
+import os
+
+import numpy as np
+import pytest
+
+from kvtier.kernels.checksum import block_checksum
+from kvtier.tiers.aligned import PageCache, aligned_empty
+from kvtier.tiers.faults import FaultyBackend
+from kvtier.tiers.io_backends import PosixBackend
+from kvtier.tiers.nvme import NvmeStore
+from kvtier.tiers.slab_layout import GROUP, HEADER_BYTES, SlabLayout
+from kvtier.tiers.slot_header import header_place, pack_header, pack_headers
+from kvtier.tiers.types import CorruptBlockError
+
+STRIDE = 8192
+PER_FILE = GROUP + 6  # a full group and a partial one a file: runs break at groups and files
+N_SLOTS = 2 * PER_FILE
+
+
+@pytest.fixture
+def posix():
+    be = PosixBackend(threads=3)
+    yield be
+    be.shutdown()
+
+
+def _rows(n: int, seed: int) -> np.ndarray:
+    rows = aligned_empty(n * STRIDE).reshape(n, STRIDE)
+    rows[:] = np.random.default_rng(seed).integers(0, 255, rows.shape, dtype=np.uint8)
+    return rows
+
+
+def _batch(rng: np.random.Generator, n: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict]:
+    """``n`` distinct slots in random order (around group and file edges), their rows and header fields."""
+    edges = np.array([GROUP - 3, GROUP - 2, GROUP - 1, GROUP, GROUP + 1, PER_FILE - 1, PER_FILE, PER_FILE + 1])
+    slots = rng.permutation(np.unique(np.concatenate([edges, rng.choice(N_SLOTS, n, replace=False)])))[:n]
+    idx = rng.choice(len(rows), n, replace=False)
+    lengths = rng.integers(1, STRIDE + 1, n)
+    fields = {"key": rng.integers(1, 2**63, n, dtype=np.uint64), "length": lengths,
+              "checksum": np.array([block_checksum(rows[i], int(ln)) for i, ln in zip(idx, lengths)], dtype=np.uint64),
+              "sealed": rng.random(n) < 0.7, "seq": np.arange(100, 100 + n, dtype=np.uint64),
+              "owner": rng.integers(0, 2**32, n, dtype=np.uint64)}
+    return slots, idx, fields
+
+
+def _slabs(directory: str) -> list[bytes]:
+    return [open(os.path.join(directory, f), "rb").read() for f in sorted(os.listdir(directory)) if f.endswith(".kvt")]
+
+
+def _failures(parts) -> list:
+    out: dict[int, object] = {}
+    for items, fut in parts:
+        for i, err in zip(items.tolist(), fut.result()):
+            assert i not in out  # every item is in exactly one part
+            out[i] = err
+    return [out[i] for i in range(len(out))]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_write_rows_puts_on_disk_exactly_the_bytes_write_many_does(posix, tmp_path, seed):
+    """The same batch through both ways into two stores with the same MAC key: the slab
+    files are equal byte for byte (payloads, headers, and the zeros between), whatever
+    the order of the slots and however many parts the rows go in."""
+    rng = np.random.default_rng(seed)
+    rows = _rows(64, seed)
+    a, b = NvmeStore(str(tmp_path / "a"), N_SLOTS, STRIDE, posix, PER_FILE), \
+        NvmeStore(str(tmp_path / "b"), N_SLOTS, STRIDE, posix, PER_FILE)
+    try:
+        b.mac_key = a.mac_key
+        for batch in range(3):
+            slots, idx, f = _batch(rng, int(rng.integers(1, 40)), rows)
+            items = [(int(s), rows[i], int(f["key"][j]), int(f["length"][j]), int(f["checksum"][j]),
+                      bool(f["sealed"][j]), int(f["seq"][j]), int(f["owner"][j]))
+                     for j, (s, i) in enumerate(zip(slots, idx))]
+            assert a.write_many(items).result() == [None] * len(items)
+            parts = b.write_rows(slots, rows, idx, f, parts=1 + batch * 3)
+            assert len(parts) == min(len(items), 1 + batch * 3)
+            assert _failures(parts) == [None] * len(items)
+            assert _slabs(str(tmp_path / "a")) == _slabs(str(tmp_path / "b"))
+        found_a, _ = a.recover()
+        found_b, _ = b.recover()
+        assert found_a == found_b and found_a
+    finally:
+        a.close()
+        b.close()
+
+
+def test_each_failed_payload_fails_alone_and_keeps_its_old_header(posix, nvme_dir):
+    """Injected write errors hit single payloads: exactly those items fail, in whichever
+    part they were; every other slot's payload and header land and recover."""
+    st = NvmeStore(nvme_dir, N_SLOTS, STRIDE, posix, PER_FILE)
+    rows = _rows(16, 3)
+    slots = np.array([9, 3, 4, 5, 6, 7, 8, 2])
+    f = {"key": np.arange(200, 208, dtype=np.uint64), "length": np.full(8, STRIDE),
+         "checksum": np.array([block_checksum(rows[i]) for i in range(8)], dtype=np.uint64),
+         "sealed": np.ones(8, bool), "seq": np.arange(1, 9, dtype=np.uint64), "owner": np.zeros(8, np.uint64)}
+    st.backend = FaultyBackend(posix, fail_writes=2, mode="eio")  # the first two payloads issued fail
+    errors = _failures(st.write_rows(slots, rows, np.arange(8), f, parts=1))
+    st.backend = posix
+    # payloads go in slot order: slots 2 and 3 (items 7 and 1) were the first two
+    assert [e is not None for e in errors] == [False, True, False, False, False, False, False, True]
+    assert all(isinstance(e, OSError) for e in errors if e is not None)
+    assert st.read_header(2) is None and st.read_header(3) is None  # no header without its payload
+    found, _ = st.recover()
+    assert sorted(r.slot for r in found) == [4, 5, 6, 7, 8, 9]
+    for r in found:
+        out = aligned_empty(STRIDE)
+        st.read(r.slot, out).result()
+        j = int(np.flatnonzero(slots == r.slot)[0])
+        assert r.header.key == 200 + j and np.array_equal(out, rows[j])
+    st.close()
+
+
+class _FailingHeaders(FaultyBackend):
+    """Fails the header writes (offsets inside a group's header span), nothing else."""
+
+    def __init__(self, inner, layout: SlabLayout) -> None:
+        super().__init__(inner, mode="eio")
+        self.layout = layout
+
+    def pwrite(self, handle, buffers, offset):
+        if offset % self.layout.group_bytes < GROUP * HEADER_BYTES:
+            self.fail_writes = 1
+        return super().pwrite(handle, buffers, offset)
+
+
+def test_a_failed_header_run_fails_every_slot_in_it(posix, nvme_dir):
+    """Payloads land but their header write fails: each slot of that run fails (its
+    block is not on disk as far as a restart can tell), in every part."""
+    st = NvmeStore(nvme_dir, N_SLOTS, STRIDE, posix, PER_FILE)
+    rows = _rows(6, 8)
+    slots = np.array([GROUP + 1, 1, 2, GROUP, 3, 40])  # runs: 1-3, 40, GROUP..GROUP+1
+    f = {"key": np.arange(1, 7, dtype=np.uint64), "length": np.full(6, STRIDE),
+         "checksum": np.zeros(6, np.uint64), "sealed": np.ones(6, bool), "seq": None, "owner": np.zeros(6, np.uint64)}
+    st.backend = _FailingHeaders(posix, st.layout)
+    errors = _failures(st.write_rows(slots, rows, np.arange(6), f, parts=2))
+    assert all(isinstance(e, OSError) for e in errors)
+    assert st.header_pages.cached_pages > 0  # every write done: the pages came back for reuse
+    st.close()
+
+
+def test_bad_batches_raise_before_any_io(posix, nvme_dir):
+    st = NvmeStore(nvme_dir, N_SLOTS, STRIDE, posix, PER_FILE)
+    rows = _rows(4, 4)
+    f = {"key": np.arange(1, 4, dtype=np.uint64), "length": np.full(3, STRIDE),
+         "checksum": np.zeros(3, np.uint64), "sealed": np.ones(3, bool), "seq": None, "owner": np.zeros(3, np.uint64)}
+    before = _slabs(nvme_dir)
+    seq = st.seq
+    for slots, idx, fields, what in [
+        (np.array([1, 2, 1]), np.arange(3), f, "named twice"),
+        (np.array([1, 2, 3]), np.array([0, 1, 4]), f, "out of range"),
+        (np.array([1, 2, N_SLOTS]), np.arange(3), f, "out of range"),
+        (np.array([1, 2]), np.arange(2), f, "another length"),
+    ]:
+        with pytest.raises(ValueError, match=what):
+            st.write_rows(slots, rows, idx, fields, parts=2)
+    with pytest.raises(ValueError, match="out of range"):
+        st.read_rows(np.array([0, 1]), rows, np.array([0, 9]), np.full(2, STRIDE), np.zeros(2, np.uint64))
+    assert _slabs(nvme_dir) == before and st.header_pages.cached_pages == 0
+    assert st.seq == seq  # no sequence number taken by a refused batch
+    st.close()
+
+
+def test_rows_that_are_not_whole_aligned_slots_go_block_by_block(posix, nvme_dir):
+    """Rows narrower than the stride, or not page aligned, still land (bounced) and read back."""
+    st = NvmeStore(nvme_dir, N_SLOTS, 6000, posix, PER_FILE)  # stride 8192, rows of 6000 bytes
+    rows = np.random.default_rng(5).integers(0, 255, (5, 6000), dtype=np.uint8)
+    f = {"key": np.arange(1, 6, dtype=np.uint64), "length": np.full(5, 6000),
+         "checksum": np.array([block_checksum(r) for r in rows], dtype=np.uint64), "sealed": np.ones(5, bool),
+         "seq": None, "owner": np.zeros(5, np.uint64)}
+    assert _failures(st.write_rows(np.array([7, 3, 5, 1, 0]), rows, np.arange(5), f, parts=3)) == [None] * 5
+    back = _rows(5, 0)
+    errs = _failures(st.read_rows(np.array([7, 3, 5, 1, 0]), back, np.arange(5), f["length"], f["checksum"], 2))
+    assert errs == [None] * 5 and np.array_equal(back[:, :6000], rows)
+    st.close()
+
+
+@pytest.mark.parametrize("parts", [1, 2, 5])
+def test_read_rows_lands_exact_bytes_and_refuses_only_the_corrupt_block(posix, nvme_dir, parts):
+    st = NvmeStore(nvme_dir, N_SLOTS, STRIDE, posix, PER_FILE)
+    rows = _rows(12, 6)
+    slots = np.array([GROUP + 2, 4, GROUP - 1, 0, PER_FILE, 9, GROUP, 1, 2, 3])
+    n = slots.size
+    f = {"key": np.arange(1, n + 1, dtype=np.uint64), "length": np.full(n, STRIDE),
+         "checksum": np.array([block_checksum(rows[i]) for i in range(n)], dtype=np.uint64),
+         "sealed": np.ones(n, bool), "seq": None, "owner": np.zeros(n, np.uint64)}
+    assert _failures(st.write_rows(slots, rows, np.arange(n), f, parts=parts)) == [None] * n
+    handle, off = st.payload_at(int(slots[4]))  # flip one byte of item 4's payload on disk
+    path = os.path.join(nvme_dir, f"slab-{int(slots[4]) // PER_FILE:04d}.kvt")
+    with open(path, "r+b") as fh:
+        fh.seek(off + 77)
+        byte = fh.read(1)[0]
+        fh.seek(off + 77)
+        fh.write(bytes([byte ^ 0x10]))
+    back = np.zeros((n + 2, STRIDE), dtype=np.uint8)
+    back = aligned_empty(back.nbytes).reshape(back.shape)
+    back[:] = 0
+    dst = np.arange(n)[::-1] + 2  # rows land where idx says, not in slot order
+    errors = _failures(st.read_rows(slots, back, dst, f["length"], f["checksum"], parts))
+    assert [e is not None for e in errors] == [i == 4 for i in range(n)]
+    assert isinstance(errors[4], CorruptBlockError) and f"slot {int(slots[4])}" in str(errors[4])
+    for i in range(n):
+        if i != 4:
+            assert np.array_equal(back[dst[i]], rows[i])
+    assert not back[:2].any()
+    st.close()
+
+
+def test_pack_headers_packs_what_pack_header_does():
+    rng = np.random.default_rng(7)
+    n, key = 300, os.urandom(32)
+    fields = {"key": rng.integers(0, 2**63, n, dtype=np.uint64) * 2 + 1, "length": rng.integers(0, 1 << 20, n),
+              "checksum": rng.integers(0, 2**63, n, dtype=np.uint64), "seq": rng.integers(0, 1 << 40, n),
+              "flags": rng.integers(0, 2, n), "owner": rng.integers(0, 1 << 32, n)}
+    slots = rng.integers(0, 1 << 20, n)
+    many, one = np.zeros((n, HEADER_BYTES), np.uint8), np.zeros((n, HEADER_BYTES), np.uint8)
+    pack_headers(many, fields, key, slots, 262144, 65536)
+    for i in range(n):
+        pack_header(one[i].data, *(int(fields[k][i]) for k in ("key", "length", "checksum", "seq", "flags", "owner")),
+                    key, header_place(int(slots[i]), 262144, 65536))
+    assert np.array_equal(many, one)
+
+
+def test_vector_offsets_and_run_breaks_match_the_scalar_layout():
+    layout = SlabLayout(3 * PER_FILE, STRIDE, PER_FILE)
+    slots = np.arange(layout.n_slots)
+    files, offsets = layout.payload_offsets(slots)
+    assert [(int(f), int(o)) for f, o in zip(files, offsets)] == [layout.payload_offset(int(s)) for s in slots]
+    pick = np.array([0, 1, 2, 5, GROUP - 1, GROUP, GROUP + 1, PER_FILE - 1, PER_FILE, PER_FILE + 1])
+    want = [True] + [bool(b != a + 1 or layout.starts_header_run(int(b))) for a, b in zip(pick, pick[1:])]
+    assert layout.header_run_breaks(pick).tolist() == want
+    with pytest.raises(ValueError, match="out of range"):
+        layout.payload_offsets(np.array([0, layout.n_slots]))
+
+
+def test_page_cache_reuses_buffers_and_keeps_the_bytes_outside_headers_zero():
+    cache = PageCache(4096, keep_pages=8)
+    a = cache.take(3)
+    assert a.shape == (3, 4096) and not a.any() and a.__array_interface__["data"][0] % 4096 == 0
+    a[:, :64] = 7  # a user writes headers only
+    cache.give(a)
+    assert cache.cached_pages == 4  # 3 pages come from a buffer of 4
+    b = cache.take(4)
+    assert b.__array_interface__["data"][0] == a.__array_interface__["data"][0] and not b[:, 64:].any()
+    cache.give(b, reuse=False)  # a batch that failed part-way: not reused
+    assert cache.cached_pages == 0
+    with pytest.raises(ValueError, match="not taken"):
+        cache.give(b)  # given back already
+    big = cache.take(9)  # 16 pages: over what the cache keeps
+    cache.give(big)
+    assert cache.cached_pages == 0
+    c, d = cache.take(1), cache.take(1)
+    cache.give(c)
+    cache.give(d)
+    assert cache.cached_pages == 2
