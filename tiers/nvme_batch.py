@@ -105,31 +105,38 @@ def write_rows(store: NvmeStore, slots: np.ndarray, rows: np.ndarray, idx: np.nd
     ``parts`` backend calls of consecutive slots (one an I/O thread). The result is
     each call's items (indices into ``slots``) and the future of their failures, in
     that order. Rows that are not whole aligned slots go through ``write_many``."""
+    missing = [k for k in HEADER_FIELDS if k != "seq" and fields.get(k) is None]
+    if missing:
+        raise ValueError(f"write_rows: header fields {missing} are missing")
+    seq = fields.get("seq")
     slots, idx = _checked(store, slots, rows, idx, [fields[k] for k in HEADER_FIELDS if fields.get(k) is not None])
     n = slots.size
-    seq = fields.get("seq")
     if not _slot_rows(store, rows):
         return [(np.arange(n), write_many(store, [
             (int(slots[i]), rows[idx[i]], int(fields["key"][i]), int(fields["length"][i]),
              int(fields["checksum"][i]), bool(fields["sealed"][i]), None if seq is None else int(seq[i]),
              int(fields["owner"][i])) for i in range(n)]))]
     order, ranked, files, offsets = _ranked(store, slots)
-    seq = store.reserve_seqs(n) if seq is None else np.asarray(seq)  # once the batch is known good
     header = {"key": fields["key"][order], "length": fields["length"][order],
-              "checksum": fields["checksum"][order], "seq": seq[order],
+              "checksum": fields["checksum"][order],
               "flags": np.where(np.asarray(fields["sealed"])[order], FLAG_SEALED, 0), "owner": fields["owner"][order]}
+    # sequences in slot order, as write_many takes them; reserved once the batch is known good
+    header["seq"] = store.reserve_seqs(n) if seq is None else np.asarray(seq)[order]
     handles, src = store.handles, idx[order].tolist()
     out = []
     for a, b in _parts(n, parts):
-        jobs = [(handles[f], [rows[r]], off) for f, r, off in zip(files[a:b], src[a:b], offsets[a:b])]
-        pages = store.header_pages.take(b - a)
-        part = {name: col[a:b] for name, col in header.items()}
-        mine = ranked[a:b]
+        try:  # once a part is out, a later one's error is that part's failure, never a raise
+            jobs = [(handles[f], [rows[r]], off) for f, r, off in zip(files[a:b], src[a:b], offsets[a:b])]
+            pages = store.header_pages.take(b - a)
+            part = {name: col[a:b] for name, col in header.items()}
+            mine = ranked[a:b]
 
-        def pack(pages: np.ndarray = pages, part: dict = part, mine: np.ndarray = mine) -> None:
-            pack_headers(pages, part, store.mac_key, mine, store.data_stride, store.slots_per_file)
+            def pack(pages: np.ndarray = pages, part: dict = part, mine: np.ndarray = mine) -> None:
+                pack_headers(pages, part, store.mac_key, mine, store.data_stride, store.slots_per_file)
 
-        out.append((order[a:b], _issue(store, jobs, pages, mine, pack)))
+            out.append((order[a:b], _issue(store, jobs, pages, mine, pack)))
+        except Exception as e:
+            out.append((order[a:b], _failed(e)))
     return out
 
 
@@ -150,25 +157,38 @@ def read_rows(store: NvmeStore, slots: np.ndarray, rows: np.ndarray, idx: np.nda
     sums = list(zip(np.asarray(lengths)[order].tolist(), np.asarray(checksums)[order].tolist()))
     out = []
     for a, b in _parts(n, parts):
-        jobs = [(handles[f], [rows[r]], off) for f, r, off in zip(files[a:b], dst[a:b], offsets[a:b])]
-
         def check(i: int, a: int = a) -> None:  # where the compiled loop did not verify, or failed
             length, checksum = sums[a + i]
             if block_checksum(rows[dst[a + i]], length) != checksum:
                 raise CorruptBlockError(f"NVMe slot {int(ranked[a + i])} failed its checksum")
 
-        out.append((order[a:b], store.backend.pread_checked(jobs, check, sums[a:b])))
+        try:  # once a part is out, a later one's error is that part's failure, never a raise
+            jobs = [(handles[f], [rows[r]], off) for f, r, off in zip(files[a:b], dst[a:b], offsets[a:b])]
+            out.append((order[a:b], store.backend.pread_checked(jobs, check, sums[a:b])))
+        except Exception as e:
+            out.append((order[a:b], _failed(e)))
     return out
+
+
+def _failed(e: BaseException) -> "Future[Failures]":
+    """A part that could not be issued: its future fails with ``e`` (each of its items fails)."""
+    f: "Future[Failures]" = Future()
+    f.set_exception(e)
+    return f
 
 
 def _checked(store: NvmeStore, slots: np.ndarray, rows: Any, idx: np.ndarray,
              columns: list) -> tuple[np.ndarray, np.ndarray]:
-    """``slots`` and ``idx`` as int64, once every column has one entry a slot and every row index is in range."""
+    """``slots`` and ``idx`` as int64, once every column has one non-negative integer a slot
+    and every row index is in range."""
     slots = np.asarray(slots, dtype=np.int64)
     idx = np.asarray(idx, dtype=np.int64)
     n = slots.size
     if idx.size != n or any(np.shape(c) != (n,) for c in columns):
         raise ValueError(f"nvme batch: {n} slots, but row indices or header fields of another length")
+    for c in map(np.asarray, columns):  # a header field is an unsigned 64-bit integer: no wrapping, no truncation
+        if c.dtype.kind not in "iub" or (c.dtype.kind == "i" and n and int(c.min()) < 0):
+            raise ValueError(f"nvme batch: header fields must be non-negative integers, got {c.dtype} {c.min()}")
     if n and (int(idx.min()) < 0 or int(idx.max()) >= len(rows)):
         raise ValueError(f"nvme batch: a row index is out of range [0, {len(rows)})")
     return slots, idx
@@ -234,5 +254,6 @@ def _issue(store: NvmeStore, jobs: list[Job], pages: np.ndarray, ranked: np.ndar
         store.header_pages.give(pages, reuse=False)  # some writes may have been issued
         raise
     # the pages go back once every write is done; after a failure some may still be in flight
-    fut.add_done_callback(lambda f: store.header_pages.give(pages, reuse=f.exception() is None))
+    fut.add_done_callback(lambda f: store.header_pages.give(
+        pages, reuse=not f.cancelled() and f.exception() is None))
     return mapped(fut, per_job)

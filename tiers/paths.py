@@ -145,34 +145,44 @@ def _write_nvme(m: CopyEngine, t: Transfer, ok: np.ndarray, errors: dict,
     assert m.nvme is not None
     keys, checksums, sealed = t.header()
     sums = checksums.copy()
-    for i in np.flatnonzero(~sealed).tolist():
-        try:
-            sums[i] = block_checksum(source(int(t.src_slots[i])), int(t.lengths[i]))
-        except Exception as e:
-            errors[int(t.blocks[i])] = f"{type(e).__name__}: {e}"
     seqs = m.nvme.reserve_seqs(t.blocks.size) if t.seqs is None else t.seqs
     owners = np.zeros(t.blocks.size, dtype=np.uint64) if t.owners is None else t.owners
-    todo = np.array([i for i in range(t.blocks.size) if int(t.blocks[i]) not in errors] if errors
-                    else np.arange(t.blocks.size), dtype=np.int64)
     calls: list = []
     if rows is not None:  # as arrays, one share of consecutive slots an I/O thread
-        fields = {"key": keys[todo], "length": t.lengths[todo], "checksum": sums[todo],
-                  "sealed": sealed[todo], "seq": seqs[todo], "owner": owners[todo]}
+        for i in np.flatnonzero(~sealed.astype(bool)).tolist():
+            try:
+                sums[i] = block_checksum(source(int(t.src_slots[i])), int(t.lengths[i]))
+            except Exception as e:
+                errors[int(t.blocks[i])] = f"{type(e).__name__}: {e}"
+        todo = np.array([i for i in range(t.blocks.size) if int(t.blocks[i]) not in errors] if errors
+                        else np.arange(t.blocks.size), dtype=np.int64)
+        fields = {"key": keys[todo], "length": t.lengths[todo], "checksum": sums[todo], "sealed": sealed[todo],
+                  "seq": seqs[todo], "owner": owners[todo]}
         try:
             parts = m.nvme.write_rows(t.dst_slots[todo], rows, t.src_slots[todo], fields, _io_threads(m))
             calls = [(todo[items].tolist(), fut) for items, fut in parts]
-        except Exception as e:
+        except Exception as e:  # refused before any I/O
             for i in todo.tolist():
                 errors[int(t.blocks[i])] = f"{type(e).__name__}: {e}"
     else:
-        for share in _split(todo.tolist(), _io_threads(m)):
-            try:
-                items = [(int(t.dst_slots[i]), source(int(t.src_slots[i])), int(keys[i]), int(t.lengths[i]),
-                          int(sums[i]), bool(sealed[i]), int(seqs[i]), int(owners[i])) for i in share]
-                calls.append((share, m.nvme.write_many(items)))
-            except Exception as e:
-                for i in share:
+        for share in _split(range(t.blocks.size), _io_threads(m)):
+            mine, items = [], []
+            for i in share:  # each block fails alone
+                try:
+                    buf = source(int(t.src_slots[i]))
+                    if not sealed[i]:
+                        sums[i] = block_checksum(buf, int(t.lengths[i]))
+                    items.append((int(t.dst_slots[i]), buf, int(keys[i]), int(t.lengths[i]), int(sums[i]),
+                                  bool(sealed[i]), int(seqs[i]), int(owners[i])))
+                    mine.append(i)
+                except Exception as e:
                     errors[int(t.blocks[i])] = f"{type(e).__name__}: {e}"
+            if items:
+                try:
+                    calls.append((mine, m.nvme.write_many(items)))
+                except Exception as e:
+                    for i in mine:
+                        errors[int(t.blocks[i])] = f"{type(e).__name__}: {e}"
     for i, err in _outcomes(calls):
         if err is None:
             ok[i] = True

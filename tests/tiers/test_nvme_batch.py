@@ -54,7 +54,11 @@ def _slabs(directory: str) -> list[bytes]:
 def _failures(parts) -> list:
     out: dict[int, object] = {}
     for items, fut in parts:
-        for i, err in zip(items.tolist(), fut.result()):
+        try:
+            failures = fut.result()
+        except Exception as e:  # a part that failed as a whole fails each of its items
+            failures = [e] * len(items)
+        for i, err in zip(items.tolist(), failures):
             assert i not in out  # every item is in exactly one part
             out[i] = err
     return [out[i] for i in range(len(out))]
@@ -70,11 +74,13 @@ def test_write_rows_puts_on_disk_exactly_the_bytes_write_many_does(posix, tmp_pa
     a, b = NvmeStore(str(tmp_path / "a"), N_SLOTS, STRIDE, posix, PER_FILE), \
         NvmeStore(str(tmp_path / "b"), N_SLOTS, STRIDE, posix, PER_FILE)
     try:
-        b.mac_key = a.mac_key
+        b.mac_key, b.seq = a.mac_key, a.seq  # the same key and next sequence: the same headers
         for batch in range(3):
             slots, idx, f = _batch(rng, int(rng.integers(1, 40)), rows)
+            if batch == 2:
+                f["seq"] = None  # each store takes its next sequence numbers, in slot order
             items = [(int(s), rows[i], int(f["key"][j]), int(f["length"][j]), int(f["checksum"][j]),
-                      bool(f["sealed"][j]), int(f["seq"][j]), int(f["owner"][j]))
+                      bool(f["sealed"][j]), None if f["seq"] is None else int(f["seq"][j]), int(f["owner"][j]))
                      for j, (s, i) in enumerate(zip(slots, idx))]
             assert a.write_many(items).result() == [None] * len(items)
             parts = b.write_rows(slots, rows, idx, f, parts=1 + batch * 3)
@@ -257,3 +263,108 @@ def test_page_cache_reuses_buffers_and_keeps_the_bytes_outside_headers_zero():
     cache.give(c)
     cache.give(d)
     assert cache.cached_pages == 2
+
+
+class _RefusesSecondCall:
+    """A backend whose second batch call raises before any I/O (a pool shut down under
+    it): the first part is already out and must still be waited for and reported."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _count(self) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("cannot schedule new futures after shutdown")
+
+    def pwrite_many(self, writes, then=None):
+        self._count()
+        return self.inner.pwrite_many(writes, then)
+
+    def pread_checked(self, reads, check, sums=None):
+        self._count()
+        return self.inner.pread_checked(reads, check, sums)
+
+
+def test_a_part_that_cannot_be_issued_fails_alone_and_the_parts_already_out_are_kept(posix, nvme_dir):
+    """Part 2 of 3 is refused: its items fail with the backend's error, parts 1 and 3
+    land (headers too), and nothing raises, so no caller frees the slots of writes or
+    reads still in flight."""
+    st = NvmeStore(nvme_dir, N_SLOTS, STRIDE, posix, PER_FILE)
+    rows = _rows(9, 9)
+    slots = np.array([8, 0, 7, 1, 6, 2, 5, 3, 4])
+    f = {"key": np.arange(1, 10, dtype=np.uint64), "length": np.full(9, STRIDE),
+         "checksum": np.array([block_checksum(r) for r in rows], dtype=np.uint64), "sealed": np.ones(9, bool),
+         "seq": None, "owner": np.zeros(9, np.uint64)}
+    st.backend = _RefusesSecondCall(posix)
+    parts = st.write_rows(slots, rows, np.arange(9), f, parts=3)
+    errors = _failures(parts)
+    assert [e is not None for e in errors] == [s in (3, 4, 5) for s in slots]  # the second part: slots 3-5
+    assert all("shutdown" in str(e) for e in errors if e is not None)
+    st.backend = posix
+    assert sorted(r.slot for r in st.recover()[0]) == [0, 1, 2, 6, 7, 8]
+    back = aligned_empty(9 * STRIDE).reshape(9, STRIDE)
+    st.backend = _RefusesSecondCall(posix)
+    keep = np.array([1, 3, 5, 4, 2, 0])  # the items whose slots landed: 0, 1, 2, 6, 7, 8
+    errors = _failures(st.read_rows(slots[keep], back, keep, f["length"][keep], f["checksum"][keep], parts=3))
+    assert [e is not None for e in errors] == [s in (2, 6) for s in slots[keep]]  # the second part: slots 2, 6
+    for i, e in zip(keep, errors):
+        if e is None:
+            assert np.array_equal(back[i], rows[i])
+    st.close()
+
+
+def test_header_fields_that_would_wrap_or_truncate_are_refused(posix, nvme_dir):
+    st = NvmeStore(nvme_dir, N_SLOTS, STRIDE, posix, PER_FILE)
+    rows = _rows(2, 10)
+    good = {"key": np.array([1, 2], np.uint64), "length": np.full(2, STRIDE), "checksum": np.zeros(2, np.uint64),
+            "sealed": np.ones(2, bool), "seq": None, "owner": np.zeros(2, np.uint64)}
+    seq = st.seq
+    for name, bad in [("seq", np.array([1, -2])), ("length", np.array([2.7, 3.0])), ("key", np.array([-1, 1]))]:
+        with pytest.raises(ValueError, match="non-negative integers"):
+            st.write_rows(np.array([0, 1]), rows, np.arange(2), {**good, name: bad})
+    with pytest.raises(ValueError, match="missing"):
+        st.write_rows(np.array([0, 1]), rows, np.arange(2), {k: v for k, v in good.items() if k != "owner"})
+    assert st.seq == seq and st.read_header(0) is None
+    st.close()
+
+
+def test_the_block_by_block_path_fails_only_the_block_whose_source_fails(posix, nvme_dir):
+    """Where the source is no host array (a device pool staged through host memory), a
+    block whose staging fails fails alone, and an open block is staged once: its
+    checksum is of the very bytes written."""
+    import threading
+    import types
+    from collections import Counter
+
+    from kvtier.tiers.paths import _write_nvme
+    from kvtier.tiers.transfer import Transfer
+    from kvtier.tiers.types import Tier
+
+    st = NvmeStore(nvme_dir, 64, STRIDE, posix, PER_FILE)
+    rows = _rows(4, 11)
+    staged = Counter()
+
+    def source(slot: int) -> np.ndarray:
+        staged[slot] += 1
+        if slot == 1:
+            raise RuntimeError("staging copy failed")
+        out = aligned_empty(STRIDE)
+        out[:] = rows[slot]
+        return out
+
+    t = Transfer(1, Tier.HBM, Tier.NVME, np.arange(100, 104), np.arange(4), np.arange(10, 14),
+                 np.arange(1, 5, dtype=np.uint64), np.full(4, STRIDE),
+                 np.array([block_checksum(rows[0]), block_checksum(rows[1]), 0, 0], dtype=np.uint64),
+                 np.array([True, True, False, False]), seqs=np.arange(1, 5, dtype=np.uint64),
+                 owners=np.zeros(4, np.uint64))
+    m = types.SimpleNamespace(nvme=st, tls=threading.local())
+    ok, errors = np.zeros(4, bool), {}
+    sums = _write_nvme(m, t, ok, errors, source)
+    assert ok.tolist() == [True, False, True, True] and list(errors) == [101] and "staging" in errors[101]
+    assert staged == {0: 1, 1: 1, 2: 1, 3: 1}
+    assert sums[2:].tolist() == [block_checksum(rows[2]), block_checksum(rows[3])]
+    st.close()
