@@ -253,7 +253,9 @@ def _issue(store: NvmeStore, jobs: list[Job], pages: np.ndarray, ranked: np.ndar
     except BaseException:
         store.header_pages.give(pages, reuse=False)  # some writes may have been issued
         raise
-    # the pages go back once every write is done; after a failure some may still be in flight
+    # the pages go back once every write is done. After any failure they are not reused: a
+    # backend may report a write failed while another piece of it still reads the page
+    # (kvikio splits a write into tasks and reports the first error it meets)
     fut.add_done_callback(lambda f: store.header_pages.give(
-        pages, reuse=not f.cancelled() and f.exception() is None))
+        pages, reuse=not f.cancelled() and f.exception() is None and not any(f.result())))
     return mapped(fut, per_job)

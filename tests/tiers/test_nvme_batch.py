@@ -145,7 +145,11 @@ def test_a_failed_header_run_fails_every_slot_in_it(posix, nvme_dir):
     st.backend = _FailingHeaders(posix, st.layout)
     errors = _failures(st.write_rows(slots, rows, np.arange(6), f, parts=2))
     assert all(isinstance(e, OSError) for e in errors)
-    assert st.header_pages.cached_pages > 0  # every write done: the pages came back for reuse
+    assert st.header_pages.cached_pages == 0  # after a failure no page is reused
+    st.backend = posix
+    f["seq"] = None
+    assert _failures(st.write_rows(slots, rows, np.arange(6), f, parts=2)) == [None] * 6
+    assert st.header_pages.cached_pages > 0  # every write done and none failed: the pages are reused
     st.close()
 
 
