@@ -31,7 +31,7 @@ from .aligned import PageCache
 from .futures import Failures, mapped
 from .pools import ALIGN
 from .slab_layout import SlabLayout
-from .slot_header import FLAG_SEALED, pack_header, pack_headers
+from .slot_header import FLAG_SEALED, pack_headers
 from .types import CorruptBlockError
 
 Job = tuple[Any, list[Any], int]  # (handle, buffers, offset)
@@ -66,28 +66,27 @@ class NvmeStore(Protocol):
 
 def write_many(store: NvmeStore, items: Sequence[tuple[Any, ...]]) -> "Future[Failures]":
     """Write slots (slot, data, key, length, checksum, sealed, seq[, owner]) as one
-    backend call; the result is each item's failure (None: it landed)."""
+    backend call; the result is each item's failure (None: it landed). Headers are
+    packed as ``write_rows`` packs them, once the payloads landed."""
     n = len(items)
     order = sorted(range(n), key=lambda i: int(items[i][0]))
     if any(items[a][0] == items[b][0] for a, b in zip(order, order[1:])):
         raise ValueError("write_many: a slot is named twice")  # whose header would describe which payload?
-    pages = store.header_pages.take(n)  # in slot order: consecutive slots' headers are one buffer
     jobs: list[Job] = []
-    try:
-        for page, i in zip(pages, order):
-            slot, data, key, length, checksum, sealed, seq = items[i][:7]
-            owner = int(items[i][7]) if len(items[i]) > 7 else 0
-            handle, off = store.payload_at(int(slot))
-            if seq is None:
-                seq = int(store.reserve_seqs(1)[0])
-            pack_header(page.data, int(key), int(length), int(checksum), int(seq),
-                        FLAG_SEALED if sealed else 0, owner, store.mac_key, store.place(int(slot)))
-            jobs.append((handle, [store.payload_buffer(data)], off))
-    except BaseException:
-        store.header_pages.give(pages)  # nothing was issued
-        raise
+    header: dict[str, list[int]] = {name: [] for name in ("key", "length", "checksum", "seq", "flags", "owner")}
+    for i in order:
+        slot, data, key, length, checksum, sealed, seq = items[i][:7]
+        handle, off = store.payload_at(int(slot))
+        jobs.append((handle, [store.payload_buffer(data)], off))
+        for name, value in (("key", key), ("length", length), ("checksum", checksum), ("flags", FLAG_SEALED if sealed else 0),
+                            ("owner", items[i][7] if len(items[i]) > 7 else 0),
+                            ("seq", store.reserve_seqs(1)[0] if seq is None else seq)):
+            header[name].append(int(value))
     ranked = np.array([int(items[i][0]) for i in order], dtype=np.int64)
-    fut = _issue(store, jobs, pages, ranked, None)
+    columns = {name: np.array(col, dtype=np.uint64) for name, col in header.items()}  # out of range: raises here
+    pages = store.header_pages.take(n)  # in slot order: consecutive slots' headers are one buffer
+    fut = _issue(store, jobs, pages, ranked, lambda: pack_headers(pages, columns, store.mac_key, ranked,
+                                                                  store.data_stride, store.slots_per_file))
 
     def per_item(failures: Failures) -> Failures:
         out: Failures = [None] * n

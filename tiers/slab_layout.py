@@ -86,7 +86,6 @@ class SlabLayout:
         group, j = divmod(local, GROUP)
         return file, group * self.group_bytes + HEADER_SPAN + j * self.data_stride
 
-
     def payload_offsets(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(file, byte offset) of each slot's payload, ``payload_offset`` for many at once;
         a slot out of range raises ValueError."""

@@ -100,7 +100,8 @@ def pack_headers(pages: np.ndarray, fields: dict[str, np.ndarray], mac_key: byte
         h.update(where[i * _PLACE.size : (i + 1) * _PLACE.size])
         macs.append(h.digest())
     pages[:, : _HDR.size] = hdr.view(np.uint8).reshape(n, _HDR.size)
-    pages[:, _HDR.size : _HDR.size + _HDR_CRC.size] = np.frombuffer(b"".join(macs), dtype=np.uint8).reshape(n, _HDR_CRC.size)
+    macs_bytes = np.frombuffer(b"".join(macs), dtype=np.uint8).reshape(n, _HDR_CRC.size)
+    pages[:, _HDR.size : _HDR.size + _HDR_CRC.size] = macs_bytes
 
 
 def decode_header(buf: np.ndarray, mac_key: bytes, place: bytes) -> Optional[SlotHeader]:

@@ -330,6 +330,8 @@ def test_header_fields_that_would_wrap_or_truncate_are_refused(posix, nvme_dir):
     for name, bad in [("seq", np.array([1, -2])), ("length", np.array([2.7, 3.0])), ("key", np.array([-1, 1]))]:
         with pytest.raises(ValueError, match="non-negative integers"):
             st.write_rows(np.array([0, 1]), rows, np.arange(2), {**good, name: bad})
+    with pytest.raises(OverflowError):  # the per-block way refuses such a header as well, before any I/O
+        st.write_many([(0, rows[0], -1, STRIDE, 0, True, 1), (1, rows[1], 2, STRIDE, 0, True, 2)])
     with pytest.raises(ValueError, match="missing"):
         st.write_rows(np.array([0, 1]), rows, np.arange(2), {k: v for k, v in good.items() if k != "owner"})
     assert st.seq == seq and st.read_header(0) is None
