@@ -183,7 +183,7 @@ class PosixBackend:
     def pread_many(self, handle: PosixHandle, reads: Sequence[tuple[Buffer, int]]) -> "Future[Failures]":
         """Many small reads (a restart's slot headers) as one pool task: a future per
         4 KiB read costs as much Python as the read itself. Each read fails alone."""
-        return self._each(os.preadv, [(handle, self._views([buf]), off) for buf, off in reads], "read")
+        return self._each(os.preadv, [(handle, [buf], off) for buf, off in reads], "read")
 
     def pwrite_many(self, writes: Sequence[Write], then: Optional[Then] = None) -> "Future[Failures]":
         """Many block writes (handle, buffers, offset) as one pool task, one after the other,
@@ -192,8 +192,7 @@ class PosixBackend:
         small host that Python competes with the I/O threads for the cores. ``then``'s
         writes run in the same task after these (not queued behind other tasks); the
         result lists the failures of both, these first."""
-        return self._each(os.pwritev, [(h, self._views(bufs), off) for h, bufs, off in writes], "write",
-                          then=then)
+        return self._each(os.pwritev, writes, "write", then=then)
 
     def pread_checked(self, reads: Sequence[tuple[PosixHandle, Sequence[Buffer], int]],
                       check: Callable[[int], None], sums: Optional[Sums] = None) -> "Future[Failures]":
@@ -203,25 +202,34 @@ class PosixBackend:
         checked in the compiled loop where it exists; ``check(i)`` runs otherwise, and
         on a mismatch, to raise the caller's own error. A read that fails, or whose
         check fails, fails alone."""
-        return self._each(os.preadv, [(h, self._views(bufs), off) for h, bufs, off in reads], "read", check, sums)
+        return self._each(os.preadv, reads, "read", check, sums)
 
-    def _each(self, op: Callable[..., int], jobs: list[tuple[PosixHandle, list[memoryview], int]],
-              kind: str, check: Optional[Callable[[int], None]] = None,
+    def _each(self, op: Callable[..., int], jobs: Sequence[Write], kind: str,
+              check: Optional[Callable[[int], None]] = None,
               sums: Optional[Sums] = None, then: Optional[Then] = None) -> "Future[Failures]":
-        """Jobs (handle, views, offset) as one pool task, one after the other, each failing
+        """Jobs (handle, buffers, offset) as one pool task, one after the other, each failing
         alone; ``check(i)``, if given, runs after job i moved its bytes (unless the
-        compiled loop verified ``sums[i]`` already); ``then``'s writes after them."""
+        compiled loop verified ``sums[i]`` already); ``then``'s writes after them.
+
+        The jobs' byte views are made on the pool thread that runs them, and ``jobs`` is
+        read only there (it may be a lazy sequence, ``nvme_batch``'s rows): a batch's
+        Python then runs a share at a time beside the other threads' I/O. Made by the
+        caller, a 256-block batch held the GIL 1.5-2 ms before its first write could
+        start. A buffer the backend cannot take fails its share's future."""
         if sums is not None and len(sums) != len(jobs):
             raise ValueError(f"{len(sums)} checksums for {len(jobs)} reads")
-        if then is None:
-            return self._pool.submit(self._run, op, jobs, kind, check, sums)
 
-        def both() -> Failures:
-            out = self._run(op, jobs, kind, check, sums)
-            more = [(h, self._views(bufs), off) for h, bufs, off in then(out)]
-            return out + self._run(op, more, kind, None, None)
+        def share() -> Failures:
+            out = self._run(op, self._prepared(jobs), kind, check, sums)
+            if then is None:
+                return out
+            return out + self._run(op, self._prepared(then(out)), kind, None, None)
 
-        return self._pool.submit(both)
+        return self._pool.submit(share)
+
+    @classmethod
+    def _prepared(cls, jobs: Sequence[Write]) -> list[tuple[PosixHandle, list[memoryview], int]]:
+        return [(h, cls._views(bufs), off) for h, bufs, off in jobs]
 
     def _run(self, op: Callable[..., int], jobs: list[tuple[PosixHandle, list[memoryview], int]],
              kind: str, check: Optional[Callable[[int], None]], sums: Optional[Sums]) -> Failures:

@@ -11,8 +11,9 @@ Two ways in. ``write_many`` takes a tuple a slot, any buffer (bounced where it i
 not an aligned whole slot). ``write_rows`` and ``read_rows`` take arrays whose
 payloads are rows of one host array (a memory pool), the mover's way: no Python
 object a block but its I/O, split into consecutive slot ranges, one an I/O thread;
-a write's headers are packed on the I/O thread once its payloads landed, beside
-the other threads' writes. Why: at ~20 µs of Python a block, a mover thread preparing a
+each range's jobs (``RowJobs``) are made on the I/O thread that runs it, and a
+write's headers are packed there once its payloads landed, beside the other
+threads' writes. Why: at ~20 µs of Python a block, a mover thread preparing a
 batch held the GIL for milliseconds while the I/O threads it had just handed work to
 waited for it (up to 5 ms a switch): on a 2-core host the disk had its full queue
 only 15 ms into a 100 ms batch.
@@ -20,8 +21,9 @@ only 15 ms into a 100 ms batch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence as SequenceABC
 from concurrent.futures import Future
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -125,7 +127,7 @@ def write_rows(store: NvmeStore, slots: np.ndarray, rows: np.ndarray, idx: np.nd
     out = []
     for a, b in _parts(n, parts):
         try:  # once a part is out, a later one's error is that part's failure, never a raise
-            jobs = [(handles[f], [rows[r]], off) for f, r, off in zip(files[a:b], src[a:b], offsets[a:b])]
+            jobs = RowJobs(handles, rows, files[a:b], src[a:b], offsets[a:b])
             pages = store.header_pages.take(b - a)
             part = {name: col[a:b] for name, col in header.items()}
             mine = ranked[a:b]
@@ -162,11 +164,33 @@ def read_rows(store: NvmeStore, slots: np.ndarray, rows: np.ndarray, idx: np.nda
                 raise CorruptBlockError(f"NVMe slot {int(ranked[a + i])} failed its checksum")
 
         try:  # once a part is out, a later one's error is that part's failure, never a raise
-            jobs = [(handles[f], [rows[r]], off) for f, r, off in zip(files[a:b], dst[a:b], offsets[a:b])]
+            jobs = RowJobs(handles, rows, files[a:b], dst[a:b], offsets[a:b])
             out.append((order[a:b], store.backend.pread_checked(jobs, check, sums[a:b])))
         except Exception as e:
             out.append((order[a:b], _failed(e)))
     return out
+
+
+class RowJobs(SequenceABC):
+    """One part's jobs (handle, [row], offset), a slot each, made when read: the posix
+    backend reads them on the I/O thread that runs the part, so a batch's per-block
+    Python runs there a part at a time, beside the other threads' I/O, instead of on
+    the mover before any of it starts (~1.5 ms for 256 blocks)."""
+
+    __slots__ = ("handles", "rows", "files", "src", "offsets")
+
+    def __init__(self, handles: list, rows: np.ndarray, files: list[int], src: list[int], offsets: list[int]) -> None:
+        self.handles, self.rows, self.files, self.src, self.offsets = handles, rows, files, src, offsets
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def __getitem__(self, i: int) -> Job:  # type: ignore[override]  # items only: nothing slices a part
+        return self.handles[self.files[i]], [self.rows[self.src[i]]], self.offsets[i]
+
+    def __iter__(self) -> Iterator[Job]:
+        handles, rows = self.handles, self.rows
+        return ((handles[f], [rows[r]], off) for f, r, off in zip(self.files, self.src, self.offsets))
 
 
 def _failed(e: BaseException) -> "Future[Failures]":
@@ -218,7 +242,7 @@ def _slot_rows(store: NvmeStore, rows: Any) -> bool:
             and rows.__array_interface__["data"][0] % ALIGN == 0)
 
 
-def _issue(store: NvmeStore, jobs: list[Job], pages: np.ndarray, ranked: np.ndarray,
+def _issue(store: NvmeStore, jobs: Sequence[Job], pages: np.ndarray, ranked: np.ndarray,
            pack: Optional[Callable[[], None]]) -> "Future[Failures]":
     """Issue payload ``jobs`` (for slots ``ranked``, ascending), then, once they are
     done, ``pack()`` (if given) and the header ``pages`` of those that landed. The

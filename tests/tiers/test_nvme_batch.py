@@ -12,6 +12,7 @@ from kvtier.tiers.aligned import PageCache, aligned_empty
 from kvtier.tiers.faults import FaultyBackend
 from kvtier.tiers.io_backends import PosixBackend
 from kvtier.tiers.nvme import NvmeStore
+from kvtier.tiers.nvme_batch import RowJobs
 from kvtier.tiers.slab_layout import GROUP, HEADER_BYTES, SlabLayout
 from kvtier.tiers.slot_header import header_place, pack_header, pack_headers
 from kvtier.tiers.types import CorruptBlockError
@@ -374,3 +375,79 @@ def test_the_block_by_block_path_fails_only_the_block_whose_source_fails(posix, 
     assert staged == {0: 1, 1: 1, 2: 1, 3: 1}
     assert sums[2:].tolist() == [block_checksum(rows[2]), block_checksum(rows[3])]
     st.close()
+
+
+def test_a_batchs_per_block_work_runs_on_the_io_threads_not_the_callers(nvme_dir, monkeypatch):
+    """With the one I/O thread held, ``write_rows`` and ``read_rows`` return having read no
+    part's jobs and made no byte view of any block (the caller's thread holds the GIL
+    for none of that work);
+    released, every view is made on the I/O thread, and the bytes land and verify."""
+    import threading
+
+    be = PosixBackend(threads=1)
+    made: list[str] = []
+    real = PosixBackend._views  # a staticmethod: the plain function
+
+    def spy(buffers):
+        made.append(threading.current_thread().name)
+        return real(buffers)
+
+    monkeypatch.setattr(PosixBackend, "_views", staticmethod(spy))
+    rows_read = RowJobs.__iter__
+
+    def spy_rows(self):
+        made.append(threading.current_thread().name)
+        return rows_read(self)
+
+    monkeypatch.setattr(RowJobs, "__iter__", spy_rows)
+    st = NvmeStore(nvme_dir, N_SLOTS, STRIDE, be, PER_FILE)
+    gate = threading.Event()
+    try:
+        be._pool.submit(gate.wait)  # the pool's one thread is busy until the gate opens
+        rows = _rows(8, 11)
+        n = rows.shape[0]
+        slots = np.arange(GROUP - 4, GROUP + 4)  # across a header-run break
+        f = {"key": np.arange(1, n + 1, dtype=np.uint64), "length": np.full(n, STRIDE),
+             "checksum": np.array([block_checksum(r) for r in rows], dtype=np.uint64),
+             "sealed": np.ones(n, bool), "seq": None, "owner": np.zeros(n, np.uint64)}
+        writes = st.write_rows(slots, rows, np.arange(n), f, parts=2)
+        assert made == [] and not any(fut.done() for _, fut in writes)
+        gate.set()
+        assert _failures(writes) == [None] * n
+        assert made and all(name.startswith("kvtier-io") for name in made)
+        made.clear()
+        gate.clear()
+        be._pool.submit(gate.wait)
+        back = aligned_empty(rows.nbytes).reshape(rows.shape)
+        back[:] = 0
+        reads = st.read_rows(slots, back, np.arange(n)[::-1], f["length"], f["checksum"], parts=2)
+        assert made == [] and not any(fut.done() for _, fut in reads)
+        gate.set()
+        assert _failures(reads) == [None] * n
+        assert np.array_equal(back[::-1], rows)
+        assert made and all(name.startswith("kvtier-io") for name in made)
+    finally:
+        gate.set()
+        st.close()
+        be.shutdown()
+
+
+def test_a_buffer_the_backend_cannot_take_fails_its_share_not_the_caller(posix, nvme_dir):
+    """Byte views are made on the I/O thread now: a buffer the posix backend refuses (not
+    a host numpy array) fails the future of the share it is in, and the other shares of
+    the batch are not touched."""
+    st = NvmeStore(nvme_dir, N_SLOTS, STRIDE, posix, PER_FILE)
+    try:
+        good = _rows(1, 3)[0]
+        h0, off0 = st.payload_at(0)
+        h1, off1 = st.payload_at(1)
+        bad = posix.pwrite_many([(h0, [good], off0), (h0, [bytearray(STRIDE)], off1)])
+        with pytest.raises(TypeError, match="host numpy"):
+            bad.result()
+        fine = posix.pwrite_many([(h1, [good], off1)])
+        assert fine.result() == [None]
+        back = aligned_empty(STRIDE)
+        assert posix.pread_checked([(h1, [back], off1)], lambda i: None).result() == [None]
+        assert np.array_equal(back, good)
+    finally:
+        st.close()
