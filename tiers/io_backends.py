@@ -212,10 +212,12 @@ class PosixBackend:
         compiled loop verified ``sums[i]`` already); ``then``'s writes after them.
 
         The jobs' byte views are made on the pool thread that runs them, and ``jobs`` is
-        read only there (it may be a lazy sequence, ``nvme_batch``'s rows): a batch's
+        iterated only there (only its ``len`` here; it may be a lazy sequence,
+        ``nvme_batch``'s rows): a batch's
         Python then runs a share at a time beside the other threads' I/O. Made by the
         caller, a 256-block batch held the GIL 1.5-2 ms before its first write could
-        start. A buffer the backend cannot take fails its share's future."""
+        start. A buffer the backend cannot take fails its share's future (the whole share, as
+        the whole call raised before), not the caller."""
         if sums is not None and len(sums) != len(jobs):
             raise ValueError(f"{len(sums)} checksums for {len(jobs)} reads")
 

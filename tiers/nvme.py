@@ -217,7 +217,8 @@ class NvmeStore:
         each verified against ``checksum`` (None: an open block's, not verified) on the
         I/O thread that read it, so the checksum of one block overlaps the reads of
         the others. Per item: None, or its error (``CorruptBlockError`` when the bytes
-        do not match: they must not be served). A bad argument raises here."""
+        do not match: they must not be served). A buffer of the wrong size raises here;
+        one the backend cannot take fails the returned future."""
         jobs = [self._read_job(slot, out) for slot, out, _, _ in items]
 
         def check(i: int) -> None:

@@ -5,7 +5,8 @@ A batch writes every payload in slot order, then the headers of the slots whose
 payloads landed, one write per run of consecutive slots (a 4 KiB write per header
 between the payloads cost more than the aligned layout gains). Each slot fails
 alone, its payload's error or else its header run's; a slot whose payload failed
-keeps its old header. A bad slot or buffer raises before any I/O.
+keeps its old header. A bad slot or header field raises before any I/O; a buffer the
+backend refuses fails its share's future (posix makes its views on the I/O thread).
 
 Two ways in. ``write_many`` takes a tuple a slot, any buffer (bounced where it is
 not an aligned whole slot). ``write_rows`` and ``read_rows`` take arrays whose
@@ -274,7 +275,7 @@ def _issue(store: NvmeStore, jobs: Sequence[Job], pages: np.ndarray, ranked: np.
     try:
         fut = store.backend.pwrite_many(jobs, headers)
     except BaseException:
-        store.header_pages.give(pages, reuse=False)  # some writes may have been issued
+        store.header_pages.give(pages, reuse=False)  # a backend may have issued some writes (kvikio, faults)
         raise
     # the pages go back once every write is done. After any failure they are not reused: a
     # backend may report a write failed while another piece of it still reads the page

@@ -396,7 +396,7 @@ def test_a_batchs_per_block_work_runs_on_the_io_threads_not_the_callers(nvme_dir
     rows_read = RowJobs.__iter__
 
     def spy_rows(self):
-        made.append(threading.current_thread().name)
+        made.append("rows:" + threading.current_thread().name)
         return rows_read(self)
 
     monkeypatch.setattr(RowJobs, "__iter__", spy_rows)
@@ -414,7 +414,8 @@ def test_a_batchs_per_block_work_runs_on_the_io_threads_not_the_callers(nvme_dir
         assert made == [] and not any(fut.done() for _, fut in writes)
         gate.set()
         assert _failures(writes) == [None] * n
-        assert made and all(name.startswith("kvtier-io") for name in made)
+        assert made and all(name.removeprefix("rows:").startswith("kvtier-io") for name in made)
+        assert sum(name.startswith("rows:") for name in made) == 2  # both parts' jobs were read lazily
         made.clear()
         gate.clear()
         be._pool.submit(gate.wait)
@@ -425,7 +426,8 @@ def test_a_batchs_per_block_work_runs_on_the_io_threads_not_the_callers(nvme_dir
         gate.set()
         assert _failures(reads) == [None] * n
         assert np.array_equal(back[::-1], rows)
-        assert made and all(name.startswith("kvtier-io") for name in made)
+        assert made and all(name.removeprefix("rows:").startswith("kvtier-io") for name in made)
+        assert sum(name.startswith("rows:") for name in made) == 2
     finally:
         gate.set()
         st.close()
@@ -433,9 +435,10 @@ def test_a_batchs_per_block_work_runs_on_the_io_threads_not_the_callers(nvme_dir
 
 
 def test_a_buffer_the_backend_cannot_take_fails_its_share_not_the_caller(posix, nvme_dir):
-    """Byte views are made on the I/O thread now: a buffer the posix backend refuses (not
-    a host numpy array) fails the future of the share it is in, and the other shares of
-    the batch are not touched."""
+    """Byte views are made on the I/O thread: a buffer the posix backend refuses (not a
+    host numpy array) fails the future of the share it is in (the whole share, its good job
+    unwritten, as the whole call raised before), and nothing raises to the caller; a later
+    share on the same handle is not touched."""
     st = NvmeStore(nvme_dir, N_SLOTS, STRIDE, posix, PER_FILE)
     try:
         good = _rows(1, 3)[0]
@@ -444,6 +447,9 @@ def test_a_buffer_the_backend_cannot_take_fails_its_share_not_the_caller(posix, 
         bad = posix.pwrite_many([(h0, [good], off0), (h0, [bytearray(STRIDE)], off1)])
         with pytest.raises(TypeError, match="host numpy"):
             bad.result()
+        unwritten = aligned_empty(STRIDE)
+        assert posix.pread_checked([(h0, [unwritten], off0)], lambda i: None).result() == [None]
+        assert not unwritten.any()  # the share failed before any of its writes
         fine = posix.pwrite_many([(h1, [good], off1)])
         assert fine.result() == [None]
         back = aligned_empty(STRIDE)
