@@ -84,10 +84,11 @@ class RawODirect:
     def read(self) -> None:
         self._loop(os.preadv, 0, self.n)
 
-    def _compiled(self, write: bool, lo: int, hi: int) -> None:
+    def _compiled(self, write: bool, lo: int, hi: int, sums: Optional[list[tuple[int, int]]] = None) -> None:
         b, fd, buf = self.block, self.fd, self.buf.data
         status = _blockio.transfer(write, [fd] * (hi - lo), [i * b for i in range(lo, hi)],
-                                   [[buf[i * b:(i + 1) * b]] for i in range(lo, hi)], None)
+                                   [[buf[i * b:(i + 1) * b]] for i in range(lo, hi)],
+                                   None if sums is None else sums[lo:hi])
         if any(status):
             raise OSError(f"raw O_DIRECT {'write' if write else 'read'} failed: {sorted(set(status))}")
 
@@ -95,8 +96,8 @@ class RawODirect:
         for f in [self._pool.submit(self._loop, op, lo, hi) for lo, hi in _shares(self.n, self.threads)]:
             f.result()
 
-    def _parallel_compiled(self, write: bool) -> None:
-        for f in [self._pool.submit(self._compiled, write, lo, hi) for lo, hi in _shares(self.n, self.threads)]:
+    def _parallel_compiled(self, write: bool, sums: Optional[list[tuple[int, int]]] = None) -> None:
+        for f in [self._pool.submit(self._compiled, write, lo, hi, sums) for lo, hi in _shares(self.n, self.threads)]:
             f.result()
 
     def write_qd_c(self) -> None:
@@ -104,6 +105,12 @@ class RawODirect:
 
     def read_qd_c(self) -> None:
         self._parallel_compiled(False)
+
+    def read_qd_c_verified(self, checksum: int) -> None:
+        """``read_qd_c`` checking every block against ``checksum`` (each holds the same
+        bytes) on the thread that read it, as kvtier verifies every read: not a
+        baseline, the measure of what verification costs the raw loop."""
+        self._parallel_compiled(False, [(self.block, checksum)] * self.n)
 
     def write_qd(self) -> None:
         self._parallel(os.pwritev)

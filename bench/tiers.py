@@ -28,6 +28,7 @@ import numpy as np
 from kvtier.bench.args import positive_int
 from kvtier.daemon.config import load_config
 from kvtier.daemon.node import attach_deciders
+from kvtier.kernels.checksum import block_checksum
 from kvtier.tiers.manager import TierManager
 from kvtier.tiers.types import Tier
 
@@ -116,8 +117,13 @@ def interleaved_figures(directory: str, block: int, n: int, reps: int, args: arg
         def pair(rep: int, raw_step: tuple, ours: tuple) -> list:
             return [raw_step, ours] if rep % 2 == 0 else [ours, raw_step]
 
+        # every slot holds ``payload``, and so does the raw file written from them: the verified
+        # raw read checks each block against its checksum, as kvtier's reads do (not a baseline)
+        verify_as = int(block_checksum(payload, block))
         raw_reads = [("raw_odirect_read_tier", raw_tier.read), ("raw_odirect_read_tier_qd", raw_tier.read_qd),
-                     *([("raw_odirect_read_tier_qd_c", raw_tier.read_qd_c)] if COMPILED_IO else [])]
+                     *([("raw_odirect_read_tier_qd_c", raw_tier.read_qd_c),
+                        ("raw_odirect_read_tier_qd_c_verified", lambda: raw_tier.read_qd_c_verified(verify_as))]
+                       if COMPILED_IO else [])]
         nvme_read = ("nvme_to_dram", lambda: run(lambda b: m.promote(b, Tier.DRAM)))  # -> DRAM + NVMe
 
         def copy_round(i: int) -> list[tuple[str, Callable[[], object]]]:  # HBM only -> HBM only
@@ -186,6 +192,10 @@ def interleaved_figures(directory: str, block: int, n: int, reps: int, args: arg
         res["ratios_by_baseline"] = against
         res["ratios_old_baseline"] = {k: against[k][v[0]] for k, v in names.items()}  # one numpy copy; QD1 I/O
         res["baseline_threads"] = {"copy": shm.threads, "io": raw_tier.threads}
+        if COMPILED_IO:  # how much of the read gap is the checksum every kvtier read is verified against
+            verified = "raw_odirect_read_tier_qd_c_verified"
+            res["read_verification"] = {"raw_verified_vs_raw": per_rep(verified, "raw_odirect_read_tier_qd_c"),
+                                        "nvme_read_vs_raw_verified": per_rep("nvme_to_dram", verified)}
         ours = {"h2d": ("dram_to_hbm", "raw_h2d"), "d2h": ("hbm_to_dram", "raw_d2h"),
                 "kvikio_read": ("nvme_to_hbm", "raw_kvikio_read"), "kvikio_write": ("hbm_to_nvme", "raw_kvikio_write")}
         for k, (mine, raw_name) in ours.items():
@@ -301,6 +311,8 @@ def run(args: argparse.Namespace) -> dict:
             ("O_DIRECT read (raw, QD1)", "raw_odirect_read_tier_gbps"),
             (f"O_DIRECT read (raw, {it} threads)", "raw_odirect_read_tier_qd_gbps"),
             (f"O_DIRECT read (raw, {it} threads, compiled loop)", "raw_odirect_read_tier_qd_c_gbps"),
+            (f"O_DIRECT read, every block verified (raw, {it} threads, compiled loop; not a baseline)",
+             "raw_odirect_read_tier_qd_c_verified_gbps"),
             ("nvme→dram (kvtier)", "nvme_to_dram_gbps"))
     gpu_rows = (("pinned H2D (raw)", "raw_h2d_gbps"), ("pinned D2H (raw)", "raw_d2h_gbps"),
                 ("kvikio write (raw)", "raw_kvikio_write_gbps"), ("hbm→nvme (kvtier)", "hbm_to_nvme_gbps"),
@@ -311,6 +323,10 @@ def run(args: argparse.Namespace) -> dict:
         table.add_row(f"ratio {k} vs best (target ≥ {targets[k]})",
                       *(f"{s['ratios'][k]:.3f} ({s['best_baseline'][k]})" for s in sizes.values()))
         table.add_row(f"ratio {k} vs old baseline", *(f"{s['ratios_old_baseline'][k]:.3f}" for s in sizes.values()))
+    if all("read_verification" in s for s in sizes.values()):
+        for label, key in (("raw read verified / raw read (what verifying costs)", "raw_verified_vs_raw"),
+                           ("ratio nvme_read vs the verified raw read (no target)", "nvme_read_vs_raw_verified")):
+            table.add_row(label, *(f"{s['read_verification'][key]:.3f}" for s in sizes.values()))
     for k in GPU_RATIOS:
         table.add_row(f"ratio {k} (no target)", *("n/a" if s["ratios"][k] is None else f"{s['ratios'][k]:.3f}"
                                                   for s in sizes.values()))

@@ -35,6 +35,10 @@ def test_bench_tiers_writes_ratios(tmp_path):
     samples = size["samples_s"]  # copies: --copy-rounds (3) a repetition; the rest once
     assert len(samples["hbm_to_dram"]) == len(samples["memcpy_tier"]) == len(samples["threads_copy_tier"]) == 3
     assert len(samples["dram_to_nvme"]) == len(samples["raw_odirect_write_tier_qd"]) == 1
+    if COMPILED_IO:  # the verified raw read is reported beside the baselines, never one of them
+        assert len(samples["raw_odirect_read_tier_qd_c_verified"]) == 1
+        assert set(size["read_verification"]) == {"raw_verified_vs_raw", "nvme_read_vs_raw_verified"}
+        assert all(v > 0 for v in size["read_verification"].values())
 
 
 def test_bench_rpc_writes_the_issue_fields(tmp_path):
