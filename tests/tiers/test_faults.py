@@ -4,12 +4,15 @@ import gc
 import logging
 import os
 
+import numpy as np
 import pytest
 
 from kvtier.tiers import io_backends
+from kvtier.tiers.aligned import aligned_empty
 from kvtier.tiers.faults import FaultyBackend
 from kvtier.tiers.io_backends import PosixBackend
 from kvtier.tiers.manager import TierManager
+from kvtier.tiers.nvme import NvmeStore
 from kvtier.tiers.slot_index import INDEX_FILE
 from kvtier.tiers.types import BlockState, Tier
 
@@ -291,3 +294,32 @@ def test_tier_moves_leave_no_reference_cycles(nvme_dir, faulty):
     finally:
         gc.enable()
         m.close()
+
+
+def test_a_buffer_the_backend_cannot_take_fails_its_share_not_the_caller(nvme_dir):
+    """Byte views are made on the I/O thread: a buffer the posix backend refuses (not a
+    host numpy array) fails the future of the share it is in (the whole share, its good job
+    unwritten, as the whole call raised before), and nothing raises to the caller; a later
+    share on the same handle is not touched."""
+    stride = 8192
+    posix = PosixBackend(threads=3)
+    st = NvmeStore(nvme_dir, 4, stride, posix)
+    try:
+        good = aligned_empty(stride)
+        good[:] = np.random.default_rng(3).integers(0, 255, stride, dtype=np.uint8)
+        h0, off0 = st.payload_at(0)
+        h1, off1 = st.payload_at(1)
+        bad = posix.pwrite_many([(h0, [good], off0), (h0, [bytearray(stride)], off1)])
+        with pytest.raises(TypeError, match="host numpy"):
+            bad.result()
+        unwritten = aligned_empty(stride)
+        assert posix.pread_checked([(h0, [unwritten], off0)], lambda i: None).result() == [None]
+        assert not unwritten.any()  # the share failed before any of its writes
+        fine = posix.pwrite_many([(h1, [good], off1)])
+        assert fine.result() == [None]
+        back = aligned_empty(stride)
+        assert posix.pread_checked([(h1, [back], off1)], lambda i: None).result() == [None]
+        assert np.array_equal(back, good)
+    finally:
+        st.close()
+        posix.shutdown()

@@ -8,13 +8,12 @@ import numpy as np
 import pytest
 
 from kvtier.kernels.checksum import block_checksum
-from kvtier.tiers.aligned import PageCache, aligned_empty
+from kvtier.tiers.aligned import aligned_empty
 from kvtier.tiers.faults import FaultyBackend
 from kvtier.tiers.io_backends import PosixBackend
 from kvtier.tiers.nvme import NvmeStore
 from kvtier.tiers.nvme_batch import RowJobs
 from kvtier.tiers.slab_layout import GROUP, HEADER_BYTES, SlabLayout
-from kvtier.tiers.slot_header import header_place, pack_header, pack_headers
 from kvtier.tiers.types import CorruptBlockError
 
 STRIDE = 8192
@@ -221,55 +220,6 @@ def test_read_rows_lands_exact_bytes_and_refuses_only_the_corrupt_block(posix, n
     st.close()
 
 
-def test_pack_headers_packs_what_pack_header_does():
-    rng = np.random.default_rng(7)
-    n, key = 300, os.urandom(32)
-    fields = {"key": rng.integers(0, 2**63, n, dtype=np.uint64) * 2 + 1, "length": rng.integers(0, 1 << 20, n),
-              "checksum": rng.integers(0, 2**63, n, dtype=np.uint64), "seq": rng.integers(0, 1 << 40, n),
-              "flags": rng.integers(0, 2, n), "owner": rng.integers(0, 1 << 32, n)}
-    slots = rng.integers(0, 1 << 20, n)
-    many, one = np.zeros((n, HEADER_BYTES), np.uint8), np.zeros((n, HEADER_BYTES), np.uint8)
-    pack_headers(many, fields, key, slots, 262144, 65536)
-    for i in range(n):
-        pack_header(one[i].data, *(int(fields[k][i]) for k in ("key", "length", "checksum", "seq", "flags", "owner")),
-                    key, header_place(int(slots[i]), 262144, 65536))
-    assert np.array_equal(many, one)
-
-
-def test_vector_offsets_and_run_breaks_match_the_scalar_layout():
-    layout = SlabLayout(3 * PER_FILE, STRIDE, PER_FILE)
-    slots = np.arange(layout.n_slots)
-    files, offsets = layout.payload_offsets(slots)
-    assert [(int(f), int(o)) for f, o in zip(files, offsets)] == [layout.payload_offset(int(s)) for s in slots]
-    pick = np.array([0, 1, 2, 5, GROUP - 1, GROUP, GROUP + 1, PER_FILE - 1, PER_FILE, PER_FILE + 1])
-    want = [True] + [bool(b != a + 1 or layout.starts_header_run(int(b))) for a, b in zip(pick, pick[1:])]
-    assert layout.header_run_breaks(pick).tolist() == want
-    with pytest.raises(ValueError, match="out of range"):
-        layout.payload_offsets(np.array([0, layout.n_slots]))
-
-
-def test_page_cache_reuses_buffers_and_keeps_the_bytes_outside_headers_zero():
-    cache = PageCache(4096, keep_pages=8)
-    a = cache.take(3)
-    assert a.shape == (3, 4096) and not a.any() and a.__array_interface__["data"][0] % 4096 == 0
-    a[:, :64] = 7  # a user writes headers only
-    cache.give(a)
-    assert cache.cached_pages == 4  # 3 pages come from a buffer of 4
-    b = cache.take(4)
-    assert b.__array_interface__["data"][0] == a.__array_interface__["data"][0] and not b[:, 64:].any()
-    cache.give(b, reuse=False)  # a batch that failed part-way: not reused
-    assert cache.cached_pages == 0
-    with pytest.raises(ValueError, match="not taken"):
-        cache.give(b)  # given back already
-    big = cache.take(9)  # 16 pages: over what the cache keeps
-    cache.give(big)
-    assert cache.cached_pages == 0
-    c, d = cache.take(1), cache.take(1)
-    cache.give(c)
-    cache.give(d)
-    assert cache.cached_pages == 2
-
-
 class _RefusesSecondCall:
     """A backend whose second batch call raises before any I/O (a pool shut down under
     it): the first part is already out and must still be waited for and reported."""
@@ -432,28 +382,3 @@ def test_a_batchs_per_block_work_runs_on_the_io_threads_not_the_callers(nvme_dir
         gate.set()
         st.close()
         be.shutdown()
-
-
-def test_a_buffer_the_backend_cannot_take_fails_its_share_not_the_caller(posix, nvme_dir):
-    """Byte views are made on the I/O thread: a buffer the posix backend refuses (not a
-    host numpy array) fails the future of the share it is in (the whole share, its good job
-    unwritten, as the whole call raised before), and nothing raises to the caller; a later
-    share on the same handle is not touched."""
-    st = NvmeStore(nvme_dir, N_SLOTS, STRIDE, posix, PER_FILE)
-    try:
-        good = _rows(1, 3)[0]
-        h0, off0 = st.payload_at(0)
-        h1, off1 = st.payload_at(1)
-        bad = posix.pwrite_many([(h0, [good], off0), (h0, [bytearray(STRIDE)], off1)])
-        with pytest.raises(TypeError, match="host numpy"):
-            bad.result()
-        unwritten = aligned_empty(STRIDE)
-        assert posix.pread_checked([(h0, [unwritten], off0)], lambda i: None).result() == [None]
-        assert not unwritten.any()  # the share failed before any of its writes
-        fine = posix.pwrite_many([(h1, [good], off1)])
-        assert fine.result() == [None]
-        back = aligned_empty(STRIDE)
-        assert posix.pread_checked([(h1, [back], off1)], lambda i: None).result() == [None]
-        assert np.array_equal(back, good)
-    finally:
-        st.close()

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from kvtier.kernels.checksum import block_checksum
-from kvtier.tiers.aligned import aligned_empty
+from kvtier.tiers.aligned import PageCache, aligned_empty
 from kvtier.tiers.faults import FaultyBackend
 from kvtier.tiers.io_backends import PosixBackend
 from kvtier.tiers.nvme import NvmeStore
 from kvtier.tiers.slab_layout import GROUP, HEADER_BYTES, HEADER_SPAN, SlabLayout, payload_align, slots_in_slab
-from kvtier.tiers.slot_header import MAGIC, decode_header
+from kvtier.tiers.slot_header import MAGIC, decode_header, header_place, pack_header, pack_headers
 
 from ..conftest import pattern, sealed_blocks
 
@@ -251,3 +251,54 @@ def test_a_newer_versions_header_is_skipped_and_left_alone(posix, nvme_dir, monk
         found, discarded = st.recover(verify_payload=False)
         assert found == [] and discarded == 1  # skipped each time: it is still there
     st.close()
+
+
+# the array forms the batched path uses (nvme_batch), against their scalar forms
+def test_pack_headers_packs_what_pack_header_does():
+    rng = np.random.default_rng(7)
+    n, key = 300, os.urandom(32)
+    fields = {"key": rng.integers(0, 2**63, n, dtype=np.uint64) * 2 + 1, "length": rng.integers(0, 1 << 20, n),
+              "checksum": rng.integers(0, 2**63, n, dtype=np.uint64), "seq": rng.integers(0, 1 << 40, n),
+              "flags": rng.integers(0, 2, n), "owner": rng.integers(0, 1 << 32, n)}
+    slots = rng.integers(0, 1 << 20, n)
+    many, one = np.zeros((n, HEADER_BYTES), np.uint8), np.zeros((n, HEADER_BYTES), np.uint8)
+    pack_headers(many, fields, key, slots, 262144, 65536)
+    for i in range(n):
+        pack_header(one[i].data, *(int(fields[k][i]) for k in ("key", "length", "checksum", "seq", "flags", "owner")),
+                    key, header_place(int(slots[i]), 262144, 65536))
+    assert np.array_equal(many, one)
+
+
+def test_vector_offsets_and_run_breaks_match_the_scalar_layout():
+    per_file = GROUP + 6  # a full group and a partial one a file: runs break at groups and files
+    layout = SlabLayout(3 * per_file, 8192, per_file)
+    slots = np.arange(layout.n_slots)
+    files, offsets = layout.payload_offsets(slots)
+    assert [(int(f), int(o)) for f, o in zip(files, offsets)] == [layout.payload_offset(int(s)) for s in slots]
+    pick = np.array([0, 1, 2, 5, GROUP - 1, GROUP, GROUP + 1, per_file - 1, per_file, per_file + 1])
+    want = [True] + [bool(b != a + 1 or layout.starts_header_run(int(b))) for a, b in zip(pick, pick[1:])]
+    assert layout.header_run_breaks(pick).tolist() == want
+    with pytest.raises(ValueError, match="out of range"):
+        layout.payload_offsets(np.array([0, layout.n_slots]))
+
+
+def test_page_cache_reuses_buffers_and_keeps_the_bytes_outside_headers_zero():
+    cache = PageCache(4096, keep_pages=8)
+    a = cache.take(3)
+    assert a.shape == (3, 4096) and not a.any() and a.__array_interface__["data"][0] % 4096 == 0
+    a[:, :64] = 7  # a user writes headers only
+    cache.give(a)
+    assert cache.cached_pages == 4  # 3 pages come from a buffer of 4
+    b = cache.take(4)
+    assert b.__array_interface__["data"][0] == a.__array_interface__["data"][0] and not b[:, 64:].any()
+    cache.give(b, reuse=False)  # a batch that failed part-way: not reused
+    assert cache.cached_pages == 0
+    with pytest.raises(ValueError, match="not taken"):
+        cache.give(b)  # given back already
+    big = cache.take(9)  # 16 pages: over what the cache keeps
+    cache.give(big)
+    assert cache.cached_pages == 0
+    c, d = cache.take(1), cache.take(1)
+    cache.give(c)
+    cache.give(d)
+    assert cache.cached_pages == 2
