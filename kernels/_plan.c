@@ -66,7 +66,7 @@ static const char *shapes(Py_buffer *v) {
  * the sentinel or listed. 1 if all pass (the walk's marks left for the caller to overwrite),
  * 0 if not (nothing changed), -1 with an error set if the free list is broken (nothing
  * changed). */
-static int common_case(Py_buffer *v, int src, int dst, int keep_source, uint8_t free_state) {
+static int common_case(Py_buffer *v, int src, int dst, int keep_source, uint8_t free_state, uint8_t sealed_state) {
     const int64_t *blocks = v[BLOCKS].buf;
     const uint8_t *state = v[STATE].buf, *copies = v[COPIES].buf;
     uint8_t *busy = v[BUSY].buf;
@@ -80,7 +80,8 @@ static int common_case(Py_buffer *v, int src, int dst, int keep_source, uint8_t 
     for (i = 0; i < k; i++) {
         const int64_t b = blocks[i];
         if (b < 0 || b >= n || state[b] == free_state || busy[b] != 0 || !(copies[b] & have) ||
-            (copies[b] & lack) || slot_dst[b] != NIL || (!keep_source && pins[b] != 0)) {
+            (copies[b] & lack) || slot_dst[b] != NIL ||
+            (pins[b] != 0 && !(keep_source && state[b] == sealed_state))) { /* a pinned source copy stays */
             ok = 0;
             break;
         }
@@ -137,7 +138,7 @@ static PyObject *py_plan(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "plan: %s", why);
         goto done;
     }
-    ok = common_case(v, src, dst, keep_source, (uint8_t)free_state);
+    ok = common_case(v, src, dst, keep_source, (uint8_t)free_state, (uint8_t)sealed_state);
     if (ok == 1) {
         const int64_t *blocks = v[BLOCKS].buf;
         const uint8_t *state = v[STATE].buf, *copies = v[COPIES].buf;

@@ -18,7 +18,7 @@ import numpy as np
 
 from .intrusive import NIL, IndexLists
 from .key_index import KeyIndex, all_distinct
-from .types import FREE, N_TIERS, NVME, OPEN, SEALED, Tier
+from .types import FREE, HBM, N_TIERS, NVME, OPEN, SEALED, Tier
 
 GEN_MASK = 0xFFFFFFFF  # ``generation`` holds the free count mod 2^32
 
@@ -354,6 +354,8 @@ class BlockTable:
             raise RuntimeError("a FREE block holds pins or copies")
         if np.any((self.state == OPEN) & (self.refcount == 0) & (self.busy == 0)):
             raise RuntimeError("an OPEN block has refcount 0 (would be unreachable)")
+        if np.any((self.pins != 0) & (self.slot[HBM] == NIL)):
+            raise RuntimeError("a pinned block holds no HBM slot (its engine's slot went to another block)")
         for t in range(N_TIERS):
             self.free_slots[t].check()
             owner = self.slot_owner[t]

@@ -32,13 +32,12 @@ def _refuse(arr: np.ndarray, masks: tuple[np.ndarray, ...], src: Tier) -> None:
     raise ValueError(f"block {int(arr[np.argmax(mask)])} {why}")
 
 
-def refuse_move(t: BlockTable, arr: np.ndarray, copies: np.ndarray, keep: np.ndarray, keep_source: bool,
-                src: Tier) -> None:
+def refuse_move(t: BlockTable, arr: np.ndarray, copies: np.ndarray, keep: np.ndarray, src: Tier) -> None:
     """Raise for the first block of ``arr`` a move may not take, if one is: no copy in ``src``,
-    moving, pinned (unless the source stays), or read by a remote write where the source copy
-    would go (a read hold alone is no refusal where it stays)."""
+    moving, or, where its source copy would go (``~keep``: an open block's always goes),
+    pinned or read by a remote write (a pin or a read hold alone is no refusal where it stays)."""
     readers = t.readers[arr]
-    masks = ((copies >> int(src)) & 1 == 0, t.busy[arr] != readers, (t.pins[arr] != 0) & (not keep_source),
+    masks = ((copies >> int(src)) & 1 == 0, t.busy[arr] != readers, (t.pins[arr] != 0) & ~keep,
              (readers != 0) & ~keep)
     if (masks[0] | masks[1] | masks[2] | masks[3]).any():
         _refuse(arr, masks, src)

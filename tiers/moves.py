@@ -167,8 +167,9 @@ class TierMoves:
         sealed = t.state[arr] == SEALED
         keep = keep_source & sealed  # open blocks always move (one copy)
         idle = not t.busy[arr].any()  # (no move and no read hold: a read hold counts in busy)
-        if (copies & np.uint8(1 << s) == 0).any() or (not keep_source and t.pins[arr].any()) or not idle:
-            refuse_move(t, arr, copies, keep, keep_source, src)
+        pins = t.pins[arr]  # a pinned block may move only where its source copy stays (sealed, keep_source)
+        if (copies & np.uint8(1 << s) == 0).any() or (pins.any() and (pins[~keep] != 0).any()) or not idle:
+            refuse_move(t, arr, copies, keep, src)
         need_io = copies & np.uint8(1 << d) == 0
         every = bool(need_io.all())  # the common case: no copy in dst yet, nothing to drop
         io = arr if every else arr[need_io]

@@ -1,6 +1,7 @@
 """Moves that do nothing or are refused: the reason named, the first block it applies to,
 and nothing changed."""
 
+import numpy as np
 import pytest
 
 from kvtier.tiers.types import Tier
@@ -70,4 +71,31 @@ def test_empty_moves_are_no_ops(manager):
     assert m.demote([], "hbm", "dram") == 0
     assert_same(before, snapshot(m))
     assert m.table.copies[b] == 0b001
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("dst", ["dram", "nvme"])  # the compiled planner's path (arrays, memory) and numpy's
+def test_a_pinned_block_moves_only_where_its_hbm_copy_stays(manager, dst):
+    """``keep_source`` keeps only a sealed block's source copy (an open block has one copy,
+    and it moves), so a pinned open block is refused with it as without it: its engine still
+    reads and writes that HBM slot, which must not go to another block. A pinned sealed
+    block may be copied down; its slot and bytes stay."""
+    m = manager
+    o = int(m.alloc(1)[0])
+    m.write(o, b"\x5a" * 1000)
+    slot_o = m.pin(o)
+    s = _new_sealed(m, 61)
+    slot_s = m.pin(s)
+    for keep, named in ((False, s), (True, o)):  # with keep_source s passes, o does not
+        before = snapshot(m)
+        with pytest.raises(ValueError, match=f"^block {named} is pinned$"):
+            m.demote(np.array([s, o]), "hbm", dst, keep_source=keep)
+        with pytest.raises(ValueError, match=f"^block {o} is pinned$"):
+            m.demote(np.array([o]), "hbm", dst, keep_source=keep)
+        assert_same(before, snapshot(m))
+    assert m.demote(np.array([s]), "hbm", dst, keep_source=True) > 0
+    m.wait()
+    assert m.table.slot[Tier.HBM, o] == slot_o and m.table.slot[Tier.HBM, s] == slot_s
+    assert m.table.copies[s] == 0b001 | (1 << int(Tier[dst.upper()]))
+    assert m.read(o)[:1000] == b"\x5a" * 1000
     m.check_invariants()
