@@ -172,7 +172,6 @@ static void helper_attributes(pthread_attr_t *attr, int k) {
 }
 
 static void *pool_helper(void *arg) {
-    pthread_setname_np(pthread_self(), "kvtier-copy"); /* as top and /proc name it */
     pin_to_kth_cpu((int)(intptr_t)arg);
     batch_scheduling();
     pthread_mutex_lock(&pool.mu);
@@ -216,6 +215,9 @@ static void pool_grow(int n) {
         }
         if (rc != 0)
             return;
+        /* named here, not by the helper: a helper that has not run yet (its CPU busy, or the
+         * process under SCHED_IDLE) is already "kvtier-copy" to top and /proc */
+        pthread_setname_np(t, "kvtier-copy");
         pool.helpers++;
     }
 }
