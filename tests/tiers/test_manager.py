@@ -115,7 +115,7 @@ def test_randomized_operations_keep_bytes_and_invariants(nvme_dir):
     try:
         for step in range(400):
             live = [b for b in expected]
-            op = rng.integers(0, 7)
+            op = rng.integers(0, 9)
             try:
                 if op == 0:
                     got = m.alloc(int(rng.integers(1, 3)))
@@ -129,7 +129,8 @@ def test_randomized_operations_keep_bytes_and_invariants(nvme_dir):
                     if m.table.state[b] == BlockState.OPEN and m.table.has_copy(b, 0) and not m.table.busy[b]:
                         tag = int(rng.integers(0, 12))  # few keys: dedupe happens
                         m.write(b, pattern(tag, BB))
-                        c = m.seal(b, key=tag)
+                        expected[b] = pattern(tag, BB).tobytes()  # written, even where the seal is refused
+                        c = m.seal(b, key=tag)  # (a pinned block is not folded into another)
                         if c != b:
                             del expected[b]
                         expected[c] = pattern(tag, BB).tobytes()
@@ -138,8 +139,8 @@ def test_randomized_operations_keep_bytes_and_invariants(nvme_dir):
                     home = m.table.home_tiers()[pick]
                     src = int(home[0])
                     pick = pick[home == src]
-                    if op == 2 and src < 2:
-                        m.demote(pick, src, int(rng.integers(src + 1, 3)))
+                    if op == 2 and src < 2:  # keep_source keeps a sealed block's source copy only
+                        m.demote(pick, src, int(rng.integers(src + 1, 3)), keep_source=bool(rng.integers(0, 2)))
                     elif op == 3 and src > 0:
                         m.promote(pick, int(rng.integers(0, src)))
                 elif op == 4 and live:
@@ -155,6 +156,10 @@ def test_randomized_operations_keep_bytes_and_invariants(nvme_dir):
                         del expected[b]
                 elif op == 6:
                     m.poll()
+                elif op == 7 and live:  # an engine pins: its HBM slot must hold the block while pinned
+                    m.pin(int(rng.choice(live)))
+                elif op == 8 and m.table.pins.any():
+                    m.unpin(int(rng.choice(np.flatnonzero(m.table.pins))))
             except ValueError:
                 pass  # misuse of a busy/pinned block is rejected; state checked below
             if step % 10 == 0:
@@ -164,6 +169,9 @@ def test_randomized_operations_keep_bytes_and_invariants(nvme_dir):
                 for b, data in expected.items():
                     assert m.table.state[b] != BlockState.FREE
                     assert m.read(b) == data, f"block {b} bytes changed at step {step}"
+                    if m.table.pins[b]:  # what the pinning engine reads in place
+                        view = m.hbm.host_view(int(m.table.slot[Tier.HBM, b]))
+                        assert bytes(view[:BB]) == data, f"pinned block {b}'s slot changed at step {step}"
         m.wait()
         m.check_invariants()
         assert m.counters["moves_dram->nvme"] > 0 and m.counters["moves_nvme->hbm"] + m.counters["moves_nvme->dram"] > 0
