@@ -53,14 +53,29 @@ class KvikioHandle:
         self.path = path
 
 
+def _all_bytes(parts: list[Any]) -> int:
+    """The bytes of every part, each waited for even after one failed (then the first
+    failure is raised): a failed block's slot is released on the failure, and a part
+    still in flight would land in it after it went to another block."""
+    total, first = 0, None
+    for p in parts:
+        try:
+            total += int(p.get())
+        except Exception as e:  # kvikio raises its own RuntimeErrors
+            first = first or e
+    if first is not None:
+        raise first
+    return total
+
+
 class _Joined(Future):
-    """One future over several kvikio IOFutures (header + payload); fewer bytes
-    than asked (end of file) is an error, as in the posix backend."""
+    """One future over several kvikio IOFutures (header + payload), done when all are;
+    fewer bytes than asked (end of file) is an error, as in the posix backend."""
 
     def __init__(self, parts: list[Any], pool: ThreadPoolExecutor, expected: int) -> None:
         super().__init__()
         self._expected = expected
-        self._inner = pool.submit(lambda: sum(int(p.get()) for p in parts))
+        self._inner = pool.submit(_all_bytes, parts)
         self._inner.add_done_callback(self._copy)
 
     def _copy(self, f: "Future[int]") -> None:

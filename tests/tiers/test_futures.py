@@ -1,10 +1,13 @@
 """The future combinators the I/O backends chain writes with."""
 
-from concurrent.futures import Future
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
 from kvtier.tiers.futures import followed, gather, mapped
+from kvtier.tiers.types import TierError
 
 
 def _done(value=None, exc=None) -> Future:
@@ -61,3 +64,39 @@ def test_followed_fails_as_a_whole_wherever_it_breaks(where):
 
     first = _done(exc=boom) if where == "first" else _done([None])
     assert followed(first, then, issue).exception(timeout=1) is boom
+
+
+class _Part:
+    """A kvikio IOFuture stand-in (``get()`` blocks until the part is done): injects a
+    failed part beside one still in flight, which needs no CUDA to happen."""
+
+    def __init__(self, nbytes: int = 0, exc: Exception | None = None, in_flight: bool = False) -> None:
+        self.nbytes, self.exc, self.finished = nbytes, exc, threading.Event()
+        if not in_flight:
+            self.finished.set()
+
+    def get(self) -> int:
+        self.finished.wait(5)
+        if self.exc is not None:
+            raise self.exc
+        return self.nbytes
+
+
+def test_a_kvikio_io_with_a_failed_part_is_done_only_when_every_part_is():
+    """The failure releases the block's slot, so no part of it may still be landing there."""
+    from kvtier.tiers.io_kvikio import _Joined
+
+    pool = ThreadPoolExecutor(1)
+    try:
+        failed, landing = _Part(exc=RuntimeError("cuFile EIO")), _Part(4096, in_flight=True)
+        joined = _Joined([failed, landing], pool, 8192)
+        time.sleep(0.05)
+        assert not joined.done()  # the first part failed; the second is still writing
+        landing.finished.set()
+        exc = joined.exception(timeout=5)
+        assert isinstance(exc, TierError) and "cuFile EIO" in str(exc)
+        whole = _Joined([_Part(4096), _Part(4096)], pool, 8192)
+        assert whole.result(timeout=5) == 8192
+        assert isinstance(_Joined([_Part(4096)], pool, 8192).exception(timeout=5), TierError)  # short
+    finally:
+        pool.shutdown()
