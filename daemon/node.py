@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from kvtier.protocol import wire as P
+from kvtier.protocol.cuda_ipc import region_identity
 from kvtier.protocol.runtime import ensure_private_dir
 from kvtier.protocol.shm import attach_shm, release_shm, unlink_on_error
 from kvtier.protocol.wire import ProtocolError
@@ -58,6 +59,7 @@ class Node:
     max_batch_blocks: int
     hbm_shm: Optional[shared_memory.SharedMemory] = None  # an engine-supplied region we mapped
     hbm_handle: bytes = b""  # CUDA IPC handle of a daemon-allocated device pool, for engines to map
+    engine_region: tuple = ()  # ``region_identity`` of the engine's own CUDA region the node was built on
     remote: "Optional[RemoteOps]" = None  # the shared remote tier, when [tiers.remote] is enabled
     # namespace id -> its name's group (``Namespaces.groups``, set by the service): refs-only lookups
     ns_group: np.ndarray = field(default_factory=lambda: np.zeros(1 << 16, dtype=np.uint16))
@@ -142,6 +144,29 @@ class Node:
         return {"hbm_kind": "cuda" if mgr.hbm.is_cuda else "shm", "hbm_name": name,
                 "hbm_handle": self.hbm_handle, "hbm_slots": mgr.table.slots_per_tier[HBM],
                 "slot_stride": mgr.hbm.slot_stride, "block_bytes": mgr.block_bytes}
+
+    def region_conflict(self, args: Any) -> str:
+        """Why a later engine's register cannot share this node's HBM region ('' where it can):
+        a daemon has one region, so an engine bringing its own must bring this one (else its
+        seals would index the daemon's bytes, not its own), and one bringing none must be able
+        to map it (an engine's own device memory is not handed on; refs-only engines touch no
+        slot)."""
+        info = self.hbm_info()
+        if args.hbm_kind == "shm":
+            same = args.hbm_name == info["hbm_name"]
+        elif args.hbm_kind == "cuda_ipc":
+            try:
+                same = bool(self.engine_region) and region_identity(args.hbm_handle) == self.engine_region
+            except ValueError:
+                same = False
+        else:
+            same = True
+        if not same:
+            return "the daemon already manages another HBM region"
+        if args.hbm_kind == "daemon" and not args.refs_only and info["hbm_kind"] == "cuda" and not info["hbm_handle"]:
+            return ("the daemon's HBM region is the first engine's own device memory, which it cannot hand "
+                    "on: register with that region or restart the daemon")
+        return ""
 
     def busy(self) -> bool:
         """Work the owner loop should come back for soon (transfers, backlog, queued hints)."""
@@ -305,7 +330,8 @@ def _complete_node(cfg: KvtierConfig, args: Any, mgr: TierManager, hbm_tensor: O
     mgr.batch_listeners[prefetcher.on_event] = prefetcher.on_events
     return Node(mgr=mgr, placement=placement, scores=scores, events=events, prefetcher=prefetcher,
                 block_tokens=args.block_tokens, layers=layers, max_batch_blocks=cfg.server.max_batch_blocks,
-                hbm_shm=hbm_shm, hbm_handle=handle)
+                hbm_shm=hbm_shm, hbm_handle=handle,
+                engine_region=region_identity(args.hbm_handle) if args.hbm_kind == "cuda_ipc" else ())
 
 
 __all__ = ["Node", "build_node", "attach_deciders"]

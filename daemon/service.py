@@ -117,8 +117,9 @@ class Service:
                 raise ProtocolError(P.CONFLICT, f"block_bytes {args.block_bytes} exceeds the daemon's slots of "
                                                 f"{node.mgr.block_bytes} bytes (sized by the first engine): register "
                                                 "the largest model first")
-            if args.hbm_kind == "shm" and args.hbm_name != node.hbm_info()["hbm_name"]:
-                raise ProtocolError(P.CONFLICT, "the daemon already manages another HBM region")
+            conflict = node.region_conflict(args)
+            if conflict:
+                raise ProtocolError(P.CONFLICT, conflict)
         process = (int(args.pid), int(args.pid_ns))
         self._refuse_a_second_process(engine_id, process)
         geometry = as_geometry(args.block_bytes, args.block_tokens, dict(args.layout).get("dtype"))

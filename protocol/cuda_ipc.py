@@ -20,6 +20,19 @@ def export_handle(tensor: torch.Tensor) -> bytes:
                           tensor.numel() * tensor.element_size(), list(fields)], use_bin_type=True)
 
 
+def region_identity(blob: bytes) -> tuple:
+    """What names the exported bytes (device, offset, length, and the allocation's IPC handle,
+    size and offset), without the per-export reference counter and event, which differ on
+    every export of the same tensor; no CUDA needed. ValueError if malformed."""
+    try:
+        device, offset, nbytes, fields = msgpack.unpackb(blob, raw=False)
+    except Exception as e:
+        raise ValueError(f"malformed CUDA IPC handle: {e}") from None
+    if not isinstance(fields, list) or len(fields) != 8:
+        raise ValueError("malformed CUDA IPC handle")
+    return (device, offset, nbytes, *fields[:4])
+
+
 def import_handle(blob: bytes) -> torch.Tensor:
     """A uint8 view of the exporter's bytes (valid while the exporter lives)."""
     device, offset, nbytes, fields = msgpack.unpackb(blob, raw=False)
@@ -33,4 +46,4 @@ def import_handle(blob: bytes) -> torch.Tensor:
     return flat[offset: offset + nbytes]
 
 
-__all__ = ["export_handle", "import_handle"]
+__all__ = ["export_handle", "import_handle", "region_identity"]
