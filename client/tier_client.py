@@ -129,7 +129,7 @@ class TierClient:
                     # that starts the next session (a new socket's register could overtake it)
                     if self.endpoint.startswith("ipc://") and not os.path.exists(self.endpoint[6:]):
                         raise DaemonUnavailable(f"the daemon at {self.endpoint} went away") from None
-                    if op in SESSION_OPS and self.info:
+                    if op in SESSION_OPS and self.info and session == self.session:
                         self._forget_session(f"{op} got no reply within {timeout} s: what it changed is unknown")
                     raise RequestTimeout(f"{op}: no reply within {timeout} s") from None
                 reply = msgpack.unpackb(frames[-1], raw=False)
@@ -140,8 +140,8 @@ class TierClient:
         if not reply.get("ok"):
             err = reply.get("error") or {}
             code, message = err.get("code", "unknown"), err.get("message", "")
-            if code == "unknown_engine" and self.info and op != "register":
-                self._reclaimed(message)
+            if code == "unknown_engine" and self.info and op != "register" and session == self.session:
+                self._reclaimed(message)  # (an earlier session's reply, read late, says nothing of this one)
             raise RequestRejected(code, message)
         return reply.get("result") or {}
 

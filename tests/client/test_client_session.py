@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -197,3 +198,58 @@ def test_telemetry_without_an_endpoint_is_dropped_not_raised(caplog):
             t.send("segment", [1], tag="user")
     finally:
         ctx.term()
+
+
+class _LateSocket:
+    """The heartbeat thread's socket, its reply read only when ``go`` is set: the thread
+    descheduled (the GIL, a busy engine) between sending and reading."""
+
+    def __init__(self, sock) -> None:
+        self.sock, self.sent, self.go = sock, threading.Event(), threading.Event()
+
+    def send_multipart(self, frames):
+        self.sock.send_multipart(frames)
+        self.sent.set()
+
+    def setsockopt(self, *option):
+        self.sock.setsockopt(*option)
+
+    def recv_multipart(self):
+        self.go.wait(10)
+        return self.sock.recv_multipart()
+
+
+def test_an_old_sessions_reply_read_late_does_not_end_the_new_session(tmp_path):
+    """The daemon ends session 1; the heartbeat thread's request of session 1 is answered
+    ``unknown_engine`` but read only after the engine registered session 2. That reply is
+    session 1's: session 2 goes on (it had ended it, the mapping dropped and every call
+    refused while the daemon still held session 2)."""
+    d = DaemonProcess(tmp_path, "tiers.hbm_bytes=65536", "tiers.dram_bytes=65536", "tiers.nvme_bytes=0")
+    c = d.client(heartbeat_s=None, engine_id="eng")
+    try:
+        c.register(block_bytes=4096)
+        c._call("unregister")  # the daemon ends session 1, as after a heartbeat timeout; the client does not know
+        late = _LateSocket(c._dealer())
+        got: dict = {}
+
+        def heartbeat() -> None:
+            try:
+                c._call("heartbeat", sock=late)
+            except KvtierError as e:
+                got["error"] = e
+
+        beat = threading.Thread(target=heartbeat)
+        beat.start()
+        assert late.sent.wait(10) and late.sock.poll(10_000)  # answered by the daemon before the register
+        with pytest.raises(EngineReclaimed):
+            c.alloc(1)
+        assert c.reattach()
+        late.go.set()
+        beat.join(10)
+        assert isinstance(got.get("error"), RequestRejected) and got["error"].code == "unknown_engine"
+        assert c.reclaimed == "" and c.hbm is not None
+        blocks, _ = c.alloc(1)  # session 2 is live on both sides
+        assert blocks.size == 1 and _mine(c)["live_blocks"] >= 1
+    finally:
+        c.close()
+        assert d.stop() == 0
