@@ -8,8 +8,10 @@ vLLM hash) and decoded from another model's KV. The fingerprint hashes what
 decides the KV bytes: the effective model config (``hf_config`` after any
 ``hf_overrides``: rope scaling, layer counts), the revision and quantization, and
 for a local directory each weight file's name, size and sampled content (a few
-64 KiB windows a file, so a multi-GB checkpoint costs milliseconds; two different
-checkpoints differ in every window their tensors cover). Copies of one checkpoint
+64 KiB windows a file, and in a safetensors file the start, middle and end of every
+tensor, from its header: a fine-tune of a few layers, or a LoRA merged into some
+projections, changes whole tensors that the file's windows may all miss; a 7B
+checkpoint reads a few MB). Copies of one checkpoint
 on two nodes fingerprint alike, so they share the remote tier. A hub id without a
 local directory is identified by name and revision only (pin the revision).
 """
@@ -25,6 +27,8 @@ import xxhash
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".npz", ".msgpack", ".h5")
 WINDOW = 64 << 10  # bytes hashed at each sampled offset
 WINDOWS = 8  # offsets a file, evenly spaced, the first at 0 and the last at the end
+TENSOR_WINDOW = 4 << 10  # bytes hashed at a safetensors tensor's start, middle and end
+MAX_HEADER = 100 << 20  # a safetensors header larger than this is not one (the format's own limit)
 VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "_commit_hash")  # not the weights' identity
 
 
@@ -36,8 +40,26 @@ def _weight_files(directory: str) -> list[str]:
     return sorted(out)
 
 
+def _tensor_spans(f: Any, size: int) -> list[tuple[int, int]]:
+    """A safetensors file's tensors as (start, end) file offsets, in file order; [] where the
+    file is not one (its 8-byte header length, then a JSON header of ``data_offsets``)."""
+    f.seek(0)
+    head = f.read(8)
+    n = int.from_bytes(head, "little") if len(head) == 8 else 0
+    if not 2 <= n <= min(MAX_HEADER, size - 8):
+        return []
+    try:
+        header = json.loads(f.read(n))
+        spans = [tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__"]
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return []
+    base = 8 + n
+    return sorted((base + int(a), base + int(b)) for a, b in spans if 0 <= int(a) <= int(b) <= size - base)
+
+
 def file_digest(path: str) -> bytes:
-    """Size and ``WINDOWS`` sampled windows of a weight file."""
+    """Size and ``WINDOWS`` sampled windows of a weight file, and in a safetensors file each
+    tensor's first, middle and last ``TENSOR_WINDOW`` bytes."""
     h = xxhash.xxh3_128()
     size = os.path.getsize(path)
     h.update(size.to_bytes(8, "little"))
@@ -46,6 +68,11 @@ def file_digest(path: str) -> bytes:
         for i in range(WINDOWS):
             f.seek(last * i // max(1, WINDOWS - 1))
             h.update(f.read(WINDOW))
+        if path.endswith(".safetensors"):
+            for a, b in _tensor_spans(f, size):
+                for at in sorted({a, max(a, (a + b - TENSOR_WINDOW) // 2), max(a, b - TENSOR_WINDOW)}):
+                    f.seek(at)
+                    h.update(f.read(min(TENSOR_WINDOW, b - at)))
     return h.digest()
 
 

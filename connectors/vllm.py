@@ -116,6 +116,11 @@ class KVTierConnector(KVConnectorBase_V1):
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._runtime_dir: Optional[str] = extra.get("runtime_dir") or None  # else $KVTIER_RUNTIME_DIR, ...
         self._block_size = int(vllm_config.cache_config.block_size)
+        dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+        if dcp > 1:  # vLLM then hashes and aligns blocks of block_size x dcp tokens, not ours
+            raise ValueError(f"KVTierConnector does not support decode context parallelism "
+                             f"(decode_context_parallel_size = {dcp}): vLLM's blocks of {self._block_size * dcp} "
+                             f"hashed tokens would be loaded and saved as blocks of {self._block_size}")
         model = extra.get("namespace") or str(vllm_config.model_config.model)
         world = int(vllm_config.parallel_config.tensor_parallel_size)
         self._stages = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
@@ -270,6 +275,17 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         return self.sched.finished(request) if self.sched is not None else (False, None)
+
+    def reset_cache(self) -> bool:
+        """Refused (vLLM reports it), never claimed: vLLM asks after a weight update (``/pause``,
+        ``reset_prefix_cache(reset_external=True)``), but the daemon's blocks (and the remote
+        tier's) keep their keys under this namespace, and the weights changed in memory, not
+        in the fingerprint: claiming a reset served the old weights' KV to the new ones. Give
+        the new weights a new ``model_fingerprint`` in the connector's extra config (a new
+        namespace), or restart the daemon without an NVMe or remote tier that outlives it."""
+        log.warning("kvtier cannot forget this namespace's blocks; reset refused: start the engine with a new "
+                    "model_fingerprint for new weights")
+        return False
 
     def shutdown(self) -> None:
         for c in self._clients:

@@ -45,3 +45,21 @@ def test_a_hub_id_is_named_by_id_and_revision(tmp_path):
     assert model_fingerprint("org/model", {"x": 1}, "abc") == model_fingerprint("org/model", {"x": 1}, "abc")
     assert model_fingerprint("org/model", {"x": 1}, "abc") != model_fingerprint("org/model", {"x": 1}, "def")
     assert model_fingerprint("org/model", {"x": 1}) != model_fingerprint("org/other", {"x": 1})
+
+
+def test_a_fine_tune_of_one_tensor_is_another_model(tmp_path):
+    """Same config, names, shapes and file size; one of 20 tensors changed (a fine-tuned layer,
+    a LoRA merged into one projection): the file's 8 windows all miss it, each tensor's own do not."""
+    from safetensors.torch import save_file
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 20, "hidden_size": 512}
+    torch.manual_seed(0)
+    base = {f"model.layers.{i}.self_attn.q_proj.weight": torch.randn(512, 512) for i in range(20)}  # 1 MiB each
+    save_file(base, str(tmp_path / "model.safetensors"))
+    a = model_fingerprint(str(tmp_path), cfg)
+    assert model_fingerprint(str(tmp_path), cfg) == a
+    tuned = base | {"model.layers.3.self_attn.q_proj.weight": base["model.layers.3.self_attn.q_proj.weight"] + 0.01}
+    save_file(tuned, str(tmp_path / "model.safetensors"))
+    assert model_fingerprint(str(tmp_path), cfg) != a
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64 + b"not a safetensors file")  # no header: windows only
+    assert len(model_fingerprint(str(tmp_path), cfg)) == 16

@@ -137,3 +137,32 @@ def test_connector_stats_sum_over_workers_and_intervals():
     assert KVTierStats(data={"saved_blocks": 0}).is_empty() and not a.is_empty()
     a.reset()
     assert a.is_empty()
+
+
+def test_decode_context_parallelism_is_refused_at_start():
+    """With DCP vLLM hashes and aligns blocks of block_size x dcp tokens: loading and saving
+    them as blocks of block_size loaded the wrong tokens' KV and sealed half-written blocks."""
+    from types import SimpleNamespace as NS
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvtier.connectors.vllm import KVTierConnector
+
+    config = NS(kv_transfer_config=NS(kv_connector_extra_config={}), cache_config=NS(block_size=16),
+                parallel_config=NS(decode_context_parallel_size=2))
+    with pytest.raises(ValueError, match="decode context parallelism"):
+        KVTierConnector(config, KVConnectorRole.SCHEDULER, None)
+
+
+def test_a_cache_reset_is_refused_not_claimed():
+    """After a weight update vLLM asks the connector to drop its cache; kvtier's blocks keep their
+    keys under the namespace, so a claimed reset served the old weights' KV. vLLM reports a refusal."""
+    from types import SimpleNamespace as NS
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from kvtier.connectors.vllm import KVTierConnector
+
+    connector = object.__new__(KVTierConnector)  # reset_cache reads no state
+    assert connector.reset_cache() is False
+    assert Scheduler.reset_connector_cache(NS(connector=connector, log_stats=False)) is False
