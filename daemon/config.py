@@ -19,10 +19,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping, Optional, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from kvtier.predictor.cells import DEFAULT_CANDIDATES
-from kvtier.protocol.runtime import default_data_dir, default_runtime_dir
+from kvtier.protocol.runtime import IPC_PATH_MAX, default_data_dir, default_runtime_dir, endpoints
 
 from .config_sources import ConfigError, env_names, explain, layers, redacted, settings_class
 from .remote_config import RemoteConfig
@@ -60,7 +60,12 @@ class ServerConfig(_Section):
     @classmethod
     def _absolute_runtime_dir(cls, v: str) -> str:
         # a relative one was served as ipc://relative/rpc.sock: clients in another directory never found it
-        return _absolute("server.runtime_dir", v)
+        v = _absolute("server.runtime_dir", v)
+        longest = max(len(p.encode()) - len("ipc://") for p in endpoints(v).values())
+        if longest > IPC_PATH_MAX:  # else serve bound rpc.sock, then failed on telemetry.sock with a traceback
+            raise ValueError(f"server.runtime_dir is too long for its socket files: {longest} bytes with "
+                             f"'telemetry.sock', the limit of a unix socket path is {IPC_PATH_MAX}")
+        return v
 
     @field_validator("tcp_port")
     @classmethod
@@ -74,7 +79,7 @@ class ServerConfig(_Section):
     fence_timeout_s: float = Field(default=600.0, gt=0)
     """A silent engine's pinned slots stay fenced until its process is seen dead; where the daemon cannot
     see it (another pid namespace), this long."""
-    max_message_bytes: int = Field(default=16 << 20, ge=4096)
+    max_message_bytes: int = Field(default=16 << 20, ge=4096, le=1 << 40)  # (4x is ZeroMQ's int64 limit)
     """Frames larger than this are rejected before decoding."""
     max_batch_blocks: int = Field(default=1 << 16, ge=1)
     """Most blocks one request may name."""
@@ -116,25 +121,27 @@ class TiersConfig(_Section):
     remote: RemoteConfig = Field(default_factory=RemoteConfig)
     """The shared remote tier ([tiers.remote]; off by default)."""
 
+    # The cross-field checks are field validators of the later field (pydantic validates fields in
+    # declaration order, so the earlier one is in ``info.data``): the error's location is then that
+    # key, and the source that set it is the one named (a model validator's is just [tiers], which
+    # blamed whatever source last touched the section: the deploy units' --set tiers.nvme_dir).
     @field_validator("nvme_dir")
     @classmethod
-    def _absolute_nvme_dir(cls, v: str) -> str:
-        return v if not v.strip() else _absolute("tiers.nvme_dir", v)  # empty: refused below where NVMe is on
-
-    @model_validator(mode="after")
-    def _watermarks_ordered(self) -> "TiersConfig":
-        # a low mark above the high one made each demotion pass stop while the tier was still above high
-        if self.low_watermark > self.high_watermark:
-            raise ValueError(f"tiers.low_watermark ({self.low_watermark}) is above tiers.high_watermark "
-                             f"({self.high_watermark}): demotion runs from above high down to low")
-        return self
-
-    @model_validator(mode="after")
-    def _nvme_dir_given(self) -> "TiersConfig":
-        # caught here, not at the first register: an empty path would put slabs in the daemon's cwd
-        if self.nvme_bytes > 0 and not self.nvme_dir.strip():
+    def _nvme_dir_absolute_and_given(cls, v: str, info: ValidationInfo) -> str:
+        # an empty path, caught here and not at the first register, would put slabs in the daemon's cwd
+        if not v.strip() and info.data.get("nvme_bytes", 0) > 0:
             raise ValueError("tiers.nvme_dir is empty but tiers.nvme_bytes > 0 (give a directory, or set nvme_bytes = 0)")
-        return self
+        return v if not v.strip() else _absolute("tiers.nvme_dir", v)
+
+    @field_validator("low_watermark")
+    @classmethod
+    def _watermarks_ordered(cls, v: float, info: ValidationInfo) -> float:
+        # a low mark above the high one made each demotion pass stop while the tier was still above high
+        high = info.data.get("high_watermark")
+        if high is not None and v > high:
+            raise ValueError(f"tiers.low_watermark ({v}) is above tiers.high_watermark ({high}): demotion runs "
+                             "from above high down to low")
+        return v
 
 
 class PolicyConfig(_Section):
@@ -278,6 +285,8 @@ def config_sources(path: "str | Path | None", environ: Optional[Mapping[str, str
 
 
 SHIPPED_DEFAULT = "kvtier/daemon/defaults/kvtier.toml"
+# keys whose validators read other keys: an error is the concern of whichever source set any of them
+CHECKED_AGAINST = {"tiers.low_watermark": ("tiers.high_watermark",), "tiers.nvme_dir": ("tiers.nvme_bytes",)}
 _Settings = settings_class(KvtierConfig)  # the sections as a pydantic-settings class
 
 
@@ -293,7 +302,7 @@ def load_config(path: "str | Path | None" = None, environ: Optional[Mapping[str,
         settings = _Settings(_build_sources=(sources, {}))
         return KvtierConfig(**{name: getattr(settings, name) for name in KvtierConfig.model_fields})
     except ValidationError as e:
-        raise explain(e, sources) from None
+        raise explain(e, sources, CHECKED_AGAINST) from None
     except OSError as e:  # a default that cannot be used (a relative $KVTIER_RUNTIME_DIR)
         raise ConfigError(f"{e.filename}: {e.strerror}" if e.filename else str(e)) from None
     finally:

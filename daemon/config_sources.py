@@ -126,9 +126,10 @@ class Environment(EnvSettingsSource):
 
 
 def redacted(pair: str) -> str:
-    """A ``--set`` pair as it may be printed: a password's value never is."""
+    """A ``--set`` pair as it may be printed: a password's value never is, whether the key names
+    it or a table value holds it (``tiers.remote={password="..."}``)."""
     key, eq, _ = pair.partition("=")
-    return f"{key}=(hidden)" if eq and "password" in key.lower() and "password_env" not in key.lower() else pair
+    return f"{key}=(hidden)" if eq and "password" in pair.lower().replace("password_env", "") else pair
 
 
 def _scalar(text: str) -> Any:
@@ -187,14 +188,19 @@ def _has(data: Any, loc: Sequence[str]) -> bool:
     return True
 
 
-def explain(error: ValidationError, sources: Sequence[PydanticBaseSettingsSource]) -> ConfigError:
-    """One line per error: the source that set the key (``file:line``, variable, flag), key, reason."""
+def explain(error: ValidationError, sources: Sequence[PydanticBaseSettingsSource],
+            related: Mapping[str, Sequence[str]] = {}) -> ConfigError:
+    """One line per error: the source that set the key (``file:line``, variable, flag), key, reason.
+    ``related``: a key checked against others (``tiers.low_watermark`` against the high one) is
+    blamed on the highest-precedence source that set any of them: the user's file that lowered
+    the high mark, not the shipped default's low one."""
     out = []
     for err in error.errors():
         loc = [str(x) for x in err["loc"] if not isinstance(x, int)]
         where = ".".join(loc) or "(top level)"
-        src = next((s for s in sources if loc and _has(s(), loc)), None)
-        at = src.where(loc) if src is not None and hasattr(src, "where") else "config"
+        keys = [loc, *(k.split(".") for k in related.get(where, ()))] if loc else []
+        src, key = next(((s, k) for s in sources for k in keys if _has(s(), k)), (None, loc))
+        at = src.where(key) if src is not None and hasattr(src, "where") else "config"
         why = "unknown key (not a field of this section)" if err["type"] == "extra_forbidden" else err["msg"]
         out.append(f"{at}: {where}: {why}")
     return ConfigError("invalid configuration\n  " + "\n  ".join(out))

@@ -331,7 +331,7 @@ def _complete_node(cfg: KvtierConfig, args: Any, mgr: TierManager, hbm_tensor: O
     return Node(mgr=mgr, placement=placement, scores=scores, events=events, prefetcher=prefetcher,
                 block_tokens=args.block_tokens, layers=layers, max_batch_blocks=cfg.server.max_batch_blocks,
                 hbm_shm=hbm_shm, hbm_handle=handle,
-                engine_region=region_identity(args.hbm_handle) if args.hbm_kind == "cuda_ipc" else ())
+                engine_region=region_identity(args.hbm_handle) if getattr(args, "hbm_kind", "") == "cuda_ipc" else ())
 
 
 __all__ = ["Node", "build_node", "attach_deciders"]

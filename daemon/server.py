@@ -28,6 +28,7 @@ import zmq
 from kvtier.protocol import wire as P
 from kvtier.protocol.runtime import EVENTS_TOPIC, INFO_FILE, TOKEN_FILE, endpoints, ensure_private_dir, write_private_file
 from kvtier.protocol.wire import ProtocolError
+from kvtier.tiers.io_kvikio import kvikio_status
 
 from .acquire import Pending
 from .config import ConfigError, KvtierConfig, resolve_config_path
@@ -69,6 +70,9 @@ class Server:
         ensure_private_dir(self.runtime_dir)  # 0700, ours, not a symlink: or UnsafeDirError naming path and owner
         self.locks = [DirLock(self.runtime_dir, "runtime directory")]  # before touching anything in it
         tc = self.cfg.tiers
+        if tc.nvme_bytes and tc.io_backend == "kvikio" and not kvikio_status()[0]:  # at start, not at the first register
+            self.locks[0].release()
+            raise ValueError(f"tiers.io_backend = 'kvikio' cannot run here: {kvikio_status()[1]}")
         if tc.nvme_bytes:
             try:
                 ensure_private_dir(tc.nvme_dir)

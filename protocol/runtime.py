@@ -24,6 +24,7 @@ from typing import Mapping, Optional
 INFO_FILE = "daemon.json"
 TOKEN_FILE = "admin.token"  # the daemon owner's capability, mode 0600
 EVENTS_TOPIC = b"kv-events"
+IPC_PATH_MAX = 107  # bytes of a unix socket path (sun_path less its NUL; ZeroMQ's IPC_PATH_MAX_LEN on Linux)
 
 
 class UnsafeDirError(PermissionError):

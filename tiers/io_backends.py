@@ -308,6 +308,8 @@ def select_backend(name: str = "auto", threads: int = 8) -> IOBackend:
     """Build a backend by name; ``auto`` prefers kvikio where it can run."""
     if name == "auto":
         name = "kvikio" if kvikio_status()[0] else "posix"
+    elif name == "kvikio" and not kvikio_status()[0]:  # a setting that cannot run here: bad input, not a bug
+        raise ValueError(f"I/O backend 'kvikio' cannot run here: {kvikio_status()[1]}")
     try:
         factory = BACKENDS[name]
     except KeyError:

@@ -43,6 +43,21 @@ def test_serve_with_a_busy_metrics_port_leaves_nothing_behind(tmp_path):
     assert not [p.name for p in rt.iterdir() if p.suffix == ".sock" or p.name == "daemon.json"]
 
 
+def test_serve_with_kvikio_where_it_cannot_run_says_why_at_start(tmp_path):
+    from kvtier.tiers.io_backends import kvikio_status, select_backend
+
+    if kvikio_status()[0]:
+        pytest.skip("kvikio runs here")
+    with pytest.raises(ValueError, match="'kvikio' cannot run here"):  # a register answers invalid, not internal
+        select_backend("kvikio")
+    rt = tmp_path / "run"
+    r = kvtier("serve", "--runtime-dir", str(rt), "--set", f"tiers.nvme_dir={json.dumps(str(tmp_path / 'nvme'))}",
+               "--set", "metrics.port=0", "--set", 'tiers.io_backend="kvikio"', timeout=60)
+    line = one_error_line(r)  # at start: it had passed until the first register failed with a traceback
+    assert "tiers.io_backend = 'kvikio' cannot run here" in line and kvikio_status()[1] in line
+    assert not [p.name for p in rt.iterdir() if p.suffix == ".sock" or p.name == "daemon.json"]
+
+
 def test_serve_with_a_missing_config_file():
     line = one_error_line(kvtier("serve", "--config", "/nonexistent.toml"))
     assert "/nonexistent.toml" in line and "cannot read" in line

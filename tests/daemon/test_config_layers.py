@@ -59,6 +59,14 @@ def test_a_password_given_with_set_is_never_printed_in_an_error():
     with pytest.raises(ConfigError) as e:
         load_config(environ={}, overrides=["tiers.remote.password.x=hunter2"])
     assert "hunter2" not in str(e.value)
+    table = 'tiers.remote={enabled=false, password="hunter2", bogus=1}'  # the key names the table only
+    with pytest.raises(ConfigError) as e:
+        load_config(environ={}, overrides=[table])
+    assert "hunter2" not in str(e.value) and "--set tiers.remote=(hidden)" in str(e.value)
+    from kvtier.daemon.config import config_sources
+
+    shown = config_sources(None, {}, ['tiers.remote={enabled=false, password="hunter2"}'])  # config show, the start log
+    assert shown[-1] == "--set tiers.remote=(hidden)"
 
 
 @pytest.mark.parametrize("name,value", [("KVTIER_SCORING__SEGMENT_WEIGHTS", "system=2"),
@@ -78,3 +86,19 @@ def test_a_config_file_that_is_not_utf8_is_a_config_error_naming_its_line(tmp_pa
         load_config(p, environ={})
     p.write_bytes("[scoring]\nema = 0.5 # café\n".encode())
     assert load_config(p, environ={}).scoring.ema == 0.5  # UTF-8 whatever the locale
+
+
+@pytest.mark.parametrize("text, line", [
+    ("[tiers]\nlow_watermark = 0.99\n", ":2: tiers.low_watermark: "),  # the file's low mark
+    ("[tiers]\nhigh_watermark = 0.8\n", ":2: tiers.low_watermark: "),  # the file's high mark, not the default's low
+    ('[tiers]\nio_threads = 4\nnvme_dir = ""\n', ":3: tiers.nvme_dir: "),
+])
+def test_a_cross_field_error_names_the_source_that_set_one_of_its_keys(tmp_path, text, line):
+    """The deploy units pass --set tiers.nvme_dir: an error in the file's [tiers] had been blamed
+    on that flag (the checks were on the whole section), and on no line of the file."""
+    p = tmp_path / "kvtier.toml"
+    p.write_text(text)
+    overrides = [] if "nvme_dir" in text else ['tiers.nvme_dir="/var/lib/kvtier/nvme"']
+    with pytest.raises(ConfigError) as e:
+        load_config(p, environ={"KVTIER_TIERS__IO_THREADS": "2"}, overrides=overrides)
+    assert f"{p}{line}" in str(e.value), str(e.value)
