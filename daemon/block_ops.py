@@ -57,7 +57,7 @@ class BlockOps:
         if result is not None:
             return result
         if not args.wait:
-            raise ProtocolError(P.NO_SPACE, f"no room for {args.n} blocks in HBM yet; demotions are in flight, retry")
+            raise ProtocolError(P.NO_SPACE, self._no_room(args.n, "yet; demotions are in flight, retry"))
         timeout = args.timeout_s if args.timeout_s is not None else self.cfg.server.acquire_timeout_s
         w = AllocWaiter(session, args, self.clock() + timeout)
         self.alloc_waiters.append(w)
@@ -68,6 +68,7 @@ class BlockOps:
         blocks = mgr.alloc(args.n, full=True, ns=session.ns)  # the engine writes all of each slot
         if blocks is None:
             placement.make_room(HBM, args.n, urgent=True)
+            placement.make_ids(args.n)
             blocks = mgr.alloc(args.n, full=True, ns=session.ns)
         if blocks is None:
             return None
@@ -78,6 +79,14 @@ class BlockOps:
         placement.on_alloc(blocks, continues=session.continues(args.seq, blocks.size))
         self.counters["allocs"] += int(blocks.size)
         return {"blocks": P.id_bytes(blocks), "slots": P.id_bytes(mgr.table.slot[HBM, blocks])}
+
+    def _no_room(self, n: int, when: str) -> str:
+        """What an alloc of ``n`` lacks: block ids (none cached left to drop) or HBM slots."""
+        t = self.node.mgr.table
+        if len(t.free_blocks) < n:
+            return (f"no free block ids for {n} blocks {when} (the block table's {t.max_blocks} ids, "
+                    "tiers.max_blocks, are held by blocks in use)")
+        return f"no room for {n} blocks in HBM {when}"
 
     def advance_allocs(self) -> list[tuple[AllocWaiter, Any]]:
         """Retry waiting allocs in arrival order: (waiter, result or ProtocolError) for each finished."""
@@ -92,7 +101,7 @@ class BlockOps:
                 out.append((w, result))
             elif now > w.deadline:
                 self.counters["alloc_timeouts"] += 1
-                out.append((w, ProtocolError(P.NO_SPACE, f"no room for {w.args.n} blocks in HBM before the deadline")))
+                out.append((w, ProtocolError(P.NO_SPACE, self._no_room(w.args.n, "before the deadline"))))
             else:
                 keep.append(w)
         self.alloc_waiters = keep

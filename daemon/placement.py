@@ -242,6 +242,38 @@ class Placement:
             self._reinsert(tier, stuck)
         return have
 
+    def make_ids(self, n: int) -> int:
+        """Free block ids until ``n`` are free by dropping cached blocks (sealed, unreferenced,
+        unpinned, idle, unhinted): NVMe-only ones oldest first, then DRAM's and HBM's policy
+        victims. A block table smaller than the tiers' slots (``tiers.max_blocks``) fills with
+        cached blocks while every tier has room, and nothing else frees an id: every alloc
+        waited out its deadline. Returns the ids free."""
+        mgr, t = self.mgr, self.mgr.table
+        now = self.clock()
+
+        def cached(bs: np.ndarray) -> np.ndarray:
+            return (t.refcount[bs] == 0) & (t.pins[bs] == 0) & (t.busy[bs] == 0) & (t.state[bs] == SEALED) & \
+                self.protect_until.passed(bs, now)
+
+        lst, budget = t.nvme_idle, 4 * n + 64
+        b = int(lst.next[lst.capacity]) if lst.length() else -1
+        while len(t.free_blocks) < n and 0 <= b < lst.capacity and budget > 0:
+            nxt, budget = int(lst.next[b]), budget - 1
+            if t.copies[b] == (1 << NVME) and cached(np.array([b]))[0]:
+                mgr.drop(b)
+                self.dropped += 1
+            b = nxt
+        for tier in sorted(self.policies, reverse=True):  # DRAM's victims before HBM's
+            want = n - len(t.free_blocks)
+            if want <= 0:
+                break
+            victims = self.policies[tier].victims(want, cached).tolist()
+            self._evicted(tier, victims)
+            for v in victims:
+                mgr.drop(v)  # every copy: the id is free
+            self.dropped += len(victims)
+        return len(t.free_blocks)
+
     def maintain(self, high: float, low: float) -> None:
         """Keep each upper tier below ``high`` full, demoting down to ``low``."""
         t = self.mgr.table
