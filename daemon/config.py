@@ -154,8 +154,9 @@ class PolicyConfig(_Section):
     """Bypass a tier for blocks worth less than its victim."""
     samples: int = Field(default=16, ge=1, le=1024)
     """kvtier: residents sampled per eviction (the lowest value among them goes)."""
-    prior_strength: float = Field(default=2.0, ge=0)
-    """kvtier: pseudo-observations a cell borrows from its parent cell's reuse rate (hierarchical shrinkage)."""
+    prior_strength: float = Field(default=2.0, gt=0)
+    """kvtier: pseudo-observations a cell borrows from its parent cell's reuse rate (hierarchical shrinkage;
+    0 would leave a cell without evidence 0/0, a NaN value that the daemon never evicts)."""
     refresh_every: int = Field(default=2000, ge=100)
     """kvtier: accesses between rebuilds of the value tables (O(cells x ages) each)."""
     memory_horizons: float = Field(default=32.0, gt=0)

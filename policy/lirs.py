@@ -102,6 +102,11 @@ class LIRSPolicy(Policy):
             self.Q.remove(b)
             if self.n_lir > self.l_lirs:
                 self._demote_bottom()
+        elif self.n_lir < self.l_lirs:  # room in the LIR set (after removals): LIR, as insert's warm-up does;
+            self.state[b] = LIR  # an HIR block pushed onto an S with no LIR below it stayed at S's bottom as
+            self.n_lir += 1  # a ghost once evicted, and _demote_bottom later queued that ghost as resident
+            self._to_top(b)
+            self.Q.remove(b)
         else:  # resident HIR, out of S: stays HIR
             self._to_top(b)
             self.Q.remove(b)

@@ -113,5 +113,15 @@ class ShadowCaches:
         self.hits *= factor
 
     def forget(self, b: int) -> None:
-        """Block id ``b`` was freed: stale slots that still name it are harmless to the estimate."""
+        """Block id ``b`` was freed: it leaves every miniature that holds it (its slot takes the
+        miniature's last), so a recycled id starts unseen. A slot left naming it had been filled
+        again when the id came back (the id held twice), and evicting one copy cleared the bit
+        the other still stood for: that miniature then scored misses on a block it held."""
+        bits = int(self.member[b])
+        for k in range(self.k):
+            if bits >> k & 1:
+                n = self.size[k]
+                at = int(np.flatnonzero(self.slots[k, :n] == b)[0])  # O(miniature), once per freed sampled id
+                self.slots[k, at] = self.slots[k, n - 1]
+                self.size[k] = n - 1
         self.member[b] = 0

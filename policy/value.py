@@ -299,10 +299,13 @@ class ValuePolicy(Policy):
         floor = float(params.get("evidence_floor", self.evidence_floor))
         if not 0.0 <= floor <= 1.0:
             raise ValueError("0 <= evidence_floor <= 1")
+        strength = float(params.get("prior_strength", self.model.m))
+        if not strength > 0:  # (0: a cell with no evidence is 0/0, NaN); checked before anything is applied
+            raise ValueError("prior_strength must be > 0")
         self.evidence_floor = floor
         self.admission = bool(params.get("admission", self.admission))
         self.samples = int(params.get("samples", self.samples))
-        self.model.m = float(params.get("prior_strength", self.model.m))
+        self.model.m = strength
         self.model.memory_horizons = float(params.get("memory_horizons", self.model.memory_horizons))
 
     def set_calibration(self, track_calibration: bool, calibration_bins: int, calibration_sample: int,

@@ -94,6 +94,8 @@ class ReuseModel:
         for c in candidates:
             if c.partition not in PARTITIONS or c.horizon_multiple <= 0:
                 raise ValueError(f"bad candidate {c}: partition in {sorted(PARTITIONS)}, horizon_multiple > 0")
+        if not prior_strength > 0:  # (0: a cell with no evidence is 0/0, NaN)
+            raise ValueError("prior_strength must be > 0")
         self.candidates = tuple(candidates)
         self.m = float(prior_strength)
         self.refresh_every = int(refresh_every)

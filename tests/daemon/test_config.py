@@ -90,6 +90,7 @@ def test_invalid_reload_raises_and_keeps_current(tmp_path):
     # telemetry.sock past a unix socket path's 107 bytes: serve bound rpc.sock, then failed with a traceback
     ('server.runtime_dir="/' + "r" * 92 + '"', "too long for its socket files: 108 bytes"),
     ("server.max_message_bytes=4611686018427387904", "less than or equal to"),  # setsockopt overflowed at serve
+    ("policy.prior_strength=0", "greater than 0"),  # 0/0 in a cell without evidence: NaN values, never evicted
 ])
 def test_non_finite_negative_and_crossed_values_are_refused(override, needle):
     with pytest.raises(ConfigError, match=needle):

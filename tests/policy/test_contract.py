@@ -41,8 +41,9 @@ def _scalars(pol) -> dict:
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_random_traces_keep_every_policy_consistent(name):
-    """size <= capacity, victims were resident, a hit is exactly a resident block; every
-    victim query is pure and returns eligible residents only."""
+    """size <= capacity, victims were resident, a hit is exactly a resident block, also with
+    blocks the mechanism removes now and then; every victim query is pure and returns eligible
+    residents only."""
     rng = np.random.default_rng(7)
     seq = (rng.zipf(1.3, 1500) % 120).tolist()
     tr = _trace(seq)
@@ -64,6 +65,10 @@ def test_random_traces_keep_every_policy_consistent(name):
                 resident.discard(v)
             pol.insert(b, float(i), 0, nu)
             resident.add(b)
+        if resident and rng.random() < 0.05:  # the mechanism drops a block (a promotion, a failed write)
+            gone = int(rng.choice(sorted(resident)))
+            pol.remove(gone)
+            resident.discard(gone)
         assert pol.size == len(resident) <= cap
         if i % 97 == 0 and not pol.offline:
             mask = rng.random(tr.n_unique) < 0.6

@@ -192,3 +192,31 @@ def test_lhd_density_model():
     pol._reconfigure()  # decayed to 9 and 9: hits above age 0 = 9; lifetime = 6 x 18 + 3 x 9
     assert pol.density[3, 0] == pytest.approx(9 / 135)
     assert pol.density[3, 6] == 0.0 and pol.density[4, 0] == 0.0
+
+
+def test_lirs_after_a_removal_evicts_only_residents():
+    """The mechanism removes the only LIR block; a hit on the resident HIR block then made it
+    the bottom of an S with no LIR under it, an eviction left it there as a ghost, and the
+    next LIR promotion queued that ghost as resident: ``evict`` returned a block not held.
+    With room in the LIR set the hit makes it LIR, as insert's warm-up does."""
+    p = make_policy("lirs", 2, 16)
+    resident: set[int] = set()
+
+    def access(b: int) -> None:
+        p.observe(b, 0.0, 0)
+        if b in resident:
+            p.on_hit(b, 0.0, 0, -1)
+            return
+        if p.size >= p.capacity:
+            v = p.evict(0.0)
+            assert v in resident, (b, v, sorted(resident))
+            resident.discard(v)
+        p.insert(b, 0.0, 0, -1)
+        resident.add(b)
+
+    access(1), access(2)  # 1 LIR, 2 resident HIR
+    p.remove(1)
+    resident.discard(1)
+    for b in (2, 3, 5, 5, 6, 7, 2, 8):
+        access(b)
+    assert p.size == len(resident) == 2 and p.n_lir <= p.l_lirs

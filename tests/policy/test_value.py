@@ -86,6 +86,26 @@ def test_a_freed_id_starts_afresh():
     assert int(pol.model.count[3]) == 1
 
 
+def test_a_freed_id_leaves_every_shadow_miniature():
+    """Each miniature's slots hold exactly the ids whose bit it has, once each, through random
+    accesses and frees: a freed id left in a slot was admitted again beside it when recycled,
+    and evicting either copy cleared the bit the other stood for (misses on a held block)."""
+    rng = np.random.default_rng(5)
+    pol = make_policy("kvtier", 4, 64)  # every block sampled; miniatures of 4
+    sh, t = pol.shadows, 0
+    for step in range(3000):
+        b = int(rng.integers(0, 24))
+        if rng.random() < 0.2:
+            pol.on_freed(b)  # (a freed id is not resident in the real cache here: shadows only)
+        else:
+            t += 1
+            pol.observe(b, float(t), int(rng.integers(0, 3)))
+        for k in range(sh.k):
+            held = sh.slots[k, :sh.size[k]].tolist()
+            assert len(held) == len(set(held)), (step, k, held)
+            assert set(held) == set(np.flatnonzero(sh.member >> k & 1).tolist()), (step, k)
+
+
 def test_shadow_caches_choose_the_candidate_that_earns_hits():
     """A loop of 12 blocks over 8 slots: LRU-like ranking (candidate 0) almost never hits (victims are sampled),
     MRU-like ranking (candidate 1) keeps most of the loop."""
