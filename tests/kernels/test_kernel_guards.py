@@ -290,8 +290,12 @@ def test_helpers_spread_over_the_process_cpus_whoever_starts_them(policy):
             assert copy_rows(d, s, row0, row0, n, 1 << 20, 3) == n
         t = threading.Thread(target=pinned_copy)
         t.start(); t.join()
-        helpers = [tid for tid in set(os.listdir("/proc/self/task")) - before
-                   if open(f"/proc/self/task/{tid}/comm").read().strip() == "kvtier-copy"]
+        def comm(tid):  # a thread that ended since the listing (the joined one) has no comm any more
+            try:
+                return open(f"/proc/self/task/{tid}/comm").read().strip()
+            except FileNotFoundError:
+                return None
+        helpers = [tid for tid in set(os.listdir("/proc/self/task")) - before if comm(tid) == "kvtier-copy"]
         masks = []
         for tid in helpers:
             line = [l for l in open(f"/proc/self/task/{tid}/status") if l.startswith("Cpus_allowed_list")][0]
