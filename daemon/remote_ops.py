@@ -90,6 +90,7 @@ class RemoteOps:
         self.rule = PublishRule(cfg.publish_min_shares, placement.policies.get(DRAM))
         self.candidates: OrderedDict[int, None] = OrderedDict()
         self.jobs: dict[int, _Job] = {}
+        self._unapplied: list[RemoteCompletion] = []  # taken off the tier's queue, not applied yet (``poll``)
         self.fetching: dict[int, int] = {}  # scoped key -> placeholder block
         self.waiters: list[RefWaiter] = []
         self.stats_c: Counter[str] = Counter()
@@ -282,9 +283,18 @@ class RemoteOps:
 
     # -- completions -----------------------------------------------------------------------
     def poll(self) -> int:
-        done = self.tier.poll()
-        for c in done:
-            self._apply(c)
+        """Apply finished remote jobs. Each completion's bookkeeping ends before a listener's
+        error escapes it, and the completions after one that raised are applied by the next
+        poll (taken off the tier's queue, they had been lost: their keys fetching for ever)."""
+        done = self._unapplied + self.tier.poll()
+        self._unapplied = []
+        for i, c in enumerate(done):
+            try:
+                with self.mgr.deferring_listeners():
+                    self._apply(c)
+            except BaseException:
+                self._unapplied = done[i + 1:]
+                raise
         return len(done)
 
     def _apply(self, c: RemoteCompletion) -> None:
@@ -317,7 +327,7 @@ class RemoteOps:
         s["corrupt"] += c.corrupt
 
     def busy(self) -> bool:
-        return bool(self.jobs or self.waiters)
+        return bool(self.jobs or self.waiters or self._unapplied)
 
     def stats(self) -> dict:
         s = self.stats_c

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, deque
-from typing import Callable, Iterable, Optional
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -243,13 +244,22 @@ class TierMoves:
             raise
 
     def _apply(self, group: list[Completion]) -> None:
-        """Apply completions of one path as one (``_groups``). A listener that raises (even an
-        interrupt) does not cut the bookkeeping short: after it, the first interrupt, else the
-        first error, is raised and every other listener error of the group is logged."""
+        """Apply completions of one path as one (``_groups``), listener errors deferred."""
+        with self.deferring_listeners():
+            self._apply_completion(*merged([(self._pending.pop(c.tid), c) for c in group]))
+
+    @contextmanager
+    def deferring_listeners(self) -> Iterator[None]:
+        """A listener that raises (even an interrupt) inside does not cut the bookkeeping short:
+        after it, the first interrupt, else the first error, is raised and every other listener
+        error is logged. Nested, the outer one collects."""
+        if self._deferred is not None:
+            yield
+            return
         self._deferred = []
         raised: Optional[BaseException] = None
         try:
-            self._apply_completion(*merged([(self._pending.pop(c.tid), c) for c in group]))
+            yield
             raised = most_urgent(self._deferred)
         finally:
             errors, self._deferred = self._deferred, None

@@ -32,27 +32,28 @@ class RemoteBlocks(TierMoves):
         """Apply a remote read of ``reserve_fetch`` blocks: a verified one becomes a cached
         SEALED block whose one copy is its ``tier`` slot; the others are released. Per block,
         the block now holding its key (the fetched one, or one sealed here meanwhile), or -1."""
-        t = self.table
-        t.busy[blocks] -= 1
-        out = np.full(blocks.size, -1, dtype=np.int64)
-        kept = []
-        for i, b in enumerate(blocks.tolist()):
-            key = int(keys[i])
-            existing = t.lookup(key)
-            if ok[i] and existing < 0:
-                t.nbytes[b] = int(lengths[i])
-                t.seal(b, key, int(checksums[i]))
-                t.copies[b] |= np.uint8(1 << tier)
-                kept.append(b)
-                out[i] = b
-            else:  # an engine may have named its id (a hint, a report): what listeners keep by id goes
-                self._emit("removed", b, -1)
-                t.release_block(b)
-                out[i] = existing
-        arr = np.asarray(kept, dtype=np.int64)
-        t.refresh_nvme_idle_many(arr)
-        self._emit_many("stored", arr, tier)
-        return out
+        with self.deferring_listeners():  # a listener's error must not leave a placeholder unreleased
+            t = self.table
+            t.busy[blocks] -= 1
+            out = np.full(blocks.size, -1, dtype=np.int64)
+            kept = []
+            for i, b in enumerate(blocks.tolist()):
+                key = int(keys[i])
+                existing = t.lookup(key)
+                if ok[i] and existing < 0:
+                    t.nbytes[b] = int(lengths[i])
+                    t.seal(b, key, int(checksums[i]))
+                    t.copies[b] |= np.uint8(1 << tier)
+                    kept.append(b)
+                    out[i] = b
+                else:  # an engine may have named its id (a hint, a report): what listeners keep by id goes
+                    self._emit("removed", b, -1)
+                    t.release_block(b)
+                    out[i] = existing
+            arr = np.asarray(kept, dtype=np.int64)
+            t.refresh_nvme_idle_many(arr)
+            self._emit_many("stored", arr, tier)
+            return out
 
     def hold(self, blocks: np.ndarray) -> None:
         """A remote write reads these sealed blocks' bytes (``BlockTable.read_hold``)."""
