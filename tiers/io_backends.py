@@ -130,7 +130,7 @@ class PosixBackend:
         return PosixHandle(fd, path, direct)
 
     @staticmethod
-    def _views(buffers: Sequence[Buffer]) -> list[memoryview]:
+    def _views(buffers: Sequence[Buffer], into: bool = False) -> list[memoryview]:
         """Byte views for the vectored calls. ``memoryview(b)``, not ``b.data``: numpy
         exports ``.data`` as a writable buffer, which walks the array's bases and probes
         the shared-memory mmap under a pool slot, ~5x the cost (2-10 µs a block
@@ -139,6 +139,8 @@ class PosixBackend:
         for b in buffers:
             if not isinstance(b, np.ndarray):
                 raise TypeError("the posix backend takes host numpy buffers")
+            if into and not b.flags.c_contiguous:  # reshape copies it: the read landed in the copy, reported done
+                raise ValueError("the posix backend reads into contiguous buffers only")
             if b.ndim != 1 or b.dtype != np.uint8:
                 b = b.reshape(-1).view(np.uint8)
             out.append(memoryview(b))
@@ -177,7 +179,7 @@ class PosixBackend:
         return self._pool.submit(self._loop, os.pwritev, handle, views, offset, "write")
 
     def pread(self, handle: PosixHandle, buffers: Sequence[Buffer], offset: int) -> "Future[int]":
-        views = self._views(buffers)
+        views = self._views(buffers, into=True)
         return self._pool.submit(self._loop, os.preadv, handle, views, offset, "read")
 
     def pread_many(self, handle: PosixHandle, reads: Sequence[tuple[Buffer, int]]) -> "Future[Failures]":
@@ -222,7 +224,7 @@ class PosixBackend:
             raise ValueError(f"{len(sums)} checksums for {len(jobs)} reads")
 
         def share() -> Failures:
-            out = self._run(op, self._prepared(jobs), kind, check, sums)
+            out = self._run(op, self._prepared(jobs, into=kind == "read"), kind, check, sums)
             if then is None:
                 return out
             return out + self._run(op, self._prepared(then(out)), kind, None, None)
@@ -230,8 +232,8 @@ class PosixBackend:
         return self._pool.submit(share)
 
     @classmethod
-    def _prepared(cls, jobs: Sequence[Write]) -> list[tuple[PosixHandle, list[memoryview], int]]:
-        return [(h, cls._views(bufs), off) for h, bufs, off in jobs]
+    def _prepared(cls, jobs: Sequence[Write], into: bool = False) -> list[tuple[PosixHandle, list[memoryview], int]]:
+        return [(h, cls._views(bufs, into), off) for h, bufs, off in jobs]
 
     def _run(self, op: Callable[..., int], jobs: list[tuple[PosixHandle, list[memoryview], int]],
              kind: str, check: Optional[Callable[[int], None]], sums: Optional[Sums]) -> Failures:

@@ -249,3 +249,20 @@ def test_a_read_into_read_only_memory_fails_alone(backend, nvme_dir):
     assert errors[0] is None and errors[2] is None and errors[1] is not None
     assert np.array_equal(outs[0], pattern(0, 4096)) and np.array_equal(outs[2], pattern(2, 4096))
     st.close()
+
+
+def test_a_read_into_a_non_contiguous_buffer_is_refused_not_lost(backend, nvme_dir):
+    """Such a buffer was read into a contiguous copy, and the read (and its checksum, computed
+    on the copy) reported done while the caller's buffer stayed as it was."""
+    if backend.name != "posix":
+        pytest.skip("the posix backend's host buffers")
+    st = NvmeStore(nvme_dir, 1, 4096, backend, slots_per_file=1)
+    st.write(0, pattern(0, 4096), key=1, length=4096, checksum=0, sealed=True).result()
+    handle, offset = st.payload_at(0)
+    strided = np.zeros(2 * st.data_stride, np.uint8)[::2]  # every other byte: no view of it is contiguous
+    with pytest.raises(ValueError, match="contiguous"):
+        backend.pread(handle, [strided], offset)
+    f = backend.pread_many(handle, [(strided, offset)])
+    assert f.exception(timeout=10) is not None or f.result()[0] is not None
+    assert not strided.any()
+    st.close()
