@@ -338,9 +338,9 @@ def test_a_batchs_per_block_work_runs_on_the_io_threads_not_the_callers(nvme_dir
     made: list[str] = []
     real = PosixBackend._views  # a staticmethod: the plain function
 
-    def spy(buffers):
+    def spy(buffers, into=False):
         made.append(threading.current_thread().name)
-        return real(buffers)
+        return real(buffers, into)
 
     monkeypatch.setattr(PosixBackend, "_views", staticmethod(spy))
     rows_read = RowJobs.__iter__
