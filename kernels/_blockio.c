@@ -154,10 +154,12 @@ static PyObject *py_transfer(PyObject *self, PyObject *args) {
     (void)self;
     if (!PyArg_ParseTuple(args, "pOOOO", &write, &fds, &offsets, &buffers, &checks))
         return NULL;
-    PyObject *f = PySequence_Fast(fds, "fds must be a sequence");
-    PyObject *o = f ? PySequence_Fast(offsets, "offsets must be a sequence") : NULL;
-    PyObject *b = o ? PySequence_Fast(buffers, "buffers must be a sequence") : NULL;
-    PyObject *c = (b && checks != Py_None) ? PySequence_Fast(checks, "checks must be a sequence or None") : NULL;
+    /* tuples, not PySequence_Fast (which hands back the caller's list itself): parsing an item can
+     * run Python (an __index__), which could shrink a list under the loop below */
+    PyObject *f = PySequence_Tuple(fds);
+    PyObject *o = f ? PySequence_Tuple(offsets) : NULL;
+    PyObject *b = o ? PySequence_Tuple(buffers) : NULL;
+    PyObject *c = (b && checks != Py_None) ? PySequence_Tuple(checks) : NULL;
     PyObject *out = NULL;
     job_t *jobs = NULL;
     Py_ssize_t n = 0, parsed = 0;

@@ -228,6 +228,13 @@ static PyObject *start_job(PyObject *args) {
      * letting the GIL go here handed it to a thread that kept it for milliseconds (a lead, while
      * the helpers wake, is at most ``lead_pieces`` pieces: ~0.1 ms each) */
     pool_start_lead(&job->rj.job, helpers_for(threads, 0), lead_pieces);
+    if (job->rj.job.want == 0 && job->rj.job.total > 0) {
+        /* no helper could start (a thread limit): nobody would copy it before join(), and the
+         * owner joins a started copy only once done() says it landed, so it is copied here */
+        Py_BEGIN_ALLOW_THREADS
+        pool_join(&job->rj.job, 1);
+        Py_END_ALLOW_THREADS
+    }
     return (PyObject *)job;
 }
 

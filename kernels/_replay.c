@@ -75,7 +75,8 @@ static int check_sizes(const Py_buffer *b, const int64_t *I) {
     if (I[I_K] < 1 || I[I_K] > 8 || I[I_CAPACITY] < 1 || I[I_SAMPLES] < 1 || I[I_SHADOW_SAMPLES] < 1 ||
         I[I_SHADOW_CAP] < 1 || I[I_REFRESH_EVERY] < 1 || I[I_DECAY_RING] < 1 || I[I_CALIBRATION_SAMPLE] < 1 ||
         I[I_ACTIVE] < 0 || I[I_ACTIVE] >= I[I_K] || I[I_SIZE] < 0 || I[I_SIZE] > I[I_CAPACITY] ||
-        I[I_N_AGES] < 1 || I[I_N_STAGES] < 1 || I[I_N_IRR] < 1 || I[I_N_BUCKETS] < 1 || I[I_MAX_COUNT] < 1 ||
+        I[I_N_AGES] < 1 || I[I_N_STAGES] < 1 || I[I_N_IRR] < 1 || I[I_N_STAGES] > 32767 || I[I_N_IRR] > 32767 ||
+        I[I_N_BUCKETS] < 1 || I[I_MAX_COUNT] < 1 || /* (the two bounded before their product below) */
         I[I_MAX_COUNT] > 255 || I[I_N_CELLS] < I[I_N_STAGES] * I[I_N_IRR] || I[I_N_CELLS] > 32767 ||
         I[I_CLOCK] < 0 || I[I_CLOCK] >= ((int64_t)1 << 62) || I[I_THRESHOLD] < 0 ||
         n_blocks > ((Py_ssize_t)1 << 31) ||
@@ -367,7 +368,7 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
         goto done;
     }
     if (I[I_SCORED] && I[I_RECAL] &&
-        (I[I_RECAL_BINS] < 1 || I[I_K] * I[I_RECAL_BINS] > UNTRACKED || I[I_RECAL_RING] < 1 ||
+        (I[I_RECAL_BINS] < 1 || I[I_RECAL_BINS] > UNTRACKED || I[I_K] * I[I_RECAL_BINS] > UNTRACKED || I[I_RECAL_RING] < 1 ||
          I[I_RECAL_RING] > ((int64_t)1 << 20) || I[I_RECAL_PERIOD] < 1 || I[I_RECAL_FOLDED] < 0 ||
          I[I_RECAL_FOLDED] > ((int64_t)1 << 52) || I[I_RECAL_UNTRACKED] < 0 || len(&b[A_PENDING_CODE]) != s.n_blocks ||
          len(&b[A_RECAL_FLOOR]) != I[I_K] * I[I_RECAL_BINS] || len(&b[A_RECAL_CEILING]) != I[I_K] * I[I_RECAL_BINS] ||
