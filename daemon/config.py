@@ -117,7 +117,8 @@ class TiersConfig(_Section):
     low_watermark: float = Field(default=0.85, gt=0, le=1)
     """...until it is back below this fraction."""
     max_blocks: int = Field(default=0, ge=0)
-    """Block-table size; 0 = the total slot count of all tiers."""
+    """Block-table size; 0 = the total slot count of all tiers. Smaller bounds the metadata: an alloc that
+    finds no free id then drops cached blocks for one (NVMe-only ones first, then DRAM's and HBM's victims)."""
     remote: RemoteConfig = Field(default_factory=RemoteConfig)
     """The shared remote tier ([tiers.remote]; off by default)."""
 
