@@ -8,9 +8,13 @@ bookkeeping finishes first and no slot leaks; the caller raises the most urgent 
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import logging
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
+
+log = logging.getLogger("kvtier.tiers")
 
 EventListener = Callable[[str, int, int], None]  # (kind, block, tier)
 BatchListener = Callable[[str, np.ndarray, int], None]  # (kind, blocks, tier): one call a move
@@ -20,6 +24,29 @@ FailureListener = Callable[[np.ndarray, int], None]  # (blocks a failed move lef
 def most_urgent(errors: list[BaseException]) -> Optional[BaseException]:
     """The error to raise of those a group's listeners deferred: an interrupt first."""
     return next((e for e in errors if not isinstance(e, Exception)), errors[0] if errors else None)
+
+
+@contextmanager
+def deferring(owner: Any) -> Iterator[None]:
+    """Defer the errors of listeners called through ``owner._deferred`` inside: one that raises
+    (even an interrupt) does not cut the bookkeeping short; after it, the first interrupt, else
+    the first error, is raised and every other listener error is logged. Nested, the outer one
+    collects."""
+    if owner._deferred is not None:
+        yield
+        return
+    owner._deferred = []
+    raised: Optional[BaseException] = None
+    try:
+        yield
+        raised = most_urgent(owner._deferred)
+    finally:
+        errors, owner._deferred = owner._deferred, None
+        for e in errors:
+            if e is not raised:
+                log.error("tier event listener failed: %r", e, exc_info=e)
+    if raised is not None:
+        raise raised
 
 
 def _call(fn: Callable, deferred: Optional[list[BaseException]], *args: object) -> None:

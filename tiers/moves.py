@@ -9,11 +9,9 @@ block lifecycle on top; both run on the owner thread only.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import Counter, deque
-from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, ContextManager, Iterable, Optional
 
 import numpy as np
 import torch
@@ -24,7 +22,7 @@ from .integrity import count_read_failure, quarantine, unreachable_idle
 from .io_backends import IOBackend, select_backend
 from .key_index import all_distinct
 from .landing import Pending, dropped, land, merged
-from .listeners import BatchListener, EventListener, FailureListener, emit, emit_many, most_urgent
+from .listeners import BatchListener, EventListener, FailureListener, deferring, emit, emit_many
 from .move_checks import PROMOTE_SOURCE, refuse_move
 from .mover import Completion, Mover, Transfer
 from .nvme import NvmeStore
@@ -32,7 +30,6 @@ from .planning import plan_common, unplan
 from .pools import DramPool, HbmPool
 from .types import DATA_PLANE_EVENTS, DRAM, FREE, HBM, NVME, ORPHAN_OWNER, SEALED, UNCLAIMED_NS, Tier, parse_tier
 
-log = logging.getLogger("kvtier.tiers")
 PATH_NAMES = {(int(a), int(b)): f"{a.name.lower()}->{b.name.lower()}" for a in Tier for b in Tier}  # counter keys
 TID_WRAP = (1 << 31) - 1  # transfer ids cycle through 1 .. 2^31-1: 4 B a block, not 8
 
@@ -248,26 +245,9 @@ class TierMoves:
         with self.deferring_listeners():
             self._apply_completion(*merged([(self._pending.pop(c.tid), c) for c in group]))
 
-    @contextmanager
-    def deferring_listeners(self) -> Iterator[None]:
-        """A listener that raises (even an interrupt) inside does not cut the bookkeeping short:
-        after it, the first interrupt, else the first error, is raised and every other listener
-        error is logged. Nested, the outer one collects."""
-        if self._deferred is not None:
-            yield
-            return
-        self._deferred = []
-        raised: Optional[BaseException] = None
-        try:
-            yield
-            raised = most_urgent(self._deferred)
-        finally:
-            errors, self._deferred = self._deferred, None
-            for e in errors:
-                if e is not raised:
-                    log.error("tier event listener failed: %r", e, exc_info=e)
-        if raised is not None:
-            raise raised
+    def deferring_listeners(self) -> ContextManager[None]:
+        """Listener errors inside are raised once the bookkeeping is done (``listeners.deferring``)."""
+        return deferring(self)
 
     def _groups(self, done: list[Completion]) -> list[list[Completion]]:
         """Consecutive memory-copy completions of one path (as one poll took them), applied
