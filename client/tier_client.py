@@ -151,11 +151,10 @@ class TierClient:
         raise EngineReclaimed("unknown_engine", self.reclaimed)
 
     def _forget_session(self, why: str) -> None:
-        """This session is over for the client: no slot is written, no call made, until a
-        register starts a new one (the daemon then takes back all the old one held). Also
-        after a request that changes what the engine holds got no reply: the daemon may
-        still carry it out later (references and pins nobody would ever release), and a new
-        session is the one state both sides agree on."""
+        """This session is over for the client: no slot is written, no call made, until a register
+        starts a new one (the daemon then takes back all the old one held). Also after a request that
+        changes what the engine holds got no reply: the daemon may still carry it out later (references
+        and pins nobody would ever release), and a new session is the one state both sides agree on."""
         self.reclaimed = why
         self.telemetry.start(None)  # no reports either: their ids name nothing of ours now
         self.hbm = None  # slot_view raises from now on (the segment stays mapped until close); heartbeats pause

@@ -1,13 +1,11 @@
 """Struct-of-arrays block metadata: the single source of truth for placement.
 
-Block id = index into preallocated arrays (as in vLLM's block pool). Slots of each tier are
-owned by at most one block; ``slot[t, b]`` and ``slot_owner[t][s]`` are kept as a bijection.
-Each tier has an intrusive free list of slots. NVMe also has a list of the idle blocks holding
-a copy there, in recency order: where the placement finds cached NVMe copies to drop (HBM and
-DRAM victims are their policies' choice, ``kvtier.policy``). Nothing here moves bytes: the
-manager pairs this table with pools and the mover.
-
-Only the owner thread may mutate a table; it is deliberately lock-free.
+Block id = index into preallocated arrays (as in vLLM's block pool). Slots of each tier are owned
+by at most one block; ``slot[t, b]`` and ``slot_owner[t][s]`` are kept as a bijection. Each tier
+has an intrusive free list of slots. NVMe also has a list of the idle blocks holding a copy there,
+in recency order: where the placement finds cached NVMe copies to drop (HBM and DRAM victims are
+their policies' choice, ``kvtier.policy``). Nothing here moves bytes: the manager pairs this table
+with pools and the mover. Only the owner thread may mutate a table; it is deliberately lock-free.
 """
 
 from __future__ import annotations
@@ -350,12 +348,12 @@ class BlockTable:
             raise RuntimeError("negative refcount or pin count")
         if np.any(self.readers > self.busy) or np.any(self.readers[~in_use] != 0):
             raise RuntimeError("a read hold not counted in busy, or on a FREE block")
-        if np.any(self.pins[~in_use] != 0) or np.any(self.copies[~in_use] != 0):
-            raise RuntimeError("a FREE block holds pins or copies")
+        if np.any(self.copies[~in_use] != 0):
+            raise RuntimeError("a FREE block holds copies")
         if np.any((self.state == OPEN) & (self.refcount == 0) & (self.busy == 0)):
             raise RuntimeError("an OPEN block has refcount 0 (would be unreachable)")
-        if np.any((self.pins != 0) & (self.slot[HBM] == NIL)):
-            raise RuntimeError("a pinned block holds no HBM slot (its engine's slot went to another block)")
+        if np.any((self.pins != 0) & (self.slot[HBM] == NIL)):  # (a FREE block holds no slot)
+            raise RuntimeError("a pinned block holds no HBM slot (a FREE one, or its engine's slot went to another)")
         for t in range(N_TIERS):
             self.free_slots[t].check()
             owner = self.slot_owner[t]
