@@ -3,7 +3,8 @@
 Every figure is measured in the same run, on the same bytes and block size:
 the raw baselines (``baselines.py``) are memory copies between two POSIX
 shared-memory buffers, the memory both pools are made of (one numpy copy,
-torch's multi-threaded copy, a pool of threads, the mover's chunked copy), and O_DIRECT I/O at queue
+torch's multi-threaded copy, a pool of threads, the mover's chunked copy with the loop the
+daemon's start chose, ``tiers.copy_loop``), and O_DIRECT I/O at queue
 depth 1 and from as many threads as the I/O backend has (a Python call a block,
 and each thread's share in one call of the backend's compiled loop); each ratio divides
 by the best of its baselines. The kvtier figures go through ``TierManager``
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import shutil
 import statistics
@@ -205,6 +207,7 @@ def interleaved_figures(directory: str, block: int, n: int, reps: int, args: arg
         run(lambda b: m.demote(b, Tier.HBM, Tier.NVME))  # on disk at the clean stop: recovery_figures restarts
         res["nvme_direct_io"] = bool(m.nvme.direct) if m.nvme else False
         res["io_backend"] = m.backend.name
+        res["copy_loop"] = dataclasses.asdict(m.copy_loop)  # the loop both the mover and chunks_copy_tier took
         m.check_invariants()
         return res
     finally:

@@ -100,6 +100,10 @@ class TiersConfig(_Section):
     """NVMe I/O backend: kvikio where a CUDA driver exists, else posix (O_DIRECT); faulty = fault drills."""
     io_threads: int = Field(default=8, ge=1, le=256)
     """POSIX backend thread-pool size (the NVMe queue depth it can reach)."""
+    copy_loop: Literal["auto", "none", "avx2", "avx512", "avx2_linear", "avx512_linear"] = "auto"
+    """The loop host copies (HBM <-> DRAM without CUDA) stream with: "auto" times each loop this CPU runs once,
+    on the DRAM pool when the tiers are built, and takes the fastest (which one is, depends on the CPU: 20% apart
+    on hosts measured); a name pins one ("none" = memmove); the daemon refuses at start a loop the CPU lacks."""
     mover_workers: int = Field(default=2, ge=1, le=64)
     """Mover threads executing NVMe transfers (HBM <-> DRAM copies have one thread of their own)."""
     mover_queue_depth: int = Field(default=64, ge=1, le=4096)

@@ -296,7 +296,9 @@ def attach_deciders(cfg: KvtierConfig, mgr: TierManager, block_bytes: int, block
 
 def _complete_node(cfg: KvtierConfig, args: Any, mgr: TierManager, hbm_tensor: Optional[torch.Tensor],
                    hbm_shm: Optional[shared_memory.SharedMemory], clock: Callable[[], float]) -> Node:
-    """The deciding objects over a built manager."""
+    """The deciding objects over a built manager (and its host copy loop, chosen first: timing
+    it takes the DRAM pool as scratch, before any block can land there)."""
+    log.info("host copy loop: %s", mgr.tune_copy_loop(cfg.tiers.copy_loop).describe())
     if mgr.nvme is not None:
         log.info("NVMe tier: %d cached blocks recovered (%s, %d slots discarded)", mgr.recovered,
                  mgr.recovered_from or "nothing to recover", mgr.discarded)

@@ -28,6 +28,7 @@ import zmq
 from kvtier.protocol import wire as P
 from kvtier.protocol.runtime import EVENTS_TOPIC, INFO_FILE, TOKEN_FILE, endpoints, ensure_private_dir, write_private_file
 from kvtier.protocol.wire import ProtocolError
+from kvtier.tiers.copy_tuning import check_loop
 from kvtier.tiers.io_kvikio import kvikio_status
 
 from .acquire import Pending
@@ -73,6 +74,11 @@ class Server:
         if tc.nvme_bytes and tc.io_backend == "kvikio" and not kvikio_status()[0]:  # at start, not at the first register
             self.locks[0].release()
             raise ValueError(f"tiers.io_backend = 'kvikio' cannot run here: {kvikio_status()[1]}")
+        try:
+            check_loop(tc.copy_loop)  # a loop this CPU lacks: at start, like kvikio above
+        except ValueError:
+            self.locks[0].release()
+            raise
         if tc.nvme_bytes:
             try:
                 ensure_private_dir(tc.nvme_dir)

@@ -276,17 +276,38 @@ static PyObject *py_use_streaming(PyObject *self, PyObject *args) {
     (void)self;
     if (!PyArg_ParseTuple(args, "s", &name))
         return NULL;
-    for (k = 0; k < 3; k++)
+    for (k = 0; k < N_STREAM_KINDS; k++)
         if (strcmp(name, stream_names[k]) == 0)
             want = k;
-    if (want < 0 || want > best_stream()) {
-        PyErr_Format(PyExc_ValueError, "use_streaming: %s is not a loop this CPU runs (best: %s)", name,
-                     stream_names[best_stream()]);
+    if (want < 0 || !stream_runs(want)) {
+        PyErr_Format(PyExc_ValueError, "use_streaming: %s is not a loop this CPU runs (it runs: %s)", name,
+                     stream_runs(2) ? "none, avx2, avx512, avx2_linear, avx512_linear"
+                     : stream_runs(1) ? "none, avx2, avx2_linear" : "none");
         return NULL;
     }
     k = stream_kind;
     stream_kind = want;
     return PyUnicode_FromString(stream_names[k]);
+}
+
+static PyObject *py_streaming_kinds(PyObject *self, PyObject *args) {
+    PyObject *out = PyList_New(0);
+    (void)self;
+    (void)args;
+    if (out == NULL)
+        return NULL;
+    for (int k = 0; k < N_STREAM_KINDS; k++) {
+        if (!stream_runs(k))
+            continue;
+        PyObject *name = PyUnicode_FromString(stream_names[k]);
+        if (name == NULL || PyList_Append(out, name) != 0) {
+            Py_XDECREF(name);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(name);
+    }
+    return out;
 }
 
 static PyMethodDef methods[] = {
@@ -304,16 +325,21 @@ static PyMethodDef methods[] = {
      "use_lead(pieces) -> the previous count: pieces a started copy's caller copies itself while every "
      "helper is still asleep (0: none)"},
     {"led", py_led, METH_NOARGS, "led() -> pieces copied so far by the threads that started their copies"},
-    {"streaming", py_streaming, METH_NOARGS, "streaming() -> the non-temporal store loop large copies take: 'avx512', 'avx2' or 'none'"},
+    {"streaming", py_streaming, METH_NOARGS,
+     "streaming() -> the loop large copies take now: one of streaming_kinds() ('none': memmove)"},
+    {"streaming_kinds", py_streaming_kinds, METH_NOARGS,
+     "streaming_kinds() -> the loops this CPU runs: 'none' (memmove), then the four-page streaming loops "
+     "('avx2', 'avx512'), then the linear ones ('avx2_linear', 'avx512_linear')"},
     {"use_streaming", py_use_streaming, METH_VARARGS,
-     "use_streaming(kind) -> the previous kind; for tests of each loop the CPU runs ('none' always runs)"},
+     "use_streaming(kind) -> the previous kind: the loop every later large copy takes (set while no copy "
+     "runs); a kind the CPU does not run raises ValueError and changes nothing"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_copy", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__copy(void) {
-    stream_kind = best_stream();
+    stream_kind = default_stream();
     PyObject *m;
     if (pool_atfork() != 0) {
         PyErr_SetString(PyExc_OSError, "_copy: pthread_atfork failed");

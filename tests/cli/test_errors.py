@@ -58,6 +58,20 @@ def test_serve_with_kvikio_where_it_cannot_run_says_why_at_start(tmp_path):
     assert not [p.name for p in rt.iterdir() if p.suffix == ".sock" or p.name == "daemon.json"]
 
 
+def test_serve_with_a_copy_loop_the_cpu_lacks_says_why_at_start(tmp_path):
+    from kvtier.tiers.copy_tuning import LOOPS, runnable_loops
+
+    lacking = [k for k in LOOPS if k not in runnable_loops()]
+    if not lacking:
+        pytest.skip("this CPU runs every copy loop")
+    rt = tmp_path / "run"
+    r = kvtier("serve", "--runtime-dir", str(rt), "--set", f"tiers.nvme_dir={json.dumps(str(tmp_path / 'nvme'))}",
+               "--set", "metrics.port=0", "--set", f'tiers.copy_loop="{lacking[-1]}"', timeout=60)
+    line = one_error_line(r)
+    assert f"tiers.copy_loop = '{lacking[-1]}' cannot run here" in line
+    assert not [p.name for p in rt.iterdir() if p.suffix == ".sock" or p.name == "daemon.json"]
+
+
 def test_serve_with_a_missing_config_file():
     line = one_error_line(kvtier("serve", "--config", "/nonexistent.toml"))
     assert "/nonexistent.toml" in line and "cannot read" in line

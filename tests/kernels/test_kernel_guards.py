@@ -234,8 +234,8 @@ def test_rows_within_one_buffer_are_copied_in_order_as_memmove_would():
     many rows apart): each run of consecutive rows as memmove, in order (pieces in parallel
     would read bytes another piece had written); a started copy refuses them."""
     r = _child('''
-        from kvtier.kernels._copy import copy_rows, start_rows, use_streaming, streaming
-        kinds = ["none", "avx2", "avx512"][: ["none", "avx2", "avx512"].index(streaming()) + 1]
+        from kvtier.kernels._copy import copy_rows, start_rows, use_streaming, streaming_kinds
+        kinds = streaming_kinds()
         rng = np.random.default_rng(4)
         row = 4096
         i64 = lambda x: np.array(x, np.int64)

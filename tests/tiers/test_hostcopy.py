@@ -79,8 +79,7 @@ def _stream_kinds() -> list[str]:
     if hostcopy._c_copy_pairs is None:
         return []
     from kvtier.kernels import _copy
-    best = _copy.streaming()
-    return ["none", "avx2", "avx512"][: ["none", "avx2", "avx512"].index(best) + 1]
+    return list(_copy.streaming_kinds())
 
 
 @pytest.mark.skipif(hostcopy._c_copy_pairs is None, reason="the compiled copy (kernels/_copy.c) was not built")
@@ -89,8 +88,8 @@ def _stream_kinds() -> list[str]:
 def test_compiled_streaming_copy_is_exact_at_any_alignment(threads, kind):
     """Pairs past the streaming threshold (64 KiB), at destination offsets that are
     not cache-line or page aligned and lengths that are not a multiple of the store
-    width or of the loop's four-page span: every byte lands, and nothing beside the
-    destination range is written, with each loop the CPU runs."""
+    width, of the linear loops' 4-vector step or of the four-page loops' span: every byte
+    lands, and nothing beside the destination range is written, with each loop the CPU runs."""
     from kvtier.kernels import _copy
     src = pattern(5, 3 << 20)
     c = HostCopier(threads)
@@ -110,13 +109,14 @@ def test_compiled_streaming_copy_is_exact_at_any_alignment(threads, kind):
 @pytest.mark.skipif(hostcopy._c_copy_pairs is None, reason="the compiled copy (kernels/_copy.c) was not built")
 def test_streaming_refuses_a_loop_the_cpu_lacks():
     from kvtier.kernels import _copy
-    kinds = _stream_kinds()
+    kinds, now = _stream_kinds(), _copy.streaming()
+    assert kinds[0] == "none" and now in kinds
     with pytest.raises(ValueError):
         _copy.use_streaming("sse9")
-    if kinds[-1] != "avx512":
+    for lacking in {"avx2", "avx512", "avx2_linear", "avx512_linear"} - set(kinds):
         with pytest.raises(ValueError, match="not a loop this CPU runs"):
-            _copy.use_streaming("avx512")
-    assert _copy.streaming() == kinds[-1]
+            _copy.use_streaming(lacking)
+    assert _copy.streaming() == now  # a refused loop changes nothing
 
 
 @pytest.mark.parametrize("compiled", COMPILED)
