@@ -51,6 +51,7 @@ def snapshot(cfg: KvtierConfig, counters: Counter[str], engines: dict[str, Engin
     out["block_bytes"] = mgr.block_bytes
     out["io"] = {"backend": mgr.backend.name,  # direct: False once the filesystem refused O_DIRECT
                  "nvme_direct_io": bool(mgr.nvme.direct) if mgr.nvme is not None else None,
+                 "copy_loop": mgr.copy_loop.loop, "copy_loop_how": mgr.copy_loop.how,  # tiers.copy_loop's outcome
                  "recovered_blocks": mgr.recovered,  # cached blocks found on NVMe at start ...
                  "recovered_from": mgr.recovered_from,  # ... from a clean stop's "index", or a "scan"
                  # ... of which still waiting for their namespace's engines to register
