@@ -23,7 +23,7 @@ ways and the headline ratio divides by the best of them:
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from multiprocessing import shared_memory
 from typing import Callable, Optional
 
@@ -48,6 +48,15 @@ def _shares(n: int, k: int) -> list[tuple[int, int]]:
     """``k`` contiguous ranges covering ``range(n)``, sizes within one of each other."""
     bounds = [n * i // k for i in range(k + 1)]
     return [(bounds[i], bounds[i + 1]) for i in range(k) if bounds[i + 1] > bounds[i]]
+
+
+def _join(futures: list[Future]) -> None:
+    """Wait for every share, then raise the first failure: raising at the first one left the
+    others reading into the buffer while the caller went on (a test saw a block it had just
+    rewritten overwritten with the disk's old bytes, and written back)."""
+    wait(futures)
+    for f in futures:
+        f.result()
 
 
 class RawODirect:
@@ -93,12 +102,10 @@ class RawODirect:
             raise OSError(f"raw O_DIRECT {'write' if write else 'read'} failed: {sorted(set(status))}")
 
     def _parallel(self, op: Callable) -> None:
-        for f in [self._pool.submit(self._loop, op, lo, hi) for lo, hi in _shares(self.n, self.threads)]:
-            f.result()
+        _join([self._pool.submit(self._loop, op, lo, hi) for lo, hi in _shares(self.n, self.threads)])
 
     def _parallel_compiled(self, write: bool, sums: Optional[list[tuple[int, int]]] = None) -> None:
-        for f in [self._pool.submit(self._compiled, write, lo, hi, sums) for lo, hi in _shares(self.n, self.threads)]:
-            f.result()
+        _join([self._pool.submit(self._compiled, write, lo, hi, sums) for lo, hi in _shares(self.n, self.threads)])
 
     def write_qd_c(self) -> None:
         self._parallel_compiled(True)

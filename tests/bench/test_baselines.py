@@ -34,3 +34,29 @@ def test_verified_raw_read_checks_every_block(tmp_path):
             raw.read_qd_c_verified(good)
     finally:
         raw.close()
+
+
+def test_a_failed_share_is_raised_only_once_every_share_is_done(tmp_path, monkeypatch):
+    """A verified read that fails in one share must not return while another share still
+    reads into the buffer: the caller rewrites that buffer next (the test above saw a block it
+    had just set overwritten by the disk's old bytes)."""
+    import threading
+    import time
+
+    block, n = 64 << 10, 4
+    raw = RawODirect(str(tmp_path), "j", block, n, aligned_empty(block * n), threads=2)
+    finished = threading.Event()
+
+    def share(write, lo, hi, sums=None):
+        if lo == 0:
+            raise OSError("raw O_DIRECT read failed: [5]")
+        time.sleep(0.3)
+        finished.set()
+
+    monkeypatch.setattr(raw, "_compiled", share)
+    try:
+        with pytest.raises(OSError, match="read failed"):
+            raw.read_qd_c_verified(0)
+        assert finished.is_set()
+    finally:
+        raw.close()
