@@ -59,8 +59,9 @@
 /* Streaming copy, one linear sweep: non-temporal stores from a 64 B-aligned
  * destination, the source prefetched 1 KiB ahead with the non-temporal hint.
  * Measured on a 2-core AMD EPYC host (32 MiB L3), 256 MiB over 2 threads in 1 MiB
- * pieces: 18.2 ms, the four-page loop 21.7 ms, glibc's memcpy 23.7 ms (glibc's on one
- * thread over the whole 256 MiB: 19-21 ms); on one thread the four-page loop was the
+ * pieces in a C harness: 18.2 ms, the four-page loop 21.7 ms, glibc's memcpy 23.7 ms
+ * (glibc's on one thread over the whole 256 MiB: 19-21 ms; through the mover's own call
+ * the linear sweep 16.6 ms, the four-page loop 20.7); on one thread the four-page loop was the
  * slowest of the three there. Which loop is best depends on the CPU: the daemon
  * measures them once at start (tiers/copy_tuning.py). */
 #define KV_COPY_LINEAR(NAME, TARGET, VEC, LOAD, STORE)                                       \

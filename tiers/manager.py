@@ -25,7 +25,7 @@ import torch
 
 from kvtier.kernels.checksum import block_checksum
 
-from .copy_tuning import CopyLoopChoice, choose_copy_loop, current_loop
+from .copy_tuning import CopyLoopChoice, choose_copy_loop, current_choice
 from .integrity import read_nvme_verified, unindexed, unreachable_idle
 from .intrusive import NIL
 from .io_backends import IOBackend
@@ -67,7 +67,6 @@ class TierManager(RemoteBlocks):
         self.discarded = 0
         self.recovered_from = ""  # "index", "scan", or "" (nothing recovered)
         self.unclaimed = Unclaimed()  # recovered blocks of namespaces not registered yet
-        self.copy_loop = CopyLoopChoice(current_loop() or "numpy", "default: not tuned")  # ``tune_copy_loop``
         self._index_on_close = False  # only a manager that came up whole describes the tier
         if self.nvme is not None and recover:
             try:
@@ -354,8 +353,12 @@ class TierManager(RemoteBlocks):
         whose slots are scratch only while no block has a DRAM copy and nothing moves."""
         if self.table.used_slot_count(int(Tier.DRAM)) or self.has_pending():
             raise RuntimeError("tune_copy_loop: the DRAM pool holds blocks or transfers are in flight")
-        self.copy_loop = choose_copy_loop(self.mover.host_copier, self.dram.host_view_all(), loop)
-        return self.copy_loop
+        return choose_copy_loop(self.mover.host_copier, self.dram.host_view_all(), loop)
+
+    @property
+    def copy_loop(self) -> CopyLoopChoice:
+        """The loop host copies take now, and how it was chosen (process-wide: ``current_choice``)."""
+        return current_choice()
 
     def close(self) -> None:
         self.mover.close()
