@@ -23,15 +23,33 @@
 #define SPAN (4 * PAGE)
 #define PASS 256
 
+/* What both streaming loops share: the head copied plainly up to an ALIGN-byte boundary of
+ * the destination (the stream stores need 32 or 64 B alignment), and one step of four vectors
+ * loaded, then stored non-temporally. */
+#define KV_ALIGN_HEAD(ALIGN)                                                                 \
+    size_t head = ((ALIGN) - ((uintptr_t)d & ((ALIGN) - 1))) & ((ALIGN) - 1), i = 0;         \
+    if (head > n)                                                                            \
+        head = n;                                                                            \
+    memcpy(d, s, head);                                                                      \
+    d += head;                                                                               \
+    s += head;                                                                               \
+    n -= head;
+
+#define KV_MOVE_4(VEC, LOAD, STORE, DST, SRC)                                                \
+    do {                                                                                     \
+        VEC a = LOAD((const void *)(SRC));                                                   \
+        VEC b = LOAD((const void *)((SRC) + sizeof(VEC)));                                   \
+        VEC c = LOAD((const void *)((SRC) + 2 * sizeof(VEC)));                               \
+        VEC e = LOAD((const void *)((SRC) + 3 * sizeof(VEC)));                               \
+        STORE((void *)(DST), a);                                                             \
+        STORE((void *)((DST) + sizeof(VEC)), b);                                             \
+        STORE((void *)((DST) + 2 * sizeof(VEC)), c);                                         \
+        STORE((void *)((DST) + 3 * sizeof(VEC)), e);                                         \
+    } while (0)
+
 #define KV_COPY_4X(NAME, TARGET, VEC, LOAD, STORE)                                           \
     __attribute__((target(TARGET))) static void NAME(char *d, const char *s, size_t n) {     \
-        size_t head = (PAGE - ((uintptr_t)d & (PAGE - 1))) & (PAGE - 1), i = 0;              \
-        if (head > n)                                                                        \
-            head = n;                                                                        \
-        memcpy(d, s, head); /* page-aligned stores from here */                             \
-        d += head;                                                                           \
-        s += head;                                                                           \
-        n -= head;                                                                           \
+        KV_ALIGN_HEAD(PAGE) /* page-aligned stores from here */                              \
         for (; i + SPAN <= n; i += SPAN) {                                                   \
             for (size_t off = 0; off < PAGE; off += PASS) {                                  \
                 for (size_t p = 0; p < 4; p++) {                                             \
@@ -39,16 +57,8 @@
                     char *dd = d + i + p * PAGE + off;                                       \
                     _mm_prefetch(ss + 2 * PASS, _MM_HINT_T0); /* never faults, even past s */ \
                     _mm_prefetch(ss + 2 * PASS + 64, _MM_HINT_T0);                           \
-                    for (size_t v = 0; v < PASS; v += 4 * sizeof(VEC)) {                     \
-                        VEC a = LOAD((const void *)(ss + v));                                \
-                        VEC b = LOAD((const void *)(ss + v + sizeof(VEC)));                  \
-                        VEC c = LOAD((const void *)(ss + v + 2 * sizeof(VEC)));              \
-                        VEC e = LOAD((const void *)(ss + v + 3 * sizeof(VEC)));              \
-                        STORE((void *)(dd + v), a);                                          \
-                        STORE((void *)(dd + v + sizeof(VEC)), b);                            \
-                        STORE((void *)(dd + v + 2 * sizeof(VEC)), c);                        \
-                        STORE((void *)(dd + v + 3 * sizeof(VEC)), e);                        \
-                    }                                                                        \
+                    for (size_t v = 0; v < PASS; v += 4 * sizeof(VEC))                       \
+                        KV_MOVE_4(VEC, LOAD, STORE, dd + v, ss + v);                         \
                 }                                                                            \
             }                                                                                \
         }                                                                                    \
@@ -66,23 +76,10 @@
  * measures them once at start (tiers/copy_tuning.py). */
 #define KV_COPY_LINEAR(NAME, TARGET, VEC, LOAD, STORE)                                       \
     __attribute__((target(TARGET))) static void NAME(char *d, const char *s, size_t n) {     \
-        size_t head = (64 - ((uintptr_t)d & 63)) & 63, i = 0;                                \
-        if (head > n)                                                                        \
-            head = n;                                                                        \
-        memcpy(d, s, head); /* cache-line-aligned stores from here */                       \
-        d += head;                                                                           \
-        s += head;                                                                           \
-        n -= head;                                                                           \
+        KV_ALIGN_HEAD(64) /* cache-line-aligned stores from here */                          \
         for (; i + 4 * sizeof(VEC) <= n; i += 4 * sizeof(VEC)) {                             \
             _mm_prefetch(s + i + 1024, _MM_HINT_NTA); /* never faults, even past s */        \
-            VEC a = LOAD((const void *)(s + i));                                             \
-            VEC b = LOAD((const void *)(s + i + sizeof(VEC)));                               \
-            VEC c = LOAD((const void *)(s + i + 2 * sizeof(VEC)));                           \
-            VEC e = LOAD((const void *)(s + i + 3 * sizeof(VEC)));                           \
-            STORE((void *)(d + i), a);                                                       \
-            STORE((void *)(d + i + sizeof(VEC)), b);                                         \
-            STORE((void *)(d + i + 2 * sizeof(VEC)), c);                                     \
-            STORE((void *)(d + i + 3 * sizeof(VEC)), e);                                     \
+            KV_MOVE_4(VEC, LOAD, STORE, d + i, s + i);                                       \
         }                                                                                    \
         _mm_sfence();                                                                        \
         memcpy(d + i, s + i, n - i);                                                         \

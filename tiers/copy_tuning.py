@@ -14,6 +14,7 @@ chosen is this module's (``current_choice``), as process-wide.
 
 from __future__ import annotations
 
+import glob
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -87,8 +88,6 @@ def check_loop(loop: str) -> None:
 
 def _last_level_cache_bytes() -> int:
     """The largest data cache of CPU 0 (sysfs), 0 where unknown."""
-    import glob
-
     best = 0
     for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
         try:
