@@ -2,11 +2,13 @@
 those that landed) and verified reads of many slots.
 
 A batch writes every payload in slot order, then the headers of the slots whose
-payloads landed, one write per run of consecutive slots (a 4 KiB write per header
-between the payloads cost more than the aligned layout gains). Each slot fails
-alone, its payload's error or else its header run's; a slot whose payload failed
-keeps its old header. A bad slot or header field raises before any I/O; a buffer the
-backend refuses fails its share's future (posix makes its views on the I/O thread).
+payloads landed, one write per run of consecutive slots over the whole batch, by the
+part that finished last (``batch_headers``: a 4 KiB write per header between the
+payloads cost more than the aligned layout gains, and a header write per part cost
+the batch 5-15%). Each slot fails alone, its payload's error or else its header
+run's; a slot whose payload failed keeps its old header. A bad slot or header field
+raises before any I/O; a buffer the backend refuses fails its share's future (posix
+makes its views on the I/O thread).
 
 Two ways in. ``write_many`` takes a tuple a slot, any buffer (bounced where it is
 not an aligned whole slot). ``write_rows`` and ``read_rows`` take arrays whose
@@ -14,23 +16,24 @@ payloads are rows of one host array (a memory pool), the mover's way: no Python
 object a block but its I/O, split into consecutive slot ranges, one an I/O thread;
 each range's jobs (``RowJobs``) are made on the I/O thread that runs it, and a
 write's headers are packed there once its payloads landed, beside the other
-threads' writes. Why: at ~20 µs of Python a block, a mover thread preparing a
-batch held the GIL for milliseconds while the I/O threads it had just handed work to
-waited for it (up to 5 ms a switch): on a 2-core host the disk had its full queue
-only 15 ms into a 100 ms batch.
+threads' writes (the last part then writes them all). Why: at ~20 µs of Python a
+block, a mover thread preparing a batch held the GIL for milliseconds while the I/O
+threads it had just handed work to waited for it (up to 5 ms a switch): on a 2-core
+host the disk had its full queue only 15 ms into a 100 ms batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceABC
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
+from typing import Any, Iterator, Optional, Protocol, Sequence
 
 import numpy as np
 
 from kvtier.kernels.checksum import block_checksum
 
 from .aligned import PageCache
+from .batch_headers import BatchHeaders
 from .futures import Failures, mapped
 from .pools import ALIGN
 from .slab_layout import SlabLayout
@@ -88,8 +91,12 @@ def write_many(store: NvmeStore, items: Sequence[tuple[Any, ...]]) -> "Future[Fa
     ranked = np.array([int(items[i][0]) for i in order], dtype=np.int64)
     columns = {name: np.array(col, dtype=np.uint64) for name, col in header.items()}  # out of range: raises here
     pages = store.header_pages.take(n)  # in slot order: consecutive slots' headers are one buffer
-    fut = _issue(store, jobs, pages, ranked, lambda: pack_headers(pages, columns, store.mac_key, ranked,
-                                                                  store.data_stride, store.slots_per_file))
+    batch = _headers(store, pages, ranked, [(0, n)], columns)
+    try:
+        batch.issued(0, store.backend.pwrite_many(jobs, batch.then_of(0)))
+    except BaseException:
+        store.header_pages.give(pages, reuse=False)  # a backend may have issued some writes (kvikio, faults)
+        raise
 
     def per_item(failures: Failures) -> Failures:
         out: Failures = [None] * n
@@ -97,7 +104,7 @@ def write_many(store: NvmeStore, items: Sequence[tuple[Any, ...]]) -> "Future[Fa
             out[i] = failures[r]
         return out
 
-    return mapped(fut, per_item)
+    return mapped(batch.result(0), per_item)
 
 
 def write_rows(store: NvmeStore, slots: np.ndarray, rows: np.ndarray, idx: np.ndarray,
@@ -125,21 +132,34 @@ def write_rows(store: NvmeStore, slots: np.ndarray, rows: np.ndarray, idx: np.nd
     # sequences in slot order, as write_many takes them; reserved once the batch is known good
     header["seq"] = store.reserve_seqs(n) if seq is None else np.asarray(seq)[order]
     handles, src = store.handles, idx[order].tolist()
+    bounds = _parts(n, parts)
+    batch = _headers(store, store.header_pages.take(n), ranked, bounds, header)
     out = []
-    for a, b in _parts(n, parts):
+    for k, (a, b) in enumerate(bounds):
         try:  # once a part is out, a later one's error is that part's failure, never a raise
-            jobs = RowJobs(handles, rows, files[a:b], src[a:b], offsets[a:b])
-            pages = store.header_pages.take(b - a)
-            part = {name: col[a:b] for name, col in header.items()}
-            mine = ranked[a:b]
-
-            def pack(pages: np.ndarray = pages, part: dict = part, mine: np.ndarray = mine) -> None:
-                pack_headers(pages, part, store.mac_key, mine, store.data_stride, store.slots_per_file)
-
-            out.append((order[a:b], _issue(store, jobs, pages, mine, pack)))
+            batch.issued(k, store.backend.pwrite_many(RowJobs(handles, rows, files[a:b], src[a:b], offsets[a:b]),
+                                                      batch.then_of(k)))
         except Exception as e:
-            out.append((order[a:b], _failed(e)))
+            batch.refused(k, e)
+        out.append((order[a:b], batch.result(k)))
     return out
+
+
+def _headers(store: NvmeStore, pages: np.ndarray, ranked: np.ndarray, bounds: list[tuple[int, int]],
+             columns: dict[str, np.ndarray]) -> BatchHeaders:
+    """The header writes of a batch of payload parts (``batch_headers``): each part packs
+    its slots' headers on its I/O thread once its payloads landed, the last one writes
+    them all; the pages go back to the store's cache once every write is done, and after
+    any failure are not reused (a backend may report a write failed while another piece
+    of it still reads the page: kvikio splits a write into tasks and reports the first
+    error it meets)."""
+
+    def pack(a: int, b: int) -> None:
+        pack_headers(pages[a:b], {name: col[a:b] for name, col in columns.items()}, store.mac_key, ranked[a:b],
+                     store.data_stride, store.slots_per_file)
+
+    return BatchHeaders(store, pages, ranked, bounds, pack,
+                        lambda all_landed: store.header_pages.give(pages, reuse=all_landed))
 
 
 def read_rows(store: NvmeStore, slots: np.ndarray, rows: np.ndarray, idx: np.ndarray, lengths: np.ndarray,
@@ -241,45 +261,3 @@ def _slot_rows(store: NvmeStore, rows: Any) -> bool:
     return (isinstance(rows, np.ndarray) and rows.ndim == 2 and rows.dtype == np.uint8
             and rows.shape[1] == store.data_stride and rows.strides[1] == 1 and rows.strides[0] % ALIGN == 0
             and rows.__array_interface__["data"][0] % ALIGN == 0)
-
-
-def _issue(store: NvmeStore, jobs: Sequence[Job], pages: np.ndarray, ranked: np.ndarray,
-           pack: Optional[Callable[[], None]]) -> "Future[Failures]":
-    """Issue payload ``jobs`` (for slots ``ranked``, ascending), then, once they are
-    done, ``pack()`` (if given) and the header ``pages`` of those that landed. The
-    result is each job's failure, its payload's or else its header run's; ``pages``
-    go back to the store's cache once every write is done."""
-    n = len(jobs)
-    run_of = np.full(n, -1, dtype=np.int64)  # rank -> its header write among the results (-1: none)
-
-    def headers(failures: Failures) -> list[Job]:
-        if pack is not None:
-            pack()
-        bad = np.fromiter((f is not None for f in failures[:n]), dtype=bool, count=n)
-        breaks = store.layout.header_run_breaks(ranked)
-        breaks[1:] |= bad[1:] | bad[:-1]
-        starts = np.flatnonzero(breaks).tolist()
-        out = []
-        for a, e in zip(starts, starts[1:] + [n]):
-            if not bad[a]:
-                handle, off = store.header_at(int(ranked[a]))
-                out.append((handle, [pages[a:e].reshape(-1)], off))
-                run_of[a:e] = n + len(out) - 1
-        return out
-
-    def per_job(failures: Failures) -> Failures:
-        if all(f is None for f in failures):
-            return [None] * n
-        return [failures[r] if failures[r] is not None else failures[int(run_of[r])] for r in range(n)]
-
-    try:
-        fut = store.backend.pwrite_many(jobs, headers)
-    except BaseException:
-        store.header_pages.give(pages, reuse=False)  # a backend may have issued some writes (kvikio, faults)
-        raise
-    # the pages go back once every write is done. After any failure they are not reused: a
-    # backend may report a write failed while another piece of it still reads the page
-    # (kvikio splits a write into tasks and reports the first error it meets)
-    fut.add_done_callback(lambda f: store.header_pages.give(
-        pages, reuse=not f.cancelled() and f.exception() is None and not any(f.result())))
-    return mapped(fut, per_job)

@@ -3,6 +3,7 @@ same bytes on disk, the same failures and the same verification as the per-block
 ``write_many``/``read_checked``, with headers packed as arrays on the I/O threads."""
 
 import os
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -95,7 +96,8 @@ def test_write_rows_puts_on_disk_exactly_the_bytes_write_many_does(posix, tmp_pa
         b.close()
 
 
-def test_each_failed_payload_fails_alone_and_keeps_its_old_header(posix, nvme_dir):
+@pytest.mark.parametrize("parts", [1, 3])
+def test_each_failed_payload_fails_alone_and_keeps_its_old_header(posix, nvme_dir, parts):
     """Injected write errors hit single payloads: exactly those items fail, in whichever
     part they were; every other slot's payload and header land and recover."""
     st = NvmeStore(nvme_dir, N_SLOTS, STRIDE, posix, PER_FILE)
@@ -105,7 +107,7 @@ def test_each_failed_payload_fails_alone_and_keeps_its_old_header(posix, nvme_di
          "checksum": np.array([block_checksum(rows[i]) for i in range(8)], dtype=np.uint64),
          "sealed": np.ones(8, bool), "seq": np.arange(1, 9, dtype=np.uint64), "owner": np.zeros(8, np.uint64)}
     st.backend = FaultyBackend(posix, fail_writes=2, mode="eio")  # the first two payloads issued fail
-    errors = _failures(st.write_rows(slots, rows, np.arange(8), f, parts=1))
+    errors = _failures(st.write_rows(slots, rows, np.arange(8), f, parts=parts))
     st.backend = posix
     # payloads go in slot order: slots 2 and 3 (items 7 and 1) were the first two
     assert [e is not None for e in errors] == [False, True, False, False, False, False, False, True]
@@ -382,3 +384,96 @@ def test_a_batchs_per_block_work_runs_on_the_io_threads_not_the_callers(nvme_dir
         gate.set()
         st.close()
         be.shutdown()
+
+
+class _Spy(FaultyBackend):
+    """Records every write as (offset, header?) and, at each header write, whether every
+    payload write issued so far had completed."""
+
+    def __init__(self, inner, header_offsets: set[int]) -> None:
+        super().__init__(inner)
+        self.header_offsets, self.writes, self.payloads, self.headers_after_payloads = header_offsets, [], [], []
+
+    def pwrite(self, handle, buffers, offset):
+        header = offset in self.header_offsets
+        self.writes.append((offset, header))
+        if header:
+            self.headers_after_payloads.append(all(f.done() for f in self.payloads))
+        fut = super().pwrite(handle, buffers, offset)
+        if not header:
+            self.payloads.append(fut)
+        return fut
+
+
+@pytest.mark.parametrize("parts", [1, 4, 7])
+def test_a_batch_writes_one_header_write_a_run_once_every_part_landed(posix, nvme_dir, parts):
+    """However many parts the payloads go in, the headers go as one write per run of
+    consecutive slots over the whole batch (here three: the slots cross a group's edge
+    and a file's),
+    and none before every payload of the batch completed; the slots recover exactly."""
+    st = NvmeStore(nvme_dir, N_SLOTS, STRIDE, posix, PER_FILE)
+    slots = np.arange(GROUP - 8, GROUP + 8)[::-1]
+    spy = st.backend = _Spy(posix, {st.header_at(int(s))[1] for s in slots})
+    rows = _rows(16, 21)
+    idx = np.arange(16)[::-1]  # slot GROUP - 8 + j from row j
+    f = {"key": np.arange(1, 17, dtype=np.uint64), "length": np.full(16, STRIDE),
+         "checksum": np.array([block_checksum(rows[i]) for i in idx], dtype=np.uint64), "sealed": np.ones(16, bool),
+         "seq": None, "owner": np.zeros(16, np.uint64)}
+    parts_out = st.write_rows(slots, rows, idx, f, parts=parts)
+    assert len(parts_out) == parts
+    assert _failures(parts_out) == [None] * 16
+    headers = [off for off, is_header in spy.writes if is_header]
+    assert len(headers) == 3 and spy.headers_after_payloads == [True] * 3
+    assert sum(not h for _, h in spy.writes) == 16
+    st.backend = posix
+    found, _ = st.recover()
+    assert sorted(r.slot for r in found) == list(range(GROUP - 8, GROUP + 8))
+    for r in found:
+        out = aligned_empty(STRIDE)
+        st.read(r.slot, out).result()
+        assert np.array_equal(out, rows[r.slot - (GROUP - 8)])
+    st.close()
+
+
+class _LastPartLost:
+    """Batch call ``which`` is lost once every earlier call has finished: refused (raises
+    before any I/O) or failed as a whole (its future fails, its ``then`` never runs). The
+    parts already done were not the last out, so the headers go in a call of their own."""
+
+    def __init__(self, inner, which: int, how: str) -> None:
+        self.inner, self.which, self.how, self.calls, self.out = inner, which, how, 0, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def pwrite_many(self, writes, then=None):
+        self.calls += 1
+        if self.calls != self.which:
+            fut = self.inner.pwrite_many(writes, then)
+            self.out.append(fut)
+            return fut
+        for fut in self.out:
+            fut.result()
+        if self.how == "refused":
+            raise RuntimeError("cannot schedule new futures after shutdown")
+        lost = Future()
+        lost.set_exception(BufferError("the backend cannot take this buffer"))
+        return lost
+
+
+@pytest.mark.parametrize("how", ["refused", "failed"])
+def test_when_the_last_part_is_lost_the_others_headers_still_go(posix, nvme_dir, how):
+    st = NvmeStore(nvme_dir, N_SLOTS, STRIDE, posix, PER_FILE)
+    rows = _rows(9, 12)
+    slots = np.arange(9)
+    f = {"key": np.arange(1, 10, dtype=np.uint64), "length": np.full(9, STRIDE),
+         "checksum": np.array([block_checksum(r) for r in rows], dtype=np.uint64), "sealed": np.ones(9, bool),
+         "seq": None, "owner": np.zeros(9, np.uint64)}
+    lossy = st.backend = _LastPartLost(posix, 3, how)
+    errors = _failures(st.write_rows(slots, rows, np.arange(9), f, parts=3))
+    assert [e is not None for e in errors] == [False] * 6 + [True] * 3
+    assert lossy.calls == 4  # three parts, then the headers of the two that landed
+    assert st.header_pages.cached_pages == 0  # a part failed: no page is reused
+    st.backend = posix
+    assert sorted(r.slot for r in st.recover()[0]) == list(range(6))
+    st.close()
