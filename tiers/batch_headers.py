@@ -9,8 +9,14 @@ header writes made the batch 2-5% faster, and 32 parts a batch instead of 8 (fou
 times the header writes) 15-30% slower. So the part that finishes its payloads last
 writes the headers of every slot of the batch that landed, on its own I/O thread,
 in the same task (no queueing behind other batches' parts), and each part's future
-is done once that write is. The order on disk is as before, and stricter: no header
-is issued before every payload of its batch completed.
+is done once that write is.
+
+The order on disk is as before: a slot's header is issued only once its payload's
+write completed, and here also every payload of every part that reported (a part
+refused part-way through its issue may leave writes in flight: its slots fail and
+get no header). Nothing of the batch is on disk for a restart until its slowest part
+is done, where a part's slots used to be; a batch is a demotion in flight, which the
+owner counts on NVMe only at its completion either way.
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ class BatchHeaders:
                  bounds: list[tuple[int, int]], pack: Callable[[int, int], None],
                  done: Callable[[bool], None]) -> None:
         self.store, self.pages, self.ranked, self.bounds = store, pages, ranked, bounds
+        self.backend = store.backend  # the one that took the payloads, should the store's be swapped
         self._pack, self._done = pack, done
         self._payload: Failures = [None] * ranked.size
         self._reported = [False] * len(bounds)  # part k's payload outcome is known
@@ -123,7 +130,7 @@ class BatchHeaders:
             out, exc = f.result(), None
         except BaseException as e:  # the part failed as a whole, maybe before its ``then``
             out, exc = None, e
-        if exc is not None or not self._reported[k]:
+        if exc is not None or not self._reported[k]:  # read unlocked: a ``then`` ran before its future ended
             exc = exc or RuntimeError("an NVMe write part ended without reporting its payloads")
             self._settle_unreported(k, [exc] * (b - a), settle=False)
         with self._lock:
@@ -145,7 +152,7 @@ class BatchHeaders:
         with self._lock:
             self._unsettled += 1
         try:
-            fut = self.store.backend.pwrite_many(self._jobs)
+            fut = self.backend.pwrite_many(self._jobs)
         except BaseException as e:
             self._header = [e] * len(self._jobs)
             self._settle()
@@ -169,6 +176,8 @@ class BatchHeaders:
         unknown = RuntimeError("the outcome of an NVMe header write is unknown")  # never expected: fail, not pass
         failures = [p if p is not None or j < 0 else (header[j] if j < len(header) else unknown)
                     for p, j in zip(self._payload, run_of)]
-        self._done(all(f is None for f in failures))
-        for k, (a, b) in enumerate(self.bounds):
-            self._out[k].set_result(failures[a:b])
+        try:
+            self._done(all(f is None for f in failures))
+        finally:  # a done-callback's exception is only logged: the callers must not wait forever
+            for k, (a, b) in enumerate(self.bounds):
+                self._out[k].set_result(failures[a:b])

@@ -7,7 +7,7 @@ to the slot and layout: ``slot_header``). A slab keeps its headers packed
 in groups of 512 with their payloads after them at aligned offsets (``slab_layout``:
 aligned payload writes ran 13-22% faster here). A batch writes its payloads first and
 then the headers of those that landed, one write per run of consecutive slots: a
-header is issued only once every payload of its batch completed. Nothing is flushed between
+header is issued only once its payload's write completed (``batch_headers``). Nothing is flushed between
 them, so crash safety rests, as before, on the checksums: after a crash a slot's
 header is whole or detectably torn, and a payload torn or stale under a good header
 fails the checksum every NVMe read verifies, and is never served. ``recover()``

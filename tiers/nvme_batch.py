@@ -7,8 +7,8 @@ part that finished last (``batch_headers``: a 4 KiB write per header between the
 payloads cost more than the aligned layout gains, and a header write per part cost
 the batch 5-15%). Each slot fails alone, its payload's error or else its header
 run's; a slot whose payload failed keeps its old header. A bad slot or header field
-raises before any I/O; a buffer the backend refuses fails its share's future (posix
-makes its views on the I/O thread).
+raises before any I/O; a buffer the backend refuses fails each slot of its share
+(posix makes its views on the I/O thread).
 
 Two ways in. ``write_many`` takes a tuple a slot, any buffer (bounced where it is
 not an aligned whole slot). ``write_rows`` and ``read_rows`` take arrays whose
@@ -131,6 +131,8 @@ def write_rows(store: NvmeStore, slots: np.ndarray, rows: np.ndarray, idx: np.nd
               "flags": np.where(np.asarray(fields["sealed"])[order], FLAG_SEALED, 0), "owner": fields["owner"][order]}
     # sequences in slot order, as write_many takes them; reserved once the batch is known good
     header["seq"] = store.reserve_seqs(n) if seq is None else np.asarray(seq)[order]
+    if not n:
+        return []  # no part: nothing would give the header pages back
     handles, src = store.handles, idx[order].tolist()
     bounds = _parts(n, parts)
     batch = _headers(store, store.header_pages.take(n), ranked, bounds, header)

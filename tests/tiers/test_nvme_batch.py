@@ -477,3 +477,31 @@ def test_when_the_last_part_is_lost_the_others_headers_still_go(posix, nvme_dir,
     st.backend = posix
     assert sorted(r.slot for r in st.recover()[0]) == list(range(6))
     st.close()
+
+
+def test_an_empty_batch_issues_nothing_and_keeps_no_page(posix, nvme_dir):
+    st = NvmeStore(nvme_dir, N_SLOTS, STRIDE, posix, PER_FILE)
+    empty = np.zeros(0, np.uint64)
+    f = {"key": empty, "length": empty, "checksum": empty, "sealed": np.zeros(0, bool), "seq": None, "owner": empty}
+    for _ in range(3):
+        assert st.write_rows(np.zeros(0, np.int64), _rows(2, 1), np.zeros(0, np.int64), f, parts=4) == []
+    assert not st.header_pages._lent  # every page taken was given back
+    st.close()
+
+
+def test_the_parts_resolve_even_when_giving_the_pages_back_fails(posix, nvme_dir, monkeypatch):
+    """The last step of a batch runs in a future's done-callback, whose exceptions are
+    only logged: it must not leave the mover waiting on a part for ever."""
+    st = NvmeStore(nvme_dir, N_SLOTS, STRIDE, posix, PER_FILE)
+
+    def broken(pages, reuse=True):
+        raise MemoryError("injected")
+
+    monkeypatch.setattr(st.header_pages, "give", broken)
+    rows = _rows(6, 5)
+    f = {"key": np.arange(1, 7, dtype=np.uint64), "length": np.full(6, STRIDE),
+         "checksum": np.array([block_checksum(r) for r in rows], dtype=np.uint64), "sealed": np.ones(6, bool),
+         "seq": None, "owner": np.zeros(6, np.uint64)}
+    parts = st.write_rows(np.arange(6), rows, np.arange(6), f, parts=3)
+    assert [fut.result(timeout=10) for _, fut in parts] == [[None, None]] * 3
+    st.close()
