@@ -13,6 +13,7 @@ pid, metrics port), which ``kvtier stats`` and ``TierClient`` read.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -64,6 +65,7 @@ class Server:
         self._last_snapshot = 0.0
         self.started_monotonic = time.monotonic()
         self.nvme_blocks_kept: Optional[int] = None  # set by shutdown: blocks left on NVMe for the next start
+        self._bound: list[str] = []  # socket files this daemon made (a failed start removes them)
         self._bind()
 
     # -- setup -------------------------------------------------------------------
@@ -97,6 +99,17 @@ class Server:
                 for lock in self.locks:
                     lock.release()
                 raise
+        try:
+            self._bind_sockets()
+            assert self.service.admin_token is not None  # set in __init__
+            write_private_file(self.runtime_dir / TOKEN_FILE, self.service.admin_token.encode())
+            self._started = time.time()
+            self._write_info()
+        except BaseException:  # a socket that cannot bind: leave no socket file, port or lock behind
+            self._unbind()
+            raise
+
+    def _bind_sockets(self) -> None:
         old_umask = os.umask(0o177)  # socket files are created 0600
         try:
             self.rpc = self.ctx.socket(zmq.ROUTER)
@@ -113,13 +126,25 @@ class Server:
                 if os.path.exists(path):
                     os.unlink(path)
                 sock.bind(self.endpoints[name])
+                self._bound.append(path)
                 os.chmod(path, 0o600)
         finally:
             os.umask(old_umask)
-        assert self.service.admin_token is not None  # set in __init__
-        write_private_file(self.runtime_dir / TOKEN_FILE, self.service.admin_token.encode())
-        self._started = time.time()
-        self._write_info()
+
+    def _unbind(self) -> None:
+        """Undo a ``_bind`` that failed part-way: sockets, their files and the token and info
+        files, the exporter, the locks."""
+        for name in ("rpc", "telemetry", "pub"):
+            sock = getattr(self, name, None)  # the sockets made before the failure
+            if sock is not None:
+                sock.close(0)
+        for path in [*self._bound, str(self.runtime_dir / TOKEN_FILE), str(self.runtime_dir / INFO_FILE)]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        if self.exporter is not None:
+            self.exporter.close()
+        for lock in self.locks:
+            lock.release()
 
     def _write_info(self) -> None:
         """daemon.json: how to reach this daemon, and the config file it runs (rewritten when a

@@ -219,3 +219,40 @@ def test_replay_tiers_with_offline_policies_only_is_one_line(tmp_path):
 def test_bench_sizes_counts_and_durations_must_be_positive(argv, needle):
     r = kvtier(*argv, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr and needle in r.stderr, r.stderr
+
+
+def test_serve_whose_second_socket_cannot_bind_leaves_nothing_behind(tmp_path):
+    """The rpc socket binds, the telemetry one cannot (a directory holds its path): the
+    start fails in one line, and removes the rpc socket file it had made; the metrics
+    port and the runtime directory's lock go with the process."""
+    rt = tmp_path / "run"
+    rt.mkdir(mode=0o700)
+    (rt / "telemetry.sock").mkdir()
+    r = kvtier("serve", "--runtime-dir", str(rt), "--set", f"tiers.nvme_dir={json.dumps(str(tmp_path / 'nvme'))}",
+               "--set", "metrics.port=0", timeout=60)
+    line = one_error_line(r)
+    assert "telemetry.sock" in line
+    assert sorted(p.name for p in rt.iterdir() if not p.name.startswith(".")) == ["telemetry.sock"]
+
+
+def test_a_server_whose_socket_cannot_bind_releases_its_port_and_lock(tmp_path):
+    """In one process (an embedding, a test): the failed start's exporter thread and
+    runtime lock are given back, so a second start in the same directory succeeds."""
+    from kvtier.daemon.config import load_config
+    from kvtier.daemon.server import Server
+
+    rt = tmp_path / "run"
+    rt.mkdir(mode=0o700)
+    (rt / "events.sock").mkdir()
+    cfg = load_config(environ={}, overrides=[f"server.runtime_dir={json.dumps(str(rt))}",
+                                             f"tiers.nvme_dir={json.dumps(str(tmp_path / 'nvme'))}",
+                                             "metrics.port=0"])
+    with pytest.raises(IsADirectoryError):
+        Server(cfg)
+    assert sorted(p.name for p in rt.iterdir() if not p.name.startswith(".")) == ["events.sock"]
+    (rt / "events.sock").rmdir()
+    second = Server(cfg)  # the lock is free again
+    try:
+        assert (rt / "rpc.sock").exists() and (rt / "events.sock").exists()
+    finally:
+        second.shutdown()
