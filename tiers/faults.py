@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 import time
 from concurrent.futures import Future
 from functools import partial
@@ -35,6 +36,17 @@ class FaultyBackend:
         self.fail_reads = fail_reads
         self.corrupt_reads = corrupt_reads
         self.mode = mode
+        self._lock = threading.Lock()
+
+    def _take(self, name: str) -> bool:
+        """Whether a fault of ``name`` is still owed, counting it off under a lock: writes
+        are issued from several threads at once (the mover's, and the I/O thread that
+        writes a batch's headers), and each owed fault must hit exactly one call."""
+        with self._lock:
+            left = getattr(self, name)
+            if left > 0:
+                setattr(self, name, left - 1)
+            return left > 0
 
     def open(self, path: str, size: int) -> Any:
         return self.inner.open(path, size)
@@ -53,8 +65,7 @@ class FaultyBackend:
     def pwrite(self, handle: Any, buffers: Sequence[Any], offset: int) -> "Future[int]":
         if self.delay_s:
             time.sleep(self.delay_s)
-        if self.fail_writes > 0:
-            self.fail_writes -= 1
+        if self._take("fail_writes"):
             if self.mode == "short":  # a real partial write (the first half of the first buffer), then the error
                 return self._torn(handle, buffers[0], offset)
             return self._fail()
@@ -74,12 +85,10 @@ class FaultyBackend:
     def pread(self, handle: Any, buffers: Sequence[Any], offset: int) -> "Future[int]":
         if self.delay_s:
             time.sleep(self.delay_s)
-        if self.fail_reads > 0:
-            self.fail_reads -= 1
+        if self._take("fail_reads"):
             return self._fail()
         fut = self.inner.pread(handle, buffers, offset)
-        if self.corrupt_reads > 0:
-            self.corrupt_reads -= 1
+        if self._take("corrupt_reads"):
             fut.result()
             buf = buffers[-1]
             assert isinstance(buf, np.ndarray)
