@@ -20,33 +20,10 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from kvtier.bench.demo_options import DemoOptions, Workload
 from kvtier.bench.spawn import DaemonProcess
-from kvtier.bench.workload import Comparison, ReferenceRunner, TieredRunner, TurnResult, Workload, build_model
+from kvtier.bench.workload import Comparison, ReferenceRunner, TieredRunner, TurnResult, build_model
 from kvtier.client.hf_cache import KVLayout
-
-
-@dataclass
-class DemoOptions(Workload):
-    """The workload plus how the demo runs it (``vocab`` is taken from the model)."""
-
-    model: str = "tiny"
-    budget: float = 0.25
-    block_tokens: int = 16
-    hints: bool = True
-    policy: str = "kvtier"
-    workdir: Optional[str] = None
-    dram: bool = True  # False: no DRAM tier, idle sessions go straight to NVMe
-    io_backend: str = "posix"
-    dram_budget: Optional[float] = None  # DRAM slots as a fraction of the workload's KV (None: half of HBM's)
-    workload: str = "demo"
-
-
-# --workload presets: "node" is at least 1 GiB of KV in 512 KiB blocks, HBM and DRAM 25% each, the rest on NVMe
-WORKLOADS: dict[str, dict[str, Any]] = {
-    "demo": {},
-    "node": dict(model="node", sessions=24, turns=3, system_tokens=512, user_tokens=512, gen_tokens=16,
-                 budget=0.25, dram_budget=0.25),
-}
 
 
 def plan_tiers(opts: DemoOptions, layout: KVLayout) -> dict[str, int]:

@@ -12,8 +12,7 @@ from kvtier.bench.args import positive_float, positive_int
 
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
-    from kvtier.bench.demo import WORKLOADS, DemoOptions
-    from kvtier.bench.workload import MODEL_SIZES
+    from kvtier.bench.demo_options import MODEL_SIZES, WORKLOADS, DemoOptions
 
     d = DemoOptions()
     p.add_argument("--model", default=d.model, choices=sorted(MODEL_SIZES), help="model size (random weights, seed)")
@@ -32,7 +31,7 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def options_from(args: argparse.Namespace):
-    from kvtier.bench.demo import WORKLOADS, DemoOptions
+    from kvtier.bench.demo_options import WORKLOADS, DemoOptions
 
     d = DemoOptions()
     for name, value in WORKLOADS[getattr(args, "workload", "demo")].items():  # a preset fills flags left at default

@@ -12,11 +12,12 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 import torch
 
+from kvtier.bench.demo_options import MODEL_SIZES, Workload
 from kvtier.client.hf_cache import KVLayout, TieredCache
 from kvtier.kernels.attention import MassRecorder, install_recorder, register_attention
 
@@ -25,16 +26,6 @@ if TYPE_CHECKING:
 
     from kvtier.client.tier_client import TierClient
 
-MODEL_SIZES: dict[str, dict[str, Any]] = {
-    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=32, vocab_size=512),
-    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=8,
-                  num_key_value_heads=2, head_dim=32, vocab_size=2048),
-    # KV-heavy for its compute (32 KiB of KV per token, 512 KiB blocks of 16 tokens): a node-scale
-    # cache of GiBs is built in minutes on a CPU, as a big model's would be on a GPU
-    "node": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
-                 num_key_value_heads=8, head_dim=64, vocab_size=2048),
-}
 
 
 def build_model(size: str = "tiny", seed: int = 0) -> "LlamaForCausalLM":
@@ -48,28 +39,6 @@ def build_model(size: str = "tiny", seed: int = 0) -> "LlamaForCausalLM":
     cfg._attn_implementation = name
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg).eval()
-
-
-@dataclass
-class Workload:
-    sessions: int = 12
-    turns: int = 3
-    system_tokens: int = 64
-    user_tokens: int = 32
-    gen_tokens: int = 16
-    seed: int = 0
-    vocab: int = 512
-
-    def system_prompt(self) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed)
-        return torch.randint(0, self.vocab, (1, self.system_tokens), generator=g)
-
-    def user_turn(self, session: int, turn: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + session * 1009 + turn + 1)
-        return torch.randint(0, self.vocab, (1, self.user_tokens), generator=g)
-
-    def total_tokens(self) -> int:
-        return self.system_tokens + self.sessions * self.turns * (self.user_tokens + self.gen_tokens)
 
 
 @dataclass

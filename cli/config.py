@@ -6,12 +6,12 @@ import argparse
 import json
 import math
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Sequence
 
 from kvtier.cli.serve import add_config_args
 
 
-def configure(name: str, p: argparse.ArgumentParser) -> None:
+def configure(name: str, p: argparse.ArgumentParser, rest: Optional[Sequence[str]] = None) -> None:
     csub = p.add_subparsers(dest="config_cmd", metavar="ACTION")
     show = csub.add_parser("show", help="print the effective config (defaults < file < env < --set); "
                                         "TOML by default, a file `kvtier serve --config` takes as is")

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from typing import Optional, Sequence
 
 
-def configure(name: str, p: argparse.ArgumentParser) -> None:
+def configure(name: str, p: argparse.ArgumentParser, rest: Optional[Sequence[str]] = None) -> None:
     from kvtier.bench.demo_report import add_demo_arguments
 
     add_demo_arguments(p)

@@ -3,8 +3,9 @@
 Every command is one line here (module, help). ``kvtier --help`` and
 ``--version`` import no command module at all; ``kvtier stats`` imports the
 serve module and the client, never torch, transformers or the daemon. A
-command module exposes ``configure(name, parser)``, which adds its arguments
-and sets ``func``.
+command module exposes ``configure(name, parser, rest)``, which adds its
+arguments and sets ``func``; ``rest`` is the words after the command's name
+(None: configure everything), so ``bench`` imports only the bench named there.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
-# command -> (module with ``configure(name, parser)``, one-line help)
+# command -> (module with ``configure(name, parser, rest)``, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("kvtier.cli.demo", "run a real model through a real daemon and verify bit-exact outputs"),
     "serve": ("kvtier.cli.serve", "run the tiering daemon in the foreground"),
@@ -27,26 +28,27 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def _chosen(argv: Sequence[str]) -> Optional[str]:
-    """The command named on the line (the first word that is not an option)."""
-    for a in argv:
+def chosen_word(argv: Sequence[str], among: Iterable[str]) -> tuple[Optional[str], list[str]]:
+    """The first word of ``argv`` that is not an option, if it is one of ``among``, and the words after it."""
+    for i, a in enumerate(argv):
         if not a.startswith("-"):
-            return a if a in COMMANDS else None
-    return None
+            return (a, list(argv[i + 1:])) if a in among else (None, [])
+    return None, []
 
 
-def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
-    """The parser; only the command named in ``argv`` gets its arguments (all of them if ``argv`` is None)."""
+def build_parser(argv: Optional[Sequence[str]] = ()) -> argparse.ArgumentParser:
+    """The parser; only the command named in ``argv`` gets its arguments (all of them if ``argv`` is None).
+    A command's ``configure`` gets the words after its name (None: configure everything)."""
     from kvtier import __version__
 
     parser = argparse.ArgumentParser(prog="kvtier", description="Predictive KV-cache tiering daemon.")
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    chosen = _chosen(argv)
+    chosen, rest = chosen_word(argv, COMMANDS) if argv is not None else (None, [])
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        if name == chosen:
-            importlib.import_module(module).configure(name, p)
+        if argv is None or name == chosen:
+            importlib.import_module(module).configure(name, p, None if argv is None else rest)
     return parser
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from typing import Any
+from typing import Any, Optional, Sequence
 
 from kvtier.cli.output import CliError, check_output, check_plot, write_json
 
@@ -28,7 +28,7 @@ def expand_policies(text: str, registered: dict) -> list[str]:
     return names
 
 
-def configure(name: str, p: argparse.ArgumentParser) -> None:
+def configure(name: str, p: argparse.ArgumentParser, rest: Optional[Sequence[str]] = None) -> None:
     p.add_argument("traces", nargs="+", metavar="TRACE",
                    help="Mooncake or Qwen-Bailian JSONL trace, or synthetic:FAMILY[:SEED] (zipf, scan, loop, "
                         "shifting, chat, agent; seed 0 by default)")

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Sequence
 
 from kvtier.cli.output import CliError
 
@@ -49,7 +50,7 @@ ARGUMENTS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "serve": _serve_args, "stats": _stats_args, "reload": _reload_args, "clear": _clear_args}
 
 
-def configure(name: str, p: argparse.ArgumentParser) -> None:
+def configure(name: str, p: argparse.ArgumentParser, rest: Optional[Sequence[str]] = None) -> None:
     ARGUMENTS[name](p)
 
 
@@ -94,6 +95,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = Server(cfg, config_path=config_path, overrides=overrides, discovered=args.config is None)
     server.install_signals()
     summary.info("%s", server.start_summary(config_sources(config_path, overrides=overrides)))
+    # what is built by now (torch, the modules, the server) lives as long as the process. Out of the
+    # cyclic collector's reach, a full collection on the owner loop no longer walks it (~85 ms with
+    # torch imported), nor does the exit's last one (~0.45 s of every stop)
+    gc.freeze()
     server.serve_forever()
     summary.info("%s", server.stop_summary())
     return 0

@@ -178,6 +178,9 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
+CLOSE_POLL_S = 0.05  # how often the metrics thread looks for ``close``: 20 idle wake-ups a second
+
+
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True
 
@@ -215,7 +218,9 @@ class Exporter:
         except OSError as e:
             raise OSError(e.errno, f"cannot serve metrics on {host}:{port}: {e.strerror or e} "
                                    "(set metrics.port to a free port, or 0 for any)") from None
-        threading.Thread(target=server.serve_forever, name="kvtier-metrics", daemon=True).start()
+        # ``close`` waits for the serving loop's next poll: 0.5 s by default, added to every stop
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": CLOSE_POLL_S}, name="kvtier-metrics",
+                         daemon=True).start()
         self._server = server
         self.port = int(server.server_address[1])
         return self.port
