@@ -26,7 +26,7 @@ import numpy as np
 import zmq
 
 from kvtier.protocol import wire as P
-from kvtier.protocol.runtime import default_runtime_dir, pid_namespace, read_token
+from kvtier.protocol.runtime import default_runtime_dir, ipc_unreachable, pid_namespace, read_token
 from kvtier.protocol.shm import release_shm
 
 from .region import map_daemon_region
@@ -66,8 +66,8 @@ class TierClient:
         self.timeout_s = timeout_s
         ends = resolve_endpoints(endpoint, self.runtime_dir)
         endpoint, self.telemetry_endpoint, self.events_endpoint = ends.rpc, ends.telemetry, ends.events
-        if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://"):]):
-            raise DaemonUnavailable(f"no daemon socket at {endpoint}")
+        if (why := ipc_unreachable(endpoint)) is not None:  # at once, not after timeout_s
+            raise DaemonUnavailable(why)
         self.endpoint = endpoint
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._dealer()

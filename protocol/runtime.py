@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import socket
 import stat
 from pathlib import Path
 from typing import Mapping, Optional
@@ -156,6 +157,26 @@ def endpoints(runtime_dir: str) -> dict[str, str]:
     d = Path(runtime_dir)
     return {"rpc": f"ipc://{d / 'rpc.sock'}", "telemetry": f"ipc://{d / 'telemetry.sock'}",
             "events": f"ipc://{d / 'events.sock'}"}
+
+
+def ipc_unreachable(endpoint: str) -> Optional[str]:
+    """Why nobody can answer on ``endpoint``, or None when someone may. A daemon killed (SIGKILL,
+    the OOM killer) leaves its socket file behind, and ZeroMQ would wait out the caller's whole
+    timeout on it; a connect to that file is refused at once. A tcp endpoint, a path too long
+    for a probe or a socket this user may not open are left to ZeroMQ."""
+    if not endpoint.startswith("ipc://"):
+        return None
+    path = endpoint[len("ipc://"):]
+    if not os.path.exists(path):
+        return f"no daemon socket at {endpoint}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            return f"nobody listens on {endpoint} (a daemon that did not stop cleanly left the socket file)"
+        except OSError:
+            return None
+    return None
 
 
 def read_info(runtime_dir: str) -> dict:

@@ -92,6 +92,21 @@ def test_stats_of_a_dead_daemon_answers_at_once(tmp_path):
     assert "not running" in line and str(gone.pid) in line
 
 
+def test_stats_with_a_live_pid_and_a_stale_socket_answers_at_once(tmp_path):
+    """A daemon killed while its pid lives on (a zombie its parent has not reaped, a reused pid,
+    another pid namespace) left a socket file nobody listens on: stats waited out 10 s on it."""
+    rt = tmp_path / "run"
+    rt.mkdir()
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(rt / "rpc.sock"))
+    stale.close()
+    (rt / "daemon.json").write_text(json.dumps({"pid": 1, "rpc": f"ipc://{rt / 'rpc.sock'}",
+                                                "telemetry": f"ipc://{rt / 'telemetry.sock'}",
+                                                "events": f"ipc://{rt / 'events.sock'}", "metrics_port": None}))
+    line = one_error_line(kvtier("stats", "--runtime-dir", str(rt), timeout=8))
+    assert "nobody listens on" in line and "rpc.sock" in line
+
+
 def test_every_expected_error_class_exists():
     """A class that moved (KvtierError went to ``client.replies``) made every daemon-connection
     failure (no reply, no socket) a traceback."""

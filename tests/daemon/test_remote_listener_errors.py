@@ -52,7 +52,8 @@ def test_a_listener_error_on_a_remote_completion_loses_none(tmp_path, redis_clus
         with pytest.raises(RuntimeError, match="listener bug"):
             svc.background()  # the server's loop logs it and goes on
         answers = _settle(svc, waiters[1])
-        answers.update(_settle(svc, waiters[0]))
+        if id(waiters[0]) not in answers:  # most often answered in the same turn: waiting again cost 10 s
+            answers.update(_settle(svc, waiters[0]))
         got = [ids(answers[id(w)]["blocks"])[0] for w in waiters]
         assert (got[0] >= 0) == (fails_on == "stored") and got[1] >= 0
         assert not remote.jobs and not remote.fetching and not remote.busy()
