@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from kvtier.client.tier_client import TierClient
 
 
-
 def build_model(size: str = "tiny", seed: int = 0) -> "LlamaForCausalLM":
     """A randomly initialised Llama model (fixed seed) using kvtier's reference attention."""
     from transformers import LlamaConfig, LlamaForCausalLM

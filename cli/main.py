@@ -28,7 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def chosen_word(argv: Sequence[str], among: Iterable[str]) -> tuple[Optional[str], list[str]]:
+def chosen_word(argv: Sequence[str], among: Iterable[str]) -> tuple[Optional[str], Optional[list[str]]]:
     """The first word of ``argv`` that is not an option, if it is one of ``among``, and the words after it."""
     for i, a in enumerate(argv):
         if not a.startswith("-"):
@@ -44,11 +44,11 @@ def build_parser(argv: Optional[Sequence[str]] = ()) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description="Predictive KV-cache tiering daemon.")
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    chosen, rest = chosen_word(argv, COMMANDS) if argv is not None else (None, [])
+    chosen, rest = chosen_word(argv, COMMANDS) if argv is not None else (None, None)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if argv is None or name == chosen:
-            importlib.import_module(module).configure(name, p, None if argv is None else rest)
+            importlib.import_module(module).configure(name, p, rest)
     return parser
 
 
