@@ -1,4 +1,4 @@
-"""``kvtier bench {tiers,rpc,e2e,soak,scale,vllm,remote}``: benchmark registry."""
+"""``kvtier bench {tiers,tiers-runs,rpc,e2e,soak,scale,vllm,remote}``: benchmark registry."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ BENCHES: dict[str, tuple[str, str]] = {
               "How the daemon's per-op cost grows with the blocks it tracks (10^5 .. 10^7) and the engines attached."),
     "vllm": ("kvtier.bench.vllm_bench",
              "vLLM alone vs vLLM with its own CPU offloading vs vLLM on kvtier: same workload, same KV space."),
+    "tiers-runs": ("kvtier.bench.tiers_runs", "Several saved bench tiers runs pooled: each headline's range, "
+                                              "the runs that met it, and every repetition's median."),
     "remote": ("kvtier.bench.remote", "Remote tier put/get through kvtier vs raw redis-py cluster pipelines, "
                                       "and prefill saved on a second node."),
 }

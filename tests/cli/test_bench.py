@@ -32,6 +32,16 @@ def test_bench_tiers_writes_ratios(tmp_path):
         fastest = min(by[k], key=lambda x: sorted(size["samples_s"][x])[len(size["samples_s"][x]) // 2])
         assert size["best_baseline"][k] == fastest and size["ratios"][k] == by[k][fastest]
         assert r["ratios_old_baseline"][k] == size["ratios_old_baseline"][k] > 0
+        lo, hi = size["ratio_intervals"][k]  # resampled repetitions: the median they resample lies inside
+        assert lo - 1e-12 <= size["ratios"][k] <= hi + 1e-12
+        assert r["ratio_intervals"][k] == [lo, hi]  # one size: the headline's interval is that size's
+        assert min(size["ratios_by_step"][k].values()) == size["ratios"][k]
+    assert set(size["ratios_by_step"]["dram_copy"]) == {"hbm_to_dram", "dram_to_hbm"}
+    assert size["ratio_intervals"]["nvme_write"][0] == size["ratio_intervals"]["nvme_write"][1]  # one repetition
+    pooled = tmp_path / "p.json"  # a run pooled with itself: its own figures, every repetition twice
+    assert main(["bench", "tiers-runs", str(out), str(out), "--json", str(pooled)]) == 0
+    heads = json.loads(pooled.read_text())["heads"]
+    assert all(heads[k]["pooled"] == r["ratios"][k] and heads[k]["per_run"] == [r["ratios"][k]] * 2 for k in host)
     samples = size["samples_s"]  # copies: --copy-rounds (3) a repetition; the rest once
     assert len(samples["hbm_to_dram"]) == len(samples["memcpy_tier"]) == len(samples["threads_copy_tier"]) == 3
     assert len(samples["dram_to_nvme"]) == len(samples["raw_odirect_write_tier_qd"]) == 1

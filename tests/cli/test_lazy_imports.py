@@ -29,6 +29,7 @@ print("torch imported:", "torch" in sys.modules)
     ["bench", "rpc", "--iters", "0"],
     ["demo", "--help"],
     ["demo", "--budget", "0"],  # 3.8 s before, importing the model's modules for the choices
+    ["bench", "tiers-runs", "no-such-run.json"],  # pooling saved runs measures nothing
 ])
 def test_help_and_bad_flags_do_not_import_torch(argv):
     r = subprocess.run([sys.executable, "-c", PROBE.format(argv=argv)], capture_output=True, text=True, timeout=120)
