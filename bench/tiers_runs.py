@@ -18,10 +18,12 @@ import math
 import statistics
 from typing import Any
 
-from kvtier.cli.output import CliError
-
 from .intervals import LEVEL, pooled_interval, rep_ratios
 from .tiers_headlines import HEADLINE_STEPS, HEADS, TARGETS
+
+
+class NotATiersRun(ValueError):
+    """A file given to pool is no ``bench tiers`` result (the CLI prints it as one line)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,33 +31,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def load_run(path: str) -> dict[str, Any]:
-    """A ``bench tiers`` JSON, or a CliError saying why this file is not one."""
+    """A ``bench tiers`` JSON, or a NotATiersRun saying why this file is not one."""
     try:
         with open(path, encoding="utf-8") as f:
             run = json.load(f)
     except OSError as e:
-        raise CliError(f"{path}: cannot read it ({e.strerror or e})") from None
+        raise NotATiersRun(f"{path}: cannot read it ({e.strerror or e})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CliError(f"{path}: not JSON ({e})") from None
+        raise NotATiersRun(f"{path}: not JSON ({e})") from None
     if not isinstance(run, dict) or run.get("bench") != "tiers":
-        raise CliError(f"{path}: not a `kvtier bench tiers --json` result (its \"bench\" is not \"tiers\")")
+        raise NotATiersRun(f"{path}: not a `kvtier bench tiers --json` result (its \"bench\" is not \"tiers\")")
     sizes = run.get("sizes")
     if not isinstance(sizes, dict) or not sizes:
-        raise CliError(f"{path}: a bench tiers result with no block sizes")
+        raise NotATiersRun(f"{path}: a bench tiers result with no block sizes")
     steps = {o for k in HEADS for o in HEADLINE_STEPS[k]}
     for name, size in sizes.items():
         samples = size.get("samples_s") if isinstance(size, dict) else None
         best = size.get("best_baseline") if isinstance(size, dict) else None
         if not isinstance(samples, dict) or not isinstance(best, dict) or not all(k in best for k in HEADS):
-            raise CliError(f"{path}: size {name} lacks its repetitions or best baselines "
+            raise NotATiersRun(f"{path}: size {name} lacks its repetitions or best baselines "
                            "(written by an older bench tiers?)")
         missing = sorted((steps | {best[k] for k in HEADS}) - set(samples))
         if missing:
-            raise CliError(f"{path}: size {name} lacks the repetitions of {', '.join(missing)}")
+            raise NotATiersRun(f"{path}: size {name} lacks the repetitions of {', '.join(missing)}")
         for step in sorted(steps | {best[k] for k in HEADS}):
             times = samples[step]
             if not isinstance(times, list) or not times or not all(_positive(t) for t in times):
-                raise CliError(f"{path}: size {name}, {step}: its repetitions are not positive times in seconds")
+                raise NotATiersRun(f"{path}: size {name}, {step}: its repetitions are not positive times in seconds")
     return run
 
 
@@ -123,4 +125,4 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-__all__ = ["add_arguments", "load_run", "pool", "run"]
+__all__ = ["NotATiersRun", "add_arguments", "load_run", "pool", "run"]
