@@ -266,9 +266,8 @@ def _size_figures_here(directory: str, block: int, n: int, args: argparse.Namesp
 def size_figures(directory: str, block: int, n: int, args: argparse.Namespace) -> dict[str, Any]:
     """One block size's figures, measured in a fresh process (spawned, as a daemon builds its
     tiers once a process) unless ``--one-process``. Measured in one process, the size that
-    went second read lower whichever it was (2026-12-08, pooled over runs: 2 MiB 0.926 second,
-    0.969 first, 0.952 alone; 256 KiB 0.890 second, 0.946-0.957 first): a state the first
-    manager leaves in the process, not found, that no daemon has."""
+    went second read 0.03-0.06 lower whichever it was (pooled over runs; docs/benchmarks.md,
+    2026-12-08): a state the first manager leaves in the process, not found, that no daemon has."""
     if args.one_process:
         return _size_figures_here(directory, block, n, args)
     options = argparse.Namespace(**{k: v for k, v in vars(args).items() if not callable(v)})  # (the CLI's func)
