@@ -25,6 +25,7 @@ import statistics
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable
 
 import numpy as np
@@ -273,7 +274,11 @@ def size_figures(directory: str, block: int, n: int, args: argparse.Namespace) -
     options = argparse.Namespace(**{k: v for k, v in vars(args).items() if not callable(v)})  # (the CLI's func)
     # (an executor, not a Pool: a child killed mid-run raises BrokenProcessPool here, a Pool waits forever)
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
-        return child.submit(_size_figures_here, directory, block, n, options).result()
+        try:
+            return child.submit(_size_figures_here, directory, block, n, options).result()
+        except BrokenProcessPool:
+            raise ChildProcessError(f"block {block >> 10} KiB: the process measuring it died (killed, or out of "
+                               "memory); --one-process measures in this one") from None
 
 
 def run(args: argparse.Namespace) -> dict:

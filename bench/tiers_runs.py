@@ -48,9 +48,15 @@ def load_run(path: str) -> dict[str, Any]:
     for name, size in sizes.items():
         samples = size.get("samples_s") if isinstance(size, dict) else None
         best = size.get("best_baseline") if isinstance(size, dict) else None
-        if not isinstance(samples, dict) or not isinstance(best, dict) or not all(k in best for k in HEADS):
+        if (not isinstance(samples, dict) or not isinstance(best, dict)
+                or not all(isinstance(best.get(k), str) for k in HEADS)):
             raise NotATiersRun(f"{path}: size {name} lacks its repetitions or best baselines "
-                           "(written by an older bench tiers?)")
+                               "(written by an older bench tiers?)")
+        ratios, block = size.get("ratios"), size.get("block_bytes", 0)
+        if not isinstance(ratios, dict) or not all(_positive(ratios.get(k)) for k in HEADS):
+            raise NotATiersRun(f"{path}: size {name}: its headline ratios are not positive numbers")
+        if not isinstance(block, int) or isinstance(block, bool) or block < 0:
+            raise NotATiersRun(f"{path}: size {name}: block_bytes {block!r} is not a byte count")
         missing = sorted((steps | {best[k] for k in HEADS}) - set(samples))
         if missing:
             raise NotATiersRun(f"{path}: size {name} lacks the repetitions of {', '.join(missing)}")
@@ -58,11 +64,22 @@ def load_run(path: str) -> dict[str, Any]:
             times = samples[step]
             if not isinstance(times, list) or not times or not all(_positive(t) for t in times):
                 raise NotATiersRun(f"{path}: size {name}, {step}: its repetitions are not positive times in seconds")
+        for k in HEADS:  # each step's repetitions pair with its baseline's, one for one
+            for o in HEADLINE_STEPS[k]:
+                if len(samples[o]) != len(samples[best[k]]):
+                    raise NotATiersRun(f"{path}: size {name}: {len(samples[o])} repetitions of {o} against "
+                                       f"{len(samples[best[k]])} of {best[k]}")
     return run
 
 
 def _positive(t: Any) -> bool:
-    return isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0
+    """A finite number above 0 (a JSON integer too large for a float is not)."""
+    if not isinstance(t, (int, float)) or isinstance(t, bool):
+        return False
+    try:
+        return math.isfinite(float(t)) and t > 0
+    except OverflowError:
+        return False
 
 
 def _pooled(reps: list[list[list[float]]]) -> float:
@@ -86,10 +103,10 @@ def pool(runs: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
             cols = [j for j, (size, _) in enumerate(figures) if size == s]
             have = [i for i, r in enumerate(runs) if s in r["sizes"]]
             cells = [runs[i]["sizes"][s]["ratios"][k] for i in have]
+            mine = [[reps[i][j] for j in cols] for i in have]
             by_size[s] = {"runs": len(have), "per_run": cells, "range": [min(cells), max(cells)],
                           "met": sum(c >= TARGETS[k] for c in cells),
-                          "pooled": _pooled([[reps[i][j] for j in cols] for i in have]),
-                          "pooled_interval": list(pooled_interval([[reps[i][j] for j in cols] for i in have]))}
+                          "pooled": _pooled(mine), "pooled_interval": list(pooled_interval(mine))}
         per_run = [min(r["sizes"][s]["ratios"][k] for s in r["sizes"]) for r in runs]
         heads[k] = {"target": TARGETS[k], "per_run": per_run, "range": [min(per_run), max(per_run)],
                     "met": sum(v >= TARGETS[k] for v in per_run),
@@ -97,7 +114,7 @@ def pool(runs: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
                     "pooled_interval": list(pooled_interval(reps)), "by_size": by_size}
     return {"bench": "tiers-runs", "runs": len(runs), "files": names, "interval_level": LEVEL, "heads": heads,
             "ok": all(h["pooled"] >= h["target"] for h in heads.values()),
-            # and no rerun of as many repetitions would likely read below a target
+            # and each interval above it: the medians these runs estimate are likely at or above the targets
             "clear_of_targets": all(h["pooled_interval"][0] >= h["target"] for h in heads.values())}
 
 

@@ -34,6 +34,13 @@ def a_run_timed_at(t: object) -> dict:
     return run
 
 
+def changed(**fields: object) -> dict:
+    """A one-size run with some of its size's fields replaced."""
+    run = a_run({o: [0.9] for o in STEPS})
+    run["sizes"]["256KiB"].update(fields)
+    return run
+
+
 def test_pooled_figures_are_the_median_of_every_repetition():
     one = a_run({"hbm_to_dram": [0.8, 0.85, 0.95], "dram_to_hbm": [1.0, 1.0, 1.0],
                  "dram_to_nvme": [0.8], "nvme_to_dram": [0.9]})
@@ -69,7 +76,7 @@ def test_a_difference_between_runs_widens_the_interval():
     assert pooled_interval([[[0.9] * 4]] * 3) == (0.9, 0.9)
 
 
-@pytest.mark.parametrize("runs", [[], [[[1.0]], [[1.0], [1.0]]], [[[]], [[]]]])
+@pytest.mark.parametrize("runs", [[], [[[1.0]], [[1.0], [1.0]]], [[[]], [[]]], [[[1.0], []], [[], []]]])
 def test_pooled_interval_refuses_what_it_cannot_resample(runs):
     with pytest.raises(ValueError):
         pooled_interval(runs)
@@ -93,10 +100,18 @@ def test_the_command_pools_files_and_writes_its_json(tmp_path):
     (json.dumps({"bench": "rpc"}), "not a `kvtier bench tiers --json` result"),
     (json.dumps({"bench": "tiers", "sizes": {}}), "no block sizes"),
     (json.dumps({"bench": "tiers", "sizes": {"256KiB": {"samples_s": {}, "best_baseline": {}}}}), "best baselines"),
-    (json.dumps({"bench": "tiers", "sizes": {"256KiB": {"samples_s": {"hbm_to_dram": [1.0]}, "best_baseline": {
-        "dram_copy": "x", "nvme_write": "y", "nvme_read": "z"}}}}), "lacks the repetitions of dram_to_hbm"),
+    (json.dumps(changed(samples_s={"hbm_to_dram": [1.0]})), "lacks the repetitions of dram_to_hbm"),
     (json.dumps(a_run_timed_at(0.0)), "not positive times"),
     (json.dumps(a_run_timed_at("1 s")), "not positive times"),
+    (json.dumps(a_run_timed_at(10 ** 400)), "not positive times"),  # too large for a float
+    (json.dumps(changed(best_baseline={"dram_copy": None, "nvme_write": "raw_write", "nvme_read": "raw_read"})),
+     "best baselines"),
+    (json.dumps(changed(best_baseline={"dram_copy": ["raw_copy"], "nvme_write": "raw_write", "nvme_read": "raw_read"})),
+     "best baselines"),
+    (json.dumps(changed(ratios={"dram_copy": 0.9})), "headline ratios"),
+    (json.dumps(changed(block_bytes="256 KiB")), "not a byte count"),
+    (json.dumps(changed(samples_s=dict(a_run({o: [0.9] for o in STEPS})["sizes"]["256KiB"]["samples_s"],
+                                       raw_copy=[1.0, 1.0]))), "1 repetitions of hbm_to_dram against 2 of raw_copy"),
 ])
 def test_a_file_that_is_no_tiers_run_is_refused_and_nothing_is_written(tmp_path, capsys, content, says):
     bad = tmp_path / "bad.json"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from kvtier.bench.baselines import COMPILED_IO
@@ -50,6 +51,20 @@ def test_bench_tiers_writes_ratios(tmp_path):
         assert len(samples["raw_odirect_read_tier_qd_c_verified"]) == 1
         assert set(size["read_verification"]) == {"raw_verified_vs_raw", "nvme_read_vs_raw_verified"}
         assert all(v > 0 for v in size["read_verification"].values())
+
+
+@pytest.mark.parametrize("one_process", [False, True])
+def test_bench_tiers_measures_sizes_in_processes_of_their_own_or_one_after_another(tmp_path, one_process):
+    out = tmp_path / "t.json"
+    assert main(["bench", "tiers", "--block-kib", "64", "128", "--total-mib", "2", "--reps", "1", "--copy-rounds", "1",
+                 "--metadata-blocks", "1000", "--nvme-dir", str(tmp_path / "nvme"), "--json", str(out),
+                 *(["--one-process"] if one_process else [])]) == 0
+    r = json.loads(out.read_text())
+    assert r["sizes_measured"] == ("in this process, one after another" if one_process else "each in a process of its own")
+    assert set(r["sizes"]) == {"64KiB", "128KiB"} and not (tmp_path / "nvme").exists()  # the run's files are gone
+    for k in ("dram_copy", "nvme_write", "nvme_read"):  # the headline is the worse size, its interval below both
+        assert r["ratios"][k] == min(s["ratios"][k] for s in r["sizes"].values())
+        assert r["ratio_intervals"][k][0] <= min(s["ratio_intervals"][k][0] for s in r["sizes"].values()) + 1e-12
 
 
 def test_bench_rpc_writes_the_issue_fields(tmp_path):
