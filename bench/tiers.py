@@ -40,7 +40,7 @@ from kvtier.tiers.types import Tier
 from .baselines import COMPILED_IO, COPY_BASELINES, READ_BASELINES, WRITE_BASELINES, RawODirect, ShmCopy, best
 from .gpu_baselines import GPU_RATIOS, GpuBaselines, gpu_reasons
 from .intervals import LEVEL, median_ratio_interval, rep_ratios
-from .tiers_headlines import HEADLINE_STEPS, HEADS, TARGETS
+from .tiers_headlines import HEADLINE_STEPS, HEADS, TARGETS, step_ratios
 
 MiB = 1 << 20
 # pause before each timed step: torch's OpenMP threads spin ~5-10 ms of a core after
@@ -197,7 +197,7 @@ def interleaved_figures(directory: str, block: int, n: int, reps: int, args: arg
         res["ratios"] = {k: against[k][res["best_baseline"][k]] for k in names}
         res["ratios_by_step"] = {k: {o: per_rep(o, res["best_baseline"][k]) for o in HEADLINE_STEPS[k]}
                                  for k in names}  # the headline is the worse step (e.g. of two copy directions)
-        res["ratio_intervals"] = {k: list(median_ratio_interval(_step_ratios(times, k, res["best_baseline"][k])))
+        res["ratio_intervals"] = {k: list(median_ratio_interval(step_ratios(times, k, res["best_baseline"][k])))
                                   for k in names}
         res["ratios_by_baseline"] = against
         res["ratios_old_baseline"] = {k: against[k][v[0]] for k, v in names.items()}  # one numpy copy; QD1 I/O
@@ -225,11 +225,6 @@ def interleaved_figures(directory: str, block: int, n: int, reps: int, args: arg
         if gpu is not None:
             gpu.close()
         m.close()
-
-
-def _step_ratios(times: dict[str, list[float]], head: str, raw: str) -> list[list[float]]:
-    """Per kvtier step of a headline, its per-repetition ratios against ``raw``."""
-    return [rep_ratios(times, o, raw) for o in HEADLINE_STEPS[head]]
 
 
 def recovery_figures(directory: str, block: int, n: int, args: argparse.Namespace) -> dict[str, float]:
@@ -315,8 +310,7 @@ def run(args: argparse.Namespace) -> dict:
                 with contextlib.suppress(OSError):  # empty now, unless someone else wrote into it meanwhile
                     os.rmdir(args.nvme_dir)
     # headline ratios: the worse block size, so a target holds for both
-    heads = HEADS
-    ratios = {k: min(s["ratios"][k] for s in sizes.values()) for k in heads}
+    ratios = {k: min(s["ratios"][k] for s in sizes.values()) for k in HEADS}
     targets = dict(TARGETS)
     reasons: dict[str, str] = {}
     for k in GPU_RATIOS:  # reported beside the targets, not part of the verdict
@@ -326,14 +320,14 @@ def run(args: argparse.Namespace) -> dict:
             reasons[k] = next(s["ratio_reasons"][k] for s in sizes.values() if k in s["ratio_reasons"])
     # how far each headline could move on a rerun: its steps' repetitions at every size, resampled
     intervals = {k: list(median_ratio_interval([r for s in sizes.values()
-                                                for r in _step_ratios(s["samples_s"], k, s["best_baseline"][k])]))
-                 for k in heads}
+                                                for r in step_ratios(s["samples_s"], k, s["best_baseline"][k])]))
+                 for k in HEADS}
     result = {
         "bench": "tiers", "ratios": ratios, "targets": targets, "ratio_reasons": reasons,
         "ratio_intervals": intervals, "ratio_interval_level": LEVEL,
         "sizes_measured": "in this process, one after another" if args.one_process else "each in a process of its own",
         # the same ratios against the old baselines (one numpy copy; O_DIRECT at queue depth 1), for comparison
-        "ratios_old_baseline": {k: min(s["ratios_old_baseline"][k] for s in sizes.values()) for k in heads},
+        "ratios_old_baseline": {k: min(s["ratios_old_baseline"][k] for s in sizes.values()) for k in HEADS},
         "best_baseline": {name: s["best_baseline"] for name, s in sizes.items()},
         "metadata_bytes_per_block": meta, "metadata_blocks": args.metadata_blocks, "metadata": meta_report,
         "sizes": sizes, "ok": all(ratios[k] >= v for k, v in targets.items()) and meta <= 256,
@@ -364,7 +358,7 @@ def run(args: argparse.Namespace) -> dict:
                 ("kvikio read (raw)", "raw_kvikio_read_gbps"), ("nvme→hbm (kvtier)", "nvme_to_hbm_gbps"))
     for label, key in tuple(r for r in rows + gpu_rows if all(r[1] in s for s in sizes.values())):
         table.add_row(label, *(f"{s[key]:.2f}" for s in sizes.values()))
-    for k in heads:
+    for k in HEADS:
         table.add_row(f"ratio {k} vs best (target ≥ {targets[k]})",
                       *(f"{s['ratios'][k]:.3f} ({s['best_baseline'][k]})" for s in sizes.values()))
         table.add_row(f"  {LEVEL:.0%} interval, repetitions resampled",
@@ -381,7 +375,7 @@ def run(args: argparse.Namespace) -> dict:
     Console().print(f"metadata: {meta:.1f} B/block at {args.metadata_blocks:,} blocks (target ≤ 256); "
                     f"backend {next(iter(sizes.values()))['io_backend']}; verdict: {'PASS' if result['ok'] else 'BELOW TARGET'}")
     Console().print("headline ratios (the worse block size), with their " + f"{LEVEL:.0%} intervals: " + "; ".join(
-        f"{k} {ratios[k]:.3f} ({intervals[k][0]:.3f}–{intervals[k][1]:.3f})" for k in heads))
+        f"{k} {ratios[k]:.3f} ({intervals[k][0]:.3f}–{intervals[k][1]:.3f})" for k in HEADS))
     for k, why in reasons.items():
         Console().print(f"ratio {k}: not measured ({why})")
     return result

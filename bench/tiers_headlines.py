@@ -6,6 +6,8 @@ Apart from ``tiers.py`` (which imports torch) so that pooling saved runs
 
 from __future__ import annotations
 
+from .intervals import rep_ratios
+
 # the kvtier steps each headline ratio is the worse of
 HEADLINE_STEPS: dict[str, tuple[str, ...]] = {
     "dram_copy": ("hbm_to_dram", "dram_to_hbm"),
@@ -15,4 +17,10 @@ HEADLINE_STEPS: dict[str, tuple[str, ...]] = {
 TARGETS: dict[str, float] = {"dram_copy": 0.9, "nvme_write": 0.85, "nvme_read": 0.85}
 HEADS = tuple(HEADLINE_STEPS)
 
-__all__ = ["HEADLINE_STEPS", "TARGETS", "HEADS"]
+
+def step_ratios(times: dict[str, list[float]], head: str, raw: str) -> list[list[float]]:
+    """Per kvtier step of a headline, its per-repetition ratios against the baseline ``raw``."""
+    return [rep_ratios(times, o, raw) for o in HEADLINE_STEPS[head]]
+
+
+__all__ = ["HEADLINE_STEPS", "TARGETS", "HEADS", "step_ratios"]

@@ -18,8 +18,8 @@ import math
 import statistics
 from typing import Any
 
-from .intervals import LEVEL, pooled_interval, rep_ratios
-from .tiers_headlines import HEADLINE_STEPS, HEADS, TARGETS
+from .intervals import LEVEL, pooled_interval
+from .tiers_headlines import HEADLINE_STEPS, HEADS, TARGETS, step_ratios
 
 
 class NotATiersRun(ValueError):
@@ -96,8 +96,8 @@ def pool(runs: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
     for k in HEADS:
         figures = [(s, o) for s in sizes for o in HEADLINE_STEPS[k]]
         # reps[i][j]: run i's per-repetition ratios of figure j (a size and step), [] where it has no such size
-        reps = [[rep_ratios(r["sizes"][s]["samples_s"], o, r["sizes"][s]["best_baseline"][k]) if s in r["sizes"] else []
-                 for s, o in figures] for r in runs]
+        reps = [[x for s in sizes for x in (step_ratios(r["sizes"][s]["samples_s"], k, r["sizes"][s]["best_baseline"][k])
+                                            if s in r["sizes"] else [[]] * len(HEADLINE_STEPS[k]))] for r in runs]
         by_size: dict[str, Any] = {}
         for s in sizes:
             cols = [j for j, (size, _) in enumerate(figures) if size == s]
